@@ -1,0 +1,28 @@
+# Two commands for a fresh clone:
+#   make demo   - create .venv, install opfuse, optimise the built-in ResNet-50 and report
+#   make test   - create .venv, install opfuse with its test extras, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.opfuse-installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/opfuse demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/ablation.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

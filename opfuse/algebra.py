@@ -1,0 +1,176 @@
+"""The folding algebra, as pure functions of numpy arrays.
+
+Everything opfuse folds is one identity. A linear producer computes, per output channel o,
+
+    y[o] = W[o] (*) x + b[o]                (Conv, ConvTranspose, Gemm, MatMul)
+
+and a per-channel affine map follows it:
+
+    z[o] = s[o] * y[o] + t[o]
+
+so the pair is one producer with
+
+    W'[o] = s[o] * W[o]          (every weight that contributes to output channel o)
+    b'[o] = s[o] * b[o] + t[o]   (b = 0 when the producer has no bias)
+
+BatchNormalization in inference mode is such a map, with eps read from the node:
+
+    s = gamma / sqrt(var + eps)
+    t = beta - mean * s
+
+and so are constant Add (s = 1, t = c), Sub (y - c: s = 1, t = -c; c - y: s = -1, t = c),
+Mul (s = c, t = 0) and Div (y / c: s = 1 / c, t = 0) whose constant c varies along the
+output-channel axis only.
+
+Where "the slice of W for output channel o" lives depends on the producer's weight layout:
+
+    "oihw"   Conv               W[C_out, C_in/group, k...]        channel axis 0
+    "iohw"   ConvTranspose      W[C_in, C_out/group, k...]        axis 1 within each group
+    "kn"     Gemm transB=0, MatMul   B[K, N]                      channel axis 1
+    "nk"     Gemm transB=1      B[N, K]                           channel axis 0
+
+All arithmetic is done in float64 and cast back once, by :func:`cast_back`, which also says
+when the cast would overflow or flush the weights to zero (float16/bfloat16).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "WeightLayout",
+    "batchnorm_affine",
+    "scale_output_channels",
+    "fold_affine",
+    "cast_back",
+    "output_channels",
+    "channel_major",
+]
+
+from typing import Literal
+
+import ml_dtypes
+import numpy as np
+
+WeightLayout = Literal["oihw", "iohw", "kn", "nk"]
+
+# Share of a tensor's non-zero weights that may flush to zero in a narrow dtype before a
+# fold is refused (a whole output channel flushing to zero is refused regardless).
+UNDERFLOW_TOLERANCE = 0.01
+
+
+def batchnorm_affine(
+    gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """BatchNormalization (inference) as z = s * y + t; returns (s, t) in float64."""
+    gamma, beta, mean, var = (np.asarray(a, dtype=np.float64) for a in (gamma, beta, mean, var))
+    s = gamma / np.sqrt(var + np.float64(eps))
+    return s, beta - mean * s
+
+
+def output_channels(weight_shape: tuple[int, ...], layout: WeightLayout, group: int = 1) -> int:
+    """Number of output channels of a producer with this weight shape and layout."""
+    if layout == "oihw" or layout == "nk":
+        return int(weight_shape[0])
+    if layout == "iohw":
+        return int(weight_shape[1]) * group
+    return int(weight_shape[1])  # "kn"
+
+
+def scale_output_channels(
+    weight: np.ndarray, scale: np.ndarray, layout: WeightLayout, group: int = 1
+) -> np.ndarray:
+    """Return W' (float64) with every output channel o's weights multiplied by scale[o]."""
+    w = np.asarray(weight, dtype=np.float64)
+    s = np.asarray(scale, dtype=np.float64).reshape(-1)
+    if layout == "oihw" or layout == "nk":
+        return w * s.reshape((-1,) + (1,) * (w.ndim - 1))
+    if layout == "kn":
+        return w * s.reshape(1, -1)
+    # ConvTranspose: W[C_in, C_out/g, k...]; input channels of group g feed output
+    # channels g*C_out/g .. (g+1)*C_out/g - 1, so the scale is laid out per group.
+    c_in, c_out_per_group = w.shape[0], w.shape[1]
+    grouped = w.reshape((group, c_in // group, c_out_per_group) + w.shape[2:])
+    s_grouped = s.reshape((group, 1, c_out_per_group) + (1,) * (w.ndim - 2))
+    return (grouped * s_grouped).reshape(w.shape)
+
+
+def fold_affine(
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    scale: np.ndarray | None,
+    shift: np.ndarray | None,
+    layout: WeightLayout,
+    group: int = 1,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Absorb z = scale * y + shift into (weight, bias); returns float64 (W', b').
+
+    ``scale`` None means 1, ``shift`` None means 0, ``bias`` None means the producer has
+    none. b' is None only when there was no bias and nothing creates one.
+    """
+    channels = output_channels(np.shape(weight), layout, group)
+    w = np.asarray(weight, dtype=np.float64)
+    b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), (channels,))
+    if scale is not None:
+        s = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (channels,))
+        w = scale_output_channels(w, s, layout, group)
+        b = None if b is None else b * s
+    if shift is not None:
+        t = np.broadcast_to(np.asarray(shift, np.float64).reshape(-1), (channels,))
+        b = t.copy() if b is None else b + t
+    return w, (None if b is None else np.array(b, dtype=np.float64))
+
+
+def channel_major(array: np.ndarray, layout: WeightLayout, group: int = 1) -> np.ndarray:
+    """View a weight as [output channel, everything else]."""
+    if layout == "oihw" or layout == "nk":
+        return array.reshape(array.shape[0], -1)
+    if layout == "kn":
+        return array.T
+    c_in, c_out_per_group = array.shape[0], array.shape[1]
+    grouped = array.reshape((group, c_in // group, c_out_per_group, -1))
+    return np.moveaxis(grouped, 2, 1).reshape(group * c_out_per_group, -1)
+
+
+def cast_back(
+    folded: np.ndarray,
+    dtype: np.dtype,
+    what: str = "weight",
+    layout: WeightLayout | None = None,
+    group: int = 1,
+) -> tuple[np.ndarray, str | None]:
+    """Cast a float64 result to ``dtype``; return (array, problem or None).
+
+    The problem is a sentence when the cast loses the tensor: a finite value that becomes
+    inf (overflow), a NaN, an output channel whose non-zero weights all flush to zero, or
+    more than UNDERFLOW_TOLERANCE of the non-zero weights flushing to zero. ``layout`` says
+    where the output channels are (a bias is one value per channel when it is None).
+    """
+    dtype = np.dtype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = folded.astype(dtype)
+    if not np.all(np.isfinite(folded)):
+        return out, f"folded {what} is not finite (inf or NaN in the algebra)"
+    as64 = out.astype(np.float64)
+    if not np.all(np.isfinite(as64)):
+        worst = float(np.max(np.abs(folded)))
+        limit = float(ml_dtypes.finfo(dtype).max)  # knows bfloat16 too
+        return out, (
+            f"folded {what} reaches {worst:.3g}, beyond {dtype.name}'s largest value "
+            f"{limit:.5g} (overflow to inf)"
+        )
+    nonzero = folded != 0
+    flushed = nonzero & (as64 == 0)
+    if flushed.any():
+        if layout is None:
+            nz_rows, fl_rows = nonzero.reshape(-1, 1), flushed.reshape(-1, 1)
+        else:
+            nz_rows = channel_major(nonzero, layout, group)
+            fl_rows = channel_major(flushed, layout, group)
+        lost = np.flatnonzero(nz_rows.any(axis=1) & (fl_rows == nz_rows).all(axis=1))
+        share = flushed.sum() / max(int(nonzero.sum()), 1)
+        if (layout is not None and lost.size) or share > UNDERFLOW_TOLERANCE:
+            where = f"; output channel {int(lost[0])} becomes all zeros" if lost.size else ""
+            return out, (
+                f"{share:.1%} of the folded {what}'s non-zero values underflow to zero "
+                f"in {dtype.name}{where}"
+            )
+    return out, None

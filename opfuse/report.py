@@ -1,0 +1,251 @@
+"""The fusion log: what was rewritten, what was refused and why, and what it all proved.
+
+A :class:`FusionReport` is plain data. Passes append a :class:`FusionRecord` for every
+rewrite they apply and a :class:`Refusal` for every candidate they decline, always with a
+one-sentence reason. The report renders as JSON (``to_json``) and as rich tables
+(``print_report``); the ONNX and PyTorch front ends share this vocabulary.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FusionRecord",
+    "Refusal",
+    "OutputCheck",
+    "Verification",
+    "FusionReport",
+    "print_report",
+]
+
+import dataclasses
+import json
+from collections import Counter
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionRecord:
+    """One applied rewrite."""
+
+    pattern: str  # e.g. "Conv+BatchNormalization"
+    node: str  # the node that absorbed the others (it keeps its place in the graph)
+    removed: tuple[str, ...]  # names of the nodes that are gone
+    produced: str  # the node that now computes the result ("" when none is emitted)
+    graph: str = "main"  # "main", a subgraph path such as "If_0/then_branch", or "function:f"
+    weight_bytes: int = 0  # bytes of weights and biases rewritten
+    extra_bytes: int = 0  # bytes of private copies kept because the originals are shared
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A candidate that was not rewritten, and why."""
+
+    pattern: str
+    node: str  # the node that would have been absorbed (a BatchNormalization, an Add...)
+    reason: str  # one sentence a user can act on
+    anchor: str = ""  # the producer it would have been folded into, when there is one
+    graph: str = "main"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputCheck:
+    """Comparison of one graph output between the original and the optimised model."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    max_abs_error: float
+    max_scaled_error: float  # max |a - b| / (atol * scale + rtol * |a|); <= 1 passes
+    scale: float  # max |reference|, the output's scale
+    ok: bool
+    problem: str = ""
+
+
+@dataclasses.dataclass
+class Verification:
+    """The result of running both models on the same inputs."""
+
+    runtime: str
+    inputs: str  # "random (seed 0)" or the path of the user's inputs
+    outputs: list[OutputCheck] = dataclasses.field(default_factory=list)
+    skipped: str = ""  # why verification did not run, when it did not
+
+    @property
+    def ok(self) -> bool:
+        return not self.skipped and all(o.ok for o in self.outputs)
+
+    def first_failure(self) -> OutputCheck | None:
+        return next((o for o in self.outputs if not o.ok), None)
+
+
+@dataclasses.dataclass
+class FusionReport:
+    """Everything opfuse did to one model."""
+
+    model: str = ""
+    target: str = "onnx"
+    passes: list[str] = dataclasses.field(default_factory=list)
+    records: list[FusionRecord] = dataclasses.field(default_factory=list)
+    refusals: list[Refusal] = dataclasses.field(default_factory=list)
+    ops_before: Counter = dataclasses.field(default_factory=Counter)
+    ops_after: Counter = dataclasses.field(default_factory=Counter)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    verification: Verification | None = None
+
+    # -- queries ---------------------------------------------------------------------
+    def applied(self, pattern: str | None = None) -> list[FusionRecord]:
+        return [r for r in self.records if pattern is None or r.pattern == pattern]
+
+    def refused(self, node: str | None = None) -> list[Refusal]:
+        return [r for r in self.refusals if node is None or r.node == node]
+
+    def reason_for(self, node: str) -> str | None:
+        """The reason the candidate ``node`` was refused, or None if it was not."""
+        found = self.refused(node)
+        return found[0].reason if found else None
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(r.extra_bytes for r in self.records)
+
+    def pattern_counts(self) -> Counter:
+        return Counter(r.pattern for r in self.records)
+
+    # -- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "target": self.target,
+            "passes": list(self.passes),
+            "summary": {
+                "applied": dict(self.pattern_counts()),
+                "refused": len(self.refusals),
+                "nodes_before": sum(self.ops_before.values()),
+                "nodes_after": sum(self.ops_after.values()),
+                "extra_bytes": self.extra_bytes,
+                "verified": None if self.verification is None else self.verification.ok,
+            },
+            "applied": [dataclasses.asdict(r) for r in self.records],
+            "refused": [dataclasses.asdict(r) for r in self.refusals],
+            "ops_before": dict(sorted(self.ops_before.items())),
+            "ops_after": dict(sorted(self.ops_after.items())),
+            "notes": list(self.notes),
+            "verification": None
+            if self.verification is None
+            else {
+                **dataclasses.asdict(self.verification),
+                "ok": self.verification.ok,
+            },
+        }
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+
+    def summary(self) -> str:
+        """One line: what was applied and refused."""
+        counts = self.pattern_counts()
+        applied = ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) or "nothing applied"
+        before, after = sum(self.ops_before.values()), sum(self.ops_after.values())
+        return f"{applied}; {len(self.refusals)} refused; nodes {before} -> {after}"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return repr(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
+
+
+def print_report(report: FusionReport, console=None, *, verbose: bool = False) -> None:
+    """Render the report as rich tables: applied, refused, op counts, verification."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=False)
+    title = f"opfuse: {report.model}" if report.model else "opfuse"
+    console.print(f"[bold]{title}[/bold]  target={report.target}  passes={','.join(report.passes)}")
+
+    counts = report.pattern_counts()
+    if counts:
+        table = Table(title="Applied", title_justify="left")
+        table.add_column("pattern")
+        table.add_column("count", justify="right")
+        table.add_column("weights rewritten", justify="right")
+        table.add_column("extra bytes (shared weights)", justify="right")
+        for pattern, n in sorted(counts.items()):
+            rows = report.applied(pattern)
+            table.add_row(
+                pattern,
+                str(n),
+                _bytes(sum(r.weight_bytes for r in rows)),
+                _bytes(sum(r.extra_bytes for r in rows)),
+            )
+        console.print(table)
+        if verbose:
+            detail = Table(title="Applied, node by node", title_justify="left")
+            for col in ("pattern", "node", "removed", "graph", "detail"):
+                detail.add_column(col)
+            for r in report.records:
+                detail.add_row(r.pattern, r.node, ", ".join(r.removed), r.graph, r.detail)
+            console.print(detail)
+    else:
+        console.print("Applied: nothing")
+
+    if report.refusals:
+        table = Table(title="Refused", title_justify="left")
+        table.add_column("pattern")
+        table.add_column("node")
+        table.add_column("into")
+        table.add_column("reason")
+        shown = report.refusals if verbose else report.refusals[:40]
+        for r in shown:
+            node = r.node if r.graph == "main" else f"{r.node} ({r.graph})"
+            table.add_row(r.pattern, node, r.anchor, r.reason)
+        console.print(table)
+        if len(shown) < len(report.refusals):
+            console.print(f"... and {len(report.refusals) - len(shown)} more (see --report)")
+
+    ops = sorted(set(report.ops_before) | set(report.ops_after))
+    if ops:
+        table = Table(title="Operators", title_justify="left")
+        table.add_column("op")
+        table.add_column("before", justify="right")
+        table.add_column("after", justify="right")
+        for op in ops:
+            b, a = report.ops_before.get(op, 0), report.ops_after.get(op, 0)
+            style = "green" if a < b else ("yellow" if a > b else "")
+            table.add_row(op, str(b), str(a), style=style)
+        table.add_row("total", str(sum(report.ops_before.values())),
+                      str(sum(report.ops_after.values())), style="bold")
+        console.print(table)
+
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+    v = report.verification
+    if v is not None:
+        if v.skipped:
+            console.print(f"verification: [yellow]skipped[/yellow] ({v.skipped})")
+        else:
+            status = "[green]passed[/green]" if v.ok else "[red]FAILED[/red]"
+            worst = max(v.outputs, key=lambda o: o.max_scaled_error, default=None)
+            extra = (
+                f"; worst output '{worst.name}': max |diff| {worst.max_abs_error:.3g} "
+                f"(scale {worst.scale:.3g}, {worst.max_scaled_error:.2f} of tolerance)"
+                if worst
+                else ""
+            )
+            console.print(
+                f"verification: {status} on {v.runtime}, {len(v.outputs)} output(s), "
+                f"inputs {v.inputs}{extra}"
+            )
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
