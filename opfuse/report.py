@@ -92,6 +92,9 @@ class FusionReport:
     ops_after: Counter = dataclasses.field(default_factory=Counter)
     notes: list[str] = dataclasses.field(default_factory=list)
     verification: Verification | None = None
+    # originals kept alive because another node still uses them -> indices of the records
+    # that reported their extra bytes (a later fold of the last user settles them)
+    shared_originals: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     # -- queries ---------------------------------------------------------------------
     def applied(self, pattern: str | None = None) -> list[FusionRecord]:
@@ -173,7 +176,7 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
         table.add_column("pattern")
         table.add_column("count", justify="right")
         table.add_column("weights rewritten", justify="right")
-        table.add_column("extra bytes (shared weights)", justify="right")
+        table.add_column("extra bytes", justify="right")
         for pattern, n in sorted(counts.items()):
             rows = report.applied(pattern)
             table.add_row(

@@ -1,0 +1,221 @@
+"""Step 2 of the pipeline: read-only questions about a model's graphs.
+
+Passes ask these instead of walking the graph themselves:
+
+- :func:`iter_scopes` - every graph opfuse rewrites: the main graph, every subgraph of
+  If/Loop/Scan (recursively) and every model-local function, each with a label for the log.
+- :func:`find_constant` - is this value a constant (an initializer that is not also a graph
+  input, or a ``Constant`` node, possibly behind Identity nodes)? If not, why not.
+- :func:`trace_producer` - walk back from a value through Identity nodes to the node that
+  computes it.
+- :func:`sole_use_problem` - why a value cannot disappear (it is a graph output, or it has
+  other consumers).
+- :func:`op_counts`, :func:`epsilon_census` - what the model contains.
+
+Every function here is O(size of what it touches); none rescans the whole graph.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Scope",
+    "Constant",
+    "iter_scopes",
+    "find_constant",
+    "trace_producer",
+    "sole_use_problem",
+    "describe",
+    "op_counts",
+    "epsilon_census",
+    "opset_of",
+    "NameTable",
+]
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+BN_DEFAULT_EPSILON = 1e-5  # the ONNX spec's default, used only when the attribute is absent
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """A graph opfuse rewrites, and where it sits in the model."""
+
+    graph: ir.Graph  # for a function, the function's body graph
+    label: str  # "main", "If_0/then_branch", "function:custom.f"
+    function: ir.Function | None = None  # set when the graph is a function body
+    opset: int = 0  # the default-domain opset in force
+
+    @property
+    def container(self) -> ir.Graph | ir.Function:
+        return self.function if self.function is not None else self.graph
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """A constant tensor and the value that holds it."""
+
+    array: np.ndarray
+    value: ir.Value  # the initializer or Constant-node output the data comes from
+
+
+def opset_of(opset_imports: dict[str, int]) -> int:
+    return opset_imports.get("", opset_imports.get("ai.onnx", 0))
+
+
+def iter_scopes(model: ir.Model) -> Iterator[Scope]:
+    """The main graph, its subgraphs (recursively) and every function with its subgraphs."""
+    opset = opset_of(model.opset_imports)
+    yield from _graph_and_subgraphs(model.graph, "main", None, opset)
+    for function in model.functions.values():
+        f_opset = opset_of(function.opset_imports) or opset
+        label = f"function:{function.domain}.{function.name}"
+        yield from _graph_and_subgraphs(function.graph, label, function, f_opset)
+
+
+def _graph_and_subgraphs(
+    graph: ir.Graph, label: str, function: ir.Function | None, opset: int
+) -> Iterator[Scope]:
+    yield Scope(graph, label, function, opset)
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from _graph_and_subgraphs(
+                    attr.value, f"{label}/{node.name or node.op_type}/{attr.name}", None, opset
+                )
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for i, sub in enumerate(attr.value):
+                    yield from _graph_and_subgraphs(
+                        sub, f"{label}/{node.name or node.op_type}/{attr.name}[{i}]", None, opset
+                    )
+
+
+def describe(node: ir.Node | None) -> str:
+    """How a node is named in a sentence: ``Conv 'layer1.0.conv1'``."""
+    if node is None:
+        return "nothing"
+    op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+    return f"{op} '{node.name}'" if node.name else op
+
+
+def _is_identity(node: ir.Node | None) -> bool:
+    return node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx")
+
+
+def find_constant(value: ir.Value | None, role: str = "operand") -> Constant | str:
+    """The constant behind ``value``, or a sentence saying why it is not one."""
+    if value is None:
+        return f"the {role} is absent"
+    seen = value
+    while True:
+        if seen.is_graph_input():
+            extra = (
+                "an initializer that is also a graph input, so it can be overridden at run time"
+                if seen.is_initializer()
+                else "a graph input, set at run time"
+            )
+            return f"the {role} '{value.name}' is {extra}"
+        if seen.const_value is not None:
+            return Constant(_as_array(seen.const_value), seen)
+        producer = seen.producer()
+        if producer is None:
+            return f"the {role} '{value.name}' is not a constant (it comes from an outer scope)"
+        if _is_identity(producer):
+            seen = producer.inputs[0]
+            if seen is None:
+                return f"the {role} '{value.name}' is not a constant"
+            continue
+        if producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+            try:
+                tensor = ir.convenience.get_const_tensor(seen)
+            except ValueError:
+                tensor = None
+            if tensor is None:
+                return f"the {role} '{value.name}' comes from a Constant node opfuse cannot read"
+            return Constant(_as_array(tensor), seen)
+        return f"the {role} '{value.name}' is computed at run time by {describe(producer)}"
+
+
+def _as_array(tensor: ir.TensorProtocol) -> np.ndarray:
+    return np.asarray(tensor.numpy())
+
+
+def trace_producer(value: ir.Value) -> tuple[ir.Node | None, list[ir.Node]]:
+    """Walk back from ``value`` through Identity nodes; return (producer, identities)."""
+    through: list[ir.Node] = []
+    node = value.producer()
+    while _is_identity(node):
+        through.append(node)
+        source = node.inputs[0]
+        node = source.producer() if source is not None else None
+    return node, through
+
+
+def sole_use_problem(value: ir.Value, owner: ir.Node, allowed: ir.Node) -> str | None:
+    """Why ``owner``'s output ``value`` cannot vanish into ``allowed``, or None if it can."""
+    if value.is_graph_output():
+        return f"the output of {describe(owner)} is a graph output, so it must stay"
+    consumers = value.consumers()
+    if len(consumers) == 1 and consumers[0] is allowed and len(value.uses()) == 1:
+        return None
+    others = [c for c in consumers if c is not allowed]
+    names = ", ".join(describe(c) for c in others[:3]) + (" ..." if len(others) > 3 else "")
+    return (
+        f"the output of {describe(owner)} feeds {len(value.uses())} consumers"
+        + (f" (also {names})" if names else "")
+        + ", so it must stay"
+    )
+
+
+def op_counts(model: ir.Model) -> Counter:
+    """Node count per operator (domain-qualified outside the ONNX domain), all scopes."""
+    counts: Counter = Counter()
+    for scope in iter_scopes(model):
+        for node in scope.graph:
+            op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+            counts[op] += 1
+    return counts
+
+
+def epsilon_census(model: ir.Model) -> list[tuple[str, float, str]]:
+    """(node name, epsilon in force, scope label) for every BatchNormalization."""
+    found = []
+    for scope in iter_scopes(model):
+        for node in scope.graph:
+            if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+                found.append((node.name or "", batchnorm_epsilon(node), scope.label))
+    return found
+
+
+def batchnorm_epsilon(node: ir.Node) -> float:
+    """The node's own epsilon; the spec's default only when the attribute is absent."""
+    attr = node.attributes.get("epsilon")
+    return float(attr.value) if attr is not None else BN_DEFAULT_EPSILON
+
+
+class NameTable:
+    """Every value and node name in the model, to mint fresh ones in O(1)."""
+
+    def __init__(self, model: ir.Model):
+        self._taken: set[str] = set()
+        for scope in iter_scopes(model):
+            container = scope.container
+            self._taken.update(v.name for v in container.inputs if v.name)
+            if scope.function is None:
+                self._taken.update(scope.graph.initializers)
+            for node in scope.graph:
+                if node.name:
+                    self._taken.add(node.name)
+                self._taken.update(v.name for v in node.outputs if v.name)
+
+    def fresh(self, base: str) -> str:
+        name, n = base, 0
+        while name in self._taken:
+            n += 1
+            name = f"{base}_{n}"
+        self._taken.add(name)
+        return name

@@ -1,0 +1,192 @@
+"""The ``opfuse`` command line.
+
+    opfuse optimize IN.onnx -o OUT.onnx [--passes ...] [--report r.json] [--inputs x.npz]
+                                        [--dim batch=4] [--no-verify]
+    opfuse inspect IN.onnx [--json]
+    opfuse demo [--model resnet50]
+
+Exit codes: 0 success, 1 verification failed (nothing written), 2 bad input or usage.
+Errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+__all__ = ["main", "build_parser"]
+
+import argparse
+import json
+import sys
+import time
+
+from opfuse import __version__
+from opfuse.errors import BadInputError, OpfuseError, VerificationError
+from opfuse.passes import DEFAULT_PASSES, PASSES
+
+
+def _dim(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=POSITIVE_INT, got {text!r}")
+    return name, int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opfuse",
+        description="Fold and fuse operators in ONNX models, verify the result, explain every decision.",
+    )
+    parser.add_argument("--version", action="version", version=f"opfuse {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    opt = sub.add_parser("optimize", help="rewrite a model, verify it, save it")
+    opt.add_argument("input", help="the ONNX model to optimise")
+    opt.add_argument("-o", "--output", required=True, help="where to write the optimised model")
+    opt.add_argument(
+        "--passes",
+        default=",".join(DEFAULT_PASSES),
+        help=f"comma-separated passes to run (default: %(default)s; known: {', '.join(PASSES)})",
+    )
+    opt.add_argument("--report", metavar="FILE", help="write the fusion log as JSON")
+    opt.add_argument("--inputs", metavar="FILE.npz", help="verify on these inputs (keyed by input name)")
+    opt.add_argument(
+        "--dim", action="append", type=_dim, default=[], metavar="NAME=N",
+        help="value of a symbolic dimension for random verification inputs (default 1)",
+    )
+    opt.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs")
+    opt.add_argument("--no-verify", action="store_true", help="skip running both models on ONNX Runtime")
+    opt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
+    ext = opt.add_mutually_exclusive_group()
+    ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,
+                     help="store weights in OUT.onnx.data (automatic above 2 GB or when the input did)")
+    ext.add_argument("--no-external-data", dest="external_data", action="store_false")
+    opt.add_argument("-v", "--verbose", action="store_true", help="list every rewrite and refusal")
+    opt.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+
+    ins = sub.add_parser("inspect", help="list fusion candidates, their blockers and the BN epsilons")
+    ins.add_argument("input")
+    ins.add_argument("--passes", default=",".join(DEFAULT_PASSES))
+    ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    demo = sub.add_parser("demo", help="optimise a built-in model (no files needed) and report")
+    demo.add_argument("--model", default="resnet50", help="built-in model (default: %(default)s)")
+    demo.add_argument("--passes", default=",".join(DEFAULT_PASSES))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except VerificationError as e:
+        if e.report is not None and not getattr(args, "quiet", False):
+            from opfuse.report import print_report
+
+            print_report(e.report, _console(stderr=True))
+        print(f"opfuse: {e}", file=sys.stderr)
+        return e.exit_code
+    except OpfuseError as e:
+        print(f"opfuse: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("opfuse: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=False)
+
+
+def _optimize(args) -> int:
+    from opfuse.pipeline import optimize
+    from opfuse.report import print_report
+
+    start = time.perf_counter()
+    _, report = optimize(
+        args.input,
+        passes=args.passes,
+        verify=not args.no_verify,
+        inputs=args.inputs,
+        dims=dict(args.dim),
+        seed=args.seed,
+        output=args.output,
+        report_path=args.report,
+        external_data=args.external_data,
+        overwrite=args.overwrite,
+    )
+    elapsed = time.perf_counter() - start
+    if args.quiet:
+        print(report.summary())
+    else:
+        print_report(report, _console(), verbose=args.verbose)
+        print(f"wrote {args.output} in {elapsed:.2f} s")
+    return 0
+
+
+def _inspect(args) -> int:
+    from rich.table import Table
+
+    from opfuse.pipeline import inspect_model
+
+    result = inspect_model(args.input, passes=args.passes)
+    report = result.report
+    if args.json:
+        print(json.dumps({
+            "model": report.model,
+            "foldable": [r.__dict__ for r in report.records],
+            "blocked": [r.__dict__ for r in report.refusals],
+            "epsilons": [{"node": n, "epsilon": e, "graph": g} for n, e, g in result.epsilons],
+            "warnings": result.warnings,
+        }, indent=2))
+        return 0
+    console = _console()
+    table = Table(title=f"Candidates in {report.model}", title_justify="left")
+    for col in ("pattern", "node", "into", "status"):
+        table.add_column(col)
+    for r in report.records:
+        table.add_row(r.pattern, ", ".join(r.removed), r.node, "[green]foldable[/green]")
+    for r in report.refusals:
+        table.add_row(r.pattern, r.node, r.anchor, f"[yellow]blocked:[/yellow] {r.reason}")
+    console.print(table)
+    if result.epsilons:
+        eps = Table(title="BatchNormalization epsilons", title_justify="left")
+        eps.add_column("epsilon", justify="right")
+        eps.add_column("nodes", justify="right")
+        eps.add_column("examples")
+        groups: dict[float, list[str]] = {}
+        for name, e, _ in result.epsilons:
+            groups.setdefault(e, []).append(name)
+        for e, names in sorted(groups.items()):
+            eps.add_row(f"{e:g}", str(len(names)), ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
+        console.print(eps)
+    for w in result.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")
+    return 0
+
+
+def _demo(args) -> int:
+    from opfuse.models import BUILTIN_MODELS, build
+    from opfuse.pipeline import optimize
+    from opfuse.report import print_report
+
+    if args.model not in BUILTIN_MODELS:
+        raise BadInputError(f"unknown built-in model {args.model!r}; choose from {', '.join(BUILTIN_MODELS)}")
+    console = _console()
+    start = time.perf_counter()
+    proto = build(args.model)
+    console.print(f"built {args.model} in code ({time.perf_counter() - start:.1f} s); optimising...")
+    start = time.perf_counter()
+    _, report = optimize(proto, passes=args.passes)
+    report.model = f"built-in {args.model}"
+    print_report(report, console)
+    console.print(f"summary: {report.summary()}  ({time.perf_counter() - start:.1f} s with verification)")
+    return 0
+
+
+COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Step 1 of the pipeline: read a model and decide whether opfuse can handle it.
+
+Accepts a path, raw bytes, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` and returns a
+private ``onnx_ir.Model``: the caller's object is never mutated. Anything opfuse cannot
+handle raises :class:`~opfuse.errors.BadInputError` with one line that says why: a missing
+path, a directory, an empty file, bytes that are not an ONNX protobuf (truncated, random),
+a model that fails ``onnx.checker``, or an IR version / opset outside the supported range.
+External data is resolved relative to the model file and stays memory-mapped.
+"""
+
+from __future__ import annotations
+
+__all__ = ["load_model", "SUPPORTED_OPSETS", "MAX_IR_VERSION"]
+
+import os
+import pathlib
+from typing import Union
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from opfuse.errors import BadInputError
+
+ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model]
+
+MAX_IR_VERSION = onnx.IR_VERSION
+# BatchNormalization-6 is the oldest form opfuse folds; newer opsets than the installed
+# onnx knows cannot be checked.
+SUPPORTED_OPSETS = range(6, onnx.defs.onnx_opset_version() + 1)
+
+
+def load_model(source: ModelSource, *, check: bool = True) -> tuple[ir.Model, str]:
+    """Return (a private onnx_ir.Model, a display name) for ``source``."""
+    if isinstance(source, ir.Model):
+        return source.clone(), source.graph.name or "<model>"
+    if isinstance(source, onnx.ModelProto):
+        _check_proto(source, "<ModelProto>", check=check, path=None)
+        return ir.serde.deserialize_model(source), source.graph.name or "<ModelProto>"
+    if isinstance(source, (bytes, bytearray)):
+        proto = _parse(bytes(source), "<bytes>")
+        _check_proto(proto, "<bytes>", check=check, path=None)
+        return ir.serde.deserialize_model(proto), proto.graph.name or "<bytes>"
+    if isinstance(source, (str, os.PathLike)):
+        path = pathlib.Path(source)
+        proto = _parse(_read(path), str(path))
+        _check_proto(proto, str(path), check=check, path=path)
+        model = ir.serde.deserialize_model(proto)
+        ir.external_data.set_base_dir(model.graph, str(path.resolve().parent))
+        return model, str(path)
+    raise BadInputError(
+        f"cannot load a model from a {type(source).__name__}; "
+        "give a path, bytes, an onnx.ModelProto or an onnx_ir.Model"
+    )
+
+
+def _read(path: pathlib.Path) -> bytes:
+    if not path.exists():
+        raise BadInputError(f"{path}: no such file")
+    if path.is_dir():
+        raise BadInputError(f"{path}: is a directory, not an ONNX file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BadInputError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not data:
+        raise BadInputError(f"{path}: the file is empty")
+    return data
+
+
+def _parse(data: bytes, where: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise BadInputError(
+            f"{where}: not an ONNX model (the protobuf does not parse: truncated or another "
+            f"format; {_first_line(e)})"
+        ) from None
+    # Random bytes sometimes parse as a protobuf full of unknown fields.
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        raise BadInputError(f"{where}: not an ONNX model (no graph or no IR version in the file)")
+    return proto
+
+
+def _check_proto(
+    proto: onnx.ModelProto, where: str, *, check: bool, path: pathlib.Path | None
+) -> None:
+    if proto.ir_version > MAX_IR_VERSION:
+        raise BadInputError(
+            f"{where}: IR version {proto.ir_version} is newer than the {MAX_IR_VERSION} "
+            f"this installation understands (onnx {onnx.__version__})"
+        )
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version not in SUPPORTED_OPSETS:
+            raise BadInputError(
+                f"{where}: ONNX opset {opset.version} is outside the supported range "
+                f"{SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1}"
+            )
+    if not check:
+        return
+    try:
+        # Checking the file lets the checker resolve external data and >2 GB models.
+        onnx.checker.check_model(str(path) if path is not None else proto)
+    except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as e:
+        raise BadInputError(f"{where}: invalid ONNX model: {_first_line(e)}") from None
+    except (ValueError, OSError, RuntimeError) as e:
+        raise BadInputError(f"{where}: invalid ONNX model: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,409 @@
+"""Shared machinery of every fold: absorb a per-channel affine consumer into its producer.
+
+A fold pass names which consumers it matches (BatchNormalization; constant Add, Sub, Mul,
+Div) and how to read each one as ``z = s * y + t`` per output channel; this module does
+the rest, identically for all of them. The algebra is :mod:`opfuse.algebra`.
+
+Producers (the table :data:`PRODUCERS`): Conv, ConvTranspose, Gemm, and MatMul with a
+2-D constant weight (BatchNormalization only; it becomes a Gemm, the only way to carry a
+bias).
+
+Legality, checked in this order; every failure is a :class:`~opfuse.report.Refusal`:
+
+1. The producer is in the same graph as the consumer.
+2. The producer's output, and every Identity output between it and the consumer, has
+   exactly one consumer and is not a graph output (otherwise the unfolded value must stay).
+3. Its weight, and its bias if it has one, are constants: initializers that are not also
+   graph inputs, or Constant nodes, possibly behind Identity nodes.
+4. The consumer is an affine map along the output-channel axis only (the pass's rule).
+5. The folded weight and bias are representable in the weight's dtype: no value overflows
+   to inf and the weights are not flushed to zero (float16, bfloat16).
+
+Rewrite: the producer gets new, private weight and bias tensors (an original still used
+elsewhere is kept, and the report counts the extra bytes); the consumer and the Identity
+nodes between are removed; the producer's output takes over the consumer's output, and
+its name when that is a graph output. Inputs, outputs and unrelated nodes are untouched.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ChannelAffine", "Producer", "PRODUCERS", "FoldPass"]
+
+import dataclasses
+import logging
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from opfuse import algebra
+from opfuse.analyse import (
+    Constant,
+    NameTable,
+    Scope,
+    describe,
+    find_constant,
+    iter_scopes,
+    sole_use_problem,
+    trace_producer,
+)
+from opfuse.report import FusionRecord, FusionReport, Refusal
+
+logger = logging.getLogger(__name__)
+
+ONNX_DOMAINS = ("", "ai.onnx")
+_FOLDED_SUFFIX = re.compile(r"_folded(_\d+)?$")
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelAffine:
+    """z = scale * y + shift along the output-channel axis (float64; None = 1 or 0)."""
+
+    scale: np.ndarray | None
+    shift: np.ndarray | None
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerShape:
+    """What a fold needs to know about a producer's output."""
+
+    channels: int
+    rank: int | None  # None when unknown (MatMul without shape information)
+    channel_axis: int  # counted from the front; -1 when only "the last axis" is known
+
+
+@dataclasses.dataclass(frozen=True)
+class Producer:
+    """A linear operator whose output channels can absorb an affine map."""
+
+    op_type: str
+    weight_index: int
+    bias_index: int | None  # None: the op has no bias input (MatMul)
+
+    def layout(self, node: ir.Node) -> algebra.WeightLayout:
+        if self.op_type == "Conv":
+            return "oihw"
+        if self.op_type == "ConvTranspose":
+            return "iohw"
+        if self.op_type == "Gemm":
+            return "nk" if _int_attr(node, "transB", 0) else "kn"
+        return "kn"  # MatMul
+
+    def group(self, node: ir.Node) -> int:
+        return _int_attr(node, "group", 1) if self.op_type.startswith("Conv") else 1
+
+    def output(self, node: ir.Node, weight: np.ndarray) -> ProducerShape | str:
+        layout, group = self.layout(node), self.group(node)
+        if self.op_type in ("Conv", "ConvTranspose"):
+            if weight.ndim < 3:
+                return f"the weight of {describe(node)} has rank {weight.ndim}, not 3 or more"
+            if self.op_type == "ConvTranspose" and weight.shape[0] % group:
+                return f"the weight of {describe(node)} does not split into {group} groups"
+            return ProducerShape(algebra.output_channels(weight.shape, layout, group), weight.ndim, 1)
+        if weight.ndim != 2:
+            return f"the weight of {describe(node)} has rank {weight.ndim}, not 2"
+        if self.op_type == "Gemm":
+            return ProducerShape(algebra.output_channels(weight.shape, layout), 2, 1)
+        # MatMul: y[..., n] = sum_k a[..., k] * w[k, n]; channels are the last axis.
+        a = node.inputs[0]
+        rank = len(a.shape) if a is not None and a.shape is not None else None
+        return ProducerShape(int(weight.shape[1]), rank, -1 if rank is None else rank - 1)
+
+
+def _int_attr(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return int(attr.value) if attr is not None else default
+
+
+def _float_attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return float(attr.value) if attr is not None else default
+
+
+PRODUCERS: dict[str, Producer] = {
+    "Conv": Producer("Conv", weight_index=1, bias_index=2),
+    "ConvTranspose": Producer("ConvTranspose", weight_index=1, bias_index=2),
+    "Gemm": Producer("Gemm", weight_index=1, bias_index=2),
+    "MatMul": Producer("MatMul", weight_index=1, bias_index=None),
+}
+
+
+@dataclasses.dataclass
+class _Candidate:
+    scope: Scope
+    consumer: ir.Node
+    side: int  # which consumer input carries the producer's output
+    producer: ir.Node
+    through: list[ir.Node]  # Identity nodes, nearest the consumer first
+    kind: Producer
+
+
+class FoldPass(ir.passes.InPlacePass):
+    """Base class of the fold passes; subclasses give the consumer rule."""
+
+    #: name used by ``--passes``
+    name: str = ""
+    #: consumer op types this pass matches
+    consumer_ops: frozenset[str] = frozenset()
+    #: producer op types it folds into
+    producer_ops: frozenset[str] = frozenset(PRODUCERS)
+
+    def __init__(self, report: FusionReport | None = None):
+        super().__init__()
+        self.report = report if report is not None else FusionReport()
+        self._names: NameTable | None = None
+
+    # -- hooks for subclasses -----------------------------------------------------------
+    def producer_sides(self, node: ir.Node) -> Sequence[int]:
+        """Consumer inputs that may carry the producer's output."""
+        return (0,)
+
+    def without_producer(self, node: ir.Node, scope: Scope) -> str | None:
+        """Reason to report when no input comes from a producer (None: not a candidate)."""
+        return None
+
+    def affine(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | str:
+        """Read the consumer as a per-channel affine map, or say why it is not one."""
+        raise NotImplementedError
+
+    # -- the pass ------------------------------------------------------------------------
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self._names = NameTable(model)
+        modified = False
+        for scope in list(iter_scopes(model)):
+            for node in list(scope.graph):
+                if node.graph is None or node.domain not in ONNX_DOMAINS:
+                    continue
+                if node.op_type in self.consumer_ops and self._fold_one(node, scope):
+                    modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _refuse(self, node: ir.Node, scope: Scope, reason: str, anchor: ir.Node | None) -> None:
+        pattern = f"{anchor.op_type}+{node.op_type}" if anchor is not None else node.op_type
+        self.report.refusals.append(
+            Refusal(pattern, node.name or "", reason, anchor.name or "" if anchor else "", scope.label)
+        )
+
+    def _fold_one(self, node: ir.Node, scope: Scope) -> bool:
+        candidates = []
+        for side in self.producer_sides(node):
+            if side >= len(node.inputs) or node.inputs[side] is None:
+                continue
+            producer, through = trace_producer(node.inputs[side])
+            if (
+                producer is not None
+                and producer.domain in ONNX_DOMAINS
+                and producer.op_type in self.producer_ops
+            ):
+                candidates.append(
+                    _Candidate(scope, node, side, producer, through, PRODUCERS[producer.op_type])
+                )
+        if not candidates:
+            reason = self.without_producer(node, scope)
+            if reason:
+                self._refuse(node, scope, reason, None)
+            return False
+        first_reason = None
+        for cand in candidates:
+            reason = self._check_and_rewrite(cand)
+            if reason is None:
+                return True
+            first_reason = first_reason or (reason, cand.producer)
+        self._refuse(node, scope, first_reason[0], first_reason[1])
+        return False
+
+    def _check_and_rewrite(self, cand: _Candidate) -> str | None:
+        node, producer, kind = cand.consumer, cand.producer, cand.kind
+        if producer.graph is not node.graph:
+            return f"{describe(producer)} is in another graph than {describe(node)}"
+        if len(producer.outputs) != 1:
+            return f"{describe(producer)} has {len(producer.outputs)} outputs"
+        chain = [producer, *reversed(cand.through), node]
+        for owner, nxt in zip(chain, chain[1:]):
+            problem = sole_use_problem(owner.outputs[0], owner, nxt)
+            if problem:
+                return problem
+        weight = find_constant(_input(producer, kind.weight_index), f"weight of {describe(producer)}")
+        if isinstance(weight, str):
+            return weight
+        bias: Constant | None = None
+        if kind.bias_index is not None and _input(producer, kind.bias_index) is not None:
+            found = find_constant(_input(producer, kind.bias_index), f"bias of {describe(producer)}")
+            if isinstance(found, str):
+                return found
+            bias = found
+        if str(weight.array.dtype) not in FLOAT_DTYPES:
+            return f"the weight of {describe(producer)} is {weight.array.dtype}, not floating point"
+        out = kind.output(producer, weight.array)
+        if isinstance(out, str):
+            return out
+        affine = self.affine(cand, out)
+        if isinstance(affine, str):
+            return affine
+        for what, arr in (("scale", affine.scale), ("shift", affine.shift)):
+            if arr is not None and arr.size not in (1, out.channels):
+                return (
+                    f"the {what} has {arr.size} values but {describe(producer)} has "
+                    f"{out.channels} output channels"
+                )
+        return self._rewrite(cand, weight, bias, affine, out)
+
+    # -- rewrite -------------------------------------------------------------------------
+    def _rewrite(
+        self,
+        cand: _Candidate,
+        weight: Constant,
+        bias: Constant | None,
+        affine: ChannelAffine,
+        out: ProducerShape,
+    ) -> str | None:
+        producer, kind, node = cand.producer, cand.kind, cand.consumer
+        layout, group = kind.layout(producer), kind.group(producer)
+        w = weight.array.astype(np.float64)
+        b = None if bias is None else bias.array.astype(np.float64)
+        if kind.op_type == "Gemm":
+            w = w * _float_attr(producer, "alpha", 1.0)
+            if b is not None:
+                b = b * _float_attr(producer, "beta", 1.0)
+                if b.size != 1 and b.size != out.channels or (b.ndim == 2 and b.shape[0] != 1):
+                    return (
+                        f"the C input of {describe(producer)} has shape {list(b.shape)}, "
+                        "which varies along the batch axis"
+                    )
+                b = b.reshape(-1)
+        w_new, b_new = algebra.fold_affine(w, b, affine.scale, affine.shift, layout, group)
+        dtype = weight.array.dtype
+        w_arr, problem = algebra.cast_back(w_new, dtype, "weight", layout, group)
+        if problem:
+            return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
+        b_arr = None
+        if b_new is not None:
+            b_arr, problem = algebra.cast_back(b_new, dtype, "bias")
+            if problem:
+                return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
+
+        scope = cand.scope
+        old_w = _input(producer, kind.weight_index)
+        old_b = _input(producer, kind.bias_index) if kind.bias_index is not None else None
+        new_w = self._new_constant(scope, producer, w_arr, f"{_base(old_w, producer)}_folded")
+        new_b = None
+        if b_arr is not None:
+            base = _base(old_b, producer) if old_b is not None else f"{producer.name or 'producer'}.bias"
+            new_b = self._new_constant(scope, producer, b_arr, f"{base}_folded")
+
+        anchor = producer
+        removed = [node, *cand.through]
+        if kind.op_type == "MatMul":
+            anchor = ir.Node(
+                "",
+                "Gemm",
+                [producer.inputs[0], new_w, new_b],
+                name=self._names.fresh(producer.name or "Gemm"),
+                outputs=[ir.Value(name=self._names.fresh(f"{producer.outputs[0].name}_gemm"))],
+            )
+            scope.container.insert_before(producer, anchor)
+            removed.append(producer)
+        else:
+            producer.replace_input_with(kind.weight_index, new_w)
+            if new_b is not None:
+                if len(producer.inputs) <= kind.bias_index:
+                    producer.resize_inputs(kind.bias_index + 1)
+                producer.replace_input_with(kind.bias_index, new_b)
+            if kind.op_type == "Gemm":
+                for attr in ("alpha", "beta"):
+                    if attr in producer.attributes:
+                        producer.attributes[attr] = ir.AttrFloat32(attr, 1.0)
+
+        result = anchor.outputs[0]
+        tail = node.outputs[0]
+        tail_name = tail.name
+        result.type = tail.type if tail.type is not None else result.type
+        if tail.shape is not None:
+            result.shape = tail.shape
+        was_output = tail.is_graph_output()
+        tail.replace_all_uses_with(result, replace_graph_outputs=True)
+        former_inputs = [v for n in removed for v in n.inputs if v is not None]
+        scope.container.remove(removed, safe=True)
+        if was_output:
+            result.name = tail_name
+
+        extra, still_shared = 0, []
+        for old, new, array in ((old_w, new_w, w_arr), (old_b, new_b, b_arr)):
+            if old is None or new is None:
+                continue
+            if _drop_if_unused(old) is False:
+                extra += int(array.nbytes)  # the original is shared: both copies stay
+                still_shared.append(old)
+            else:
+                self._settle_shared(old)
+        for value in former_inputs:
+            _drop_if_unused(value)
+
+        for old in still_shared:
+            self.report.shared_originals.setdefault(old, []).append(len(self.report.records))
+        self.report.records.append(
+            FusionRecord(
+                pattern=f"{producer.op_type}+{node.op_type}",
+                node=producer.name or "",
+                removed=tuple(n.name or n.op_type for n in removed),
+                produced=anchor.name or "",
+                graph=scope.label,
+                weight_bytes=int(w_arr.nbytes + (0 if b_arr is None else b_arr.nbytes)),
+                extra_bytes=extra,
+                detail=affine.detail,
+            )
+        )
+        return None
+
+    def _settle_shared(self, original: ir.Value) -> None:
+        """The last user of a shared original folded too: earlier copies cost nothing now."""
+        for index in self.report.shared_originals.pop(original, ()):
+            self.report.records[index] = dataclasses.replace(self.report.records[index], extra_bytes=0)
+
+    def _new_constant(self, scope: Scope, before: ir.Node, array: np.ndarray, base: str) -> ir.Value:
+        """A private constant: an initializer, or a Constant node inside a function."""
+        name = self._names.fresh(base)
+        tensor = ir.tensor(array, name=name)
+        if scope.function is None:
+            value = ir.Value(
+                name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor
+            )
+            scope.graph.register_initializer(value)
+            return value
+        const = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", tensor)], name=name)
+        const.outputs[0].name = name
+        scope.container.insert_before(before, const)
+        return const.outputs[0]
+
+
+def _input(node: ir.Node, index: int | None) -> ir.Value | None:
+    if index is None or index >= len(node.inputs):
+        return None
+    return node.inputs[index]
+
+
+def _base(value: ir.Value | None, producer: ir.Node) -> str:
+    name = (value.name if value is not None and value.name else None) or producer.name or "weight"
+    return _FOLDED_SUFFIX.sub("", name)  # a second fold into the same weight reuses the stem
+
+
+def _drop_if_unused(value: ir.Value) -> bool | None:
+    """Remove a constant nobody uses any more; False if it is still used, None if not ours."""
+    if value.uses() or value.is_graph_output() or value.is_graph_input():
+        return False
+    if value.is_initializer():
+        graph = value.graph
+        if graph is not None and value.name in graph.initializers:
+            graph.initializers.pop(value.name)
+        return True
+    producer = value.producer()
+    if producer is not None and producer.op_type in ("Constant", "Identity") and producer.graph is not None:
+        sources = [v for v in producer.inputs if v is not None]
+        producer.graph.remove(producer, safe=True)
+        for source in sources:
+            _drop_if_unused(source)
+        return True
+    return None
