@@ -22,7 +22,7 @@ from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
 from opfuse.passes import DEFAULT_PASSES, make_passes
 from opfuse.report import FusionReport
-from opfuse.save import save_model, write_text_atomic
+from opfuse.save import needs_external_data, save_model, write_text_atomic
 from opfuse.verify import verify_models
 
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
@@ -98,6 +98,7 @@ def optimize(
     report = FusionReport(model=display, target=target, passes=names)
     report.ops_before = op_counts(work)
     report.notes.extend(epsilon_notes(work))
+    input_was_external = needs_external_data(work)  # before the folds replace its tensors
 
     run_passes(work, names, report)
     report.ops_after = op_counts(work)
@@ -111,6 +112,8 @@ def optimize(
                 report,
             )
     if output is not None:
+        if external_data is None:
+            external_data = input_was_external or needs_external_data(work)
         save_model(work, output, external_data=external_data)
     if report_path is not None:
         write_text_atomic(report_path, report.to_json())

@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from opfuse.errors import BadInputError
 from opfuse.report import OutputCheck, Verification
+from opfuse.save import needs_external_data
 
 # dtype -> (rtol, atol relative to the output's scale)
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -34,7 +35,6 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (5e-2, 1e-2),
 }
 DEFAULT_DIM = 1
-PROTOBUF_LIMIT = 2**31 - 2**26  # leave headroom below protobuf's 2 GiB
 
 
 def _session(model: ir.Model, threads: int | None = None):
@@ -45,21 +45,13 @@ def _session(model: ir.Model, threads: int | None = None):
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
-    if _tensor_bytes(model) < PROTOBUF_LIMIT:
+    if not needs_external_data(model):
         data = ir.serde.serialize_model(model).SerializeToString()
         return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="opfuse-verify-") as tmp:
         path = os.path.join(tmp, "model.onnx")
         ir.save(model, path, external_data="model.onnx.data")
         return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-
-
-def _tensor_bytes(model: ir.Model) -> int:
-    total = 0
-    for value in model.graph.initializers.values():
-        if value.const_value is not None:
-            total += value.const_value.nbytes
-    return total
 
 
 def _runtime_inputs(model: ir.Model) -> list[ir.Value]:

@@ -5,10 +5,10 @@ deterministically from ``seed``. Every network reads ``input`` [batch, 3, H, W] 
 ``logits`` [batch, num_classes]; node and initializer names follow torchvision's module
 paths (``layer1.0.conv1``, ``layer1.0.bn1.running_mean``, ``features.3.conv.1.0``, ``fc``).
 
-    resnet18      BasicBlocks [2, 2, 2, 2]              Conv+BN(+Relu), residual Add    (resnet.py)
-    resnet50      Bottlenecks [3, 4, 6, 3], v1.5        Conv+BN(+Relu), residual Add    (resnet.py)
-    mobilenetv2   inverted residuals, depthwise convs   Conv+BN(+Clip as ReLU6)         (mobilenet.py)
-    vgg           VGG-11 convs with bias, no BN         Conv+Relu                       (vgg.py)
+    resnet18      BasicBlocks [2, 2, 2, 2]             Conv+BN(+Relu), Add    resnet.py
+    resnet50      Bottlenecks [3, 4, 6, 3], v1.5       Conv+BN(+Relu), Add    resnet.py
+    mobilenetv2   inverted residuals, depthwise convs  Conv+BN(+ReLU6 Clip)   mobilenet.py
+    vgg           VGG-11 convs with bias, no BN        Conv+Relu              vgg.py
 
 BatchNorm statistics are calibrated so each BN roughly normalises its input on a
 standard-normal image (see ``_builder.py``); a few BNs per network use epsilon 1e-3, the
@@ -80,7 +80,8 @@ def build(
     Raises ValueError for an unknown name or an unusable argument.
     """
     if name not in _NETWORKS:
-        raise ValueError(f"unknown model {name!r}; the built-in models are: {', '.join(BUILTIN_MODELS)}")
+        valid = ", ".join(BUILTIN_MODELS)
+        raise ValueError(f"unknown model {name!r}; the built-in models are: {valid}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if isinstance(batch, bool) or not (

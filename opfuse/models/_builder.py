@@ -103,10 +103,13 @@ class GraphBuilder:
     ) -> Value:
         """Conv with 'same'-style padding kernel // 2, He-normal weight, optional bias."""
         if x.channels % group or out_channels % group:
-            raise ValueError(f"{name}: channels {x.channels}->{out_channels} not divisible by group {group}")
+            raise ValueError(
+                f"{name}: channels {x.channels}->{out_channels} not divisible by group {group}"
+            )
         fan_size = (x.channels if fan == "fan_in" else out_channels) // group * kernel * kernel
         weight_shape = (out_channels, x.channels // group, kernel, kernel)
-        inputs = [self._weight(f"{name}.weight", self.rng.normal(0.0, np.sqrt(2.0 / fan_size), weight_shape))]
+        weight = self.rng.normal(0.0, np.sqrt(2.0 / fan_size), weight_shape)
+        inputs = [self._weight(f"{name}.weight", weight)]
         if bias:
             inputs.append(self._weight(f"{name}.bias", self.rng.uniform(-0.1, 0.1, out_channels)))
         pad = kernel // 2
@@ -145,7 +148,10 @@ class GraphBuilder:
     def relu6(self, x: Value, name: str) -> Value:
         """ReLU6 as Clip(0, 6): constant inputs from opset 11, attributes before."""
         if self.opset >= CLIP_INPUTS_OPSET:
-            bounds = [self._weight("relu6.min", np.array(0.0)), self._weight("relu6.max", np.array(6.0))]
+            bounds = [
+                self._weight("relu6.min", np.array(0.0)),
+                self._weight("relu6.max", np.array(6.0)),
+            ]
             return self._append("Clip", [x.name, *bounds], name, x.channels)
         return self._append("Clip", [x.name], name, x.channels, min=0.0, max=6.0)
 

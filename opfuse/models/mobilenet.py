@@ -2,7 +2,7 @@
 
     features.0       conv 3x3/2 3->32 -> BN -> ReLU6         (features.0.0 / .1 / .2)
     features.1..17   inverted residual blocks, per row (t, c, n, s) of INVERTED_RESIDUALS:
-                       expand   1x1 conv to t*C_in -> BN -> ReLU6   (conv.0.0/.1/.2; absent when t = 1)
+                       expand   1x1 conv to t*C_in -> BN -> ReLU6   (conv.0.0/.1/.2; not if t = 1)
                        depthwise 3x3 conv, group = channels, stride s on the first block
                                 -> BN -> ReLU6                        (conv.<k>.0/.1/.2)
                        project  1x1 conv to c -> BN, no activation    (conv.<k+1>, conv.<k+2>)
@@ -43,7 +43,9 @@ EPSILON = 1e-5
 
 def mobilenetv2(graph: GraphBuilder, num_classes: int) -> Value:
     """MobileNetV2 1.0: 52 Conv, 52 BN, 35 Clip, 10 Add."""
-    x = _conv_bn_relu6(graph, graph.input, "features.0", STEM_CHANNELS, 3, stride=2, epsilon=WIDE_EPSILON)
+    x = _conv_bn_relu6(
+        graph, graph.input, "features.0", STEM_CHANNELS, 3, stride=2, epsilon=WIDE_EPSILON
+    )
     index = 1
     for expand_ratio, channels, repeats, stride in INVERTED_RESIDUALS:
         for repeat in range(repeats):
@@ -79,9 +81,8 @@ def _inverted_residual(
         )
     k = len(layers)
     y = graph.conv(y, f"{name}.conv.{k}", out_channels, 1)
-    y = graph.batchnorm(
-        y, f"{name}.conv.{k + 1}", epsilon=EPSILON, gamma=RESIDUAL_GAMMA if residual else DEFAULT_GAMMA
-    )
+    gamma = RESIDUAL_GAMMA if residual else DEFAULT_GAMMA
+    y = graph.batchnorm(y, f"{name}.conv.{k + 1}", epsilon=EPSILON, gamma=gamma)
     return graph.add(x, y, f"{name}.add") if residual else y
 
 
@@ -89,7 +90,7 @@ def _conv_bn_relu6(
     graph: GraphBuilder, x: Value, name: str, out_channels: int, kernel: int,
     *, stride: int = 1, group: int = 1, epsilon: float = EPSILON,
 ) -> Value:
-    """torchvision's Conv2dNormActivation: ``<name>.0`` conv, ``<name>.1`` BN, ``<name>.2`` ReLU6."""
+    """torchvision's Conv2dNormActivation: ``<name>.0`` conv, ``.1`` BN, ``.2`` ReLU6."""
     y = graph.conv(x, f"{name}.0", out_channels, kernel, stride=stride, group=group)
     y = graph.batchnorm(y, f"{name}.1", epsilon=epsilon)
     return graph.relu6(y, f"{name}.2")

@@ -37,7 +37,9 @@ def resnet50(graph: GraphBuilder, num_classes: int) -> Value:
     return _resnet(graph, _bottleneck, expansion=4, depths=(3, 4, 6, 3), num_classes=num_classes)
 
 
-def _resnet(graph: GraphBuilder, block, *, expansion: int, depths, num_classes: int) -> Value:
+def _resnet(
+    graph: GraphBuilder, block, *, expansion: int, depths: tuple[int, ...], num_classes: int
+) -> Value:
     x = graph.conv(graph.input, "conv1", 64, 7, stride=2)
     x = graph.batchnorm(x, "bn1", epsilon=WIDE_EPSILON)
     x = graph.relu(x, "relu")
@@ -51,7 +53,9 @@ def _resnet(graph: GraphBuilder, block, *, expansion: int, depths, num_classes: 
     return graph.gemm(x, "fc", num_classes, output="logits")
 
 
-def _basic_block(graph: GraphBuilder, x: Value, name: str, width: int, stride: int, expansion: int) -> Value:
+def _basic_block(
+    graph: GraphBuilder, x: Value, name: str, width: int, stride: int, expansion: int
+) -> Value:
     """conv3x3 -> bn -> relu -> conv3x3 -> bn -> (+ shortcut) -> relu."""
     y = graph.conv(x, f"{name}.conv1", width, 3, stride=stride)
     y = graph.batchnorm(y, f"{name}.bn1", epsilon=_first_bn_epsilon(name))
@@ -62,8 +66,10 @@ def _basic_block(graph: GraphBuilder, x: Value, name: str, width: int, stride: i
     return graph.relu(y, f"{name}.relu2")
 
 
-def _bottleneck(graph: GraphBuilder, x: Value, name: str, width: int, stride: int, expansion: int) -> Value:
-    """conv1x1 -> bn -> relu -> conv3x3 (stride) -> bn -> relu -> conv1x1 -> bn -> (+ shortcut) -> relu."""
+def _bottleneck(
+    graph: GraphBuilder, x: Value, name: str, width: int, stride: int, expansion: int
+) -> Value:
+    """1x1 -> bn -> relu -> 3x3 (stride) -> bn -> relu -> 1x1 -> bn -> (+ shortcut) -> relu."""
     y = graph.conv(x, f"{name}.conv1", width, 1)
     y = graph.batchnorm(y, f"{name}.bn1", epsilon=_first_bn_epsilon(name))
     y = graph.relu(y, f"{name}.relu1")
@@ -77,7 +83,7 @@ def _bottleneck(graph: GraphBuilder, x: Value, name: str, width: int, stride: in
 
 
 def _shortcut(graph: GraphBuilder, x: Value, name: str, out_channels: int, stride: int) -> Value:
-    """The identity, or ``downsample`` (conv1x1 with the block's stride -> bn) when the shape changes."""
+    """The identity, or ``downsample`` (strided conv1x1 -> bn) when the shape changes."""
     if stride == 1 and x.channels == out_channels:
         return x
     y = graph.conv(x, f"{name}.downsample.0", out_channels, 1, stride=stride)

@@ -1,0 +1,936 @@
+"""The PyTorch front end: capture an eval-mode module's graph, fold, fuse, verify, report.
+
+``fuse(model, example_inputs=None, inplace=False)`` returns a new ``torch.fx.GraphModule``
+and the :class:`opfuse.report.FusionReport` that says what was rewritten and what was
+refused, with the same pattern vocabulary as the ONNX side. The pipeline is
+
+    capture  torch.fx.symbolic_trace; where fx cannot trace (data-dependent control flow)
+             and example inputs are given, torch.export, whose aten convolution, linear
+             and batch_norm calls are lifted back to modules so one matcher serves both
+    shapes   with example inputs, torch.fx's ShapeProp records every tensor's shape
+    fold     BatchNorm into the Conv/ConvTranspose/Linear before it   (FOLD_PATTERNS)
+    fuse     a conv's epilogue (activation, or residual add + ReLU) into one oneDNN kernel
+             with pre-packed weights                                   (EPILOGUE_RULES)
+    verify   with example inputs, both models run and every output is compared
+
+Every rule is pattern (which nodes), check (a sentence when it is illegal here), rewrite.
+A failed check is a :class:`~opfuse.report.Refusal` in the report, never a silent skip.
+
+Algebra (``fold.py``): BN is z = s * y + t per channel with s = gamma / sqrt(var + eps)
+(eps from the BN module) and t = beta - mean * s; the producer becomes W' = s[o] * W[o],
+b' = s * b + t (b = 0 without a bias; gamma = 1, beta = 0 when affine=False).
+
+Legality of folding a BatchNorm into its producer P:
+  1. P is a Conv{1,2,3}d, ConvTranspose{1,2,3}d or Linear module (exact type: a subclass
+     may compute something else) and the BN a BatchNorm{1,2,3}d module; neither has hooks.
+  2. The BN is in eval mode and tracks running statistics; otherwise it normalises each
+     batch with that batch's own statistics, which no fixed weight can reproduce.
+  3. P's output has no consumer but the BN: folding changes P's output for every reader.
+  4. BN.num_features equals P's output channels; for Linear, P's output is 2-D (BN1d
+     normalises dim 1, which is the Linear's feature dim only then), which needs shapes,
+     so Linear+BN without example inputs is refused. (Unbatched Conv1d input followed by
+     BatchNorm1d is the one case the rank check catches only with example inputs.)
+  5. The folded weights fit the weight's dtype (no overflow, no channel flushed to zero).
+Module reuse: a module called at several sites is never changed in place. Each folded or
+fused site gets its own module (sites with identical folds share one); the original stays
+for the sites that still call it, and the copies' bytes are reported as ``extra_bytes``.
+The caller's model is deep-copied first unless ``inplace=True``, in which case the result
+shares the modules it did not rewrite with the caller's model (which is still not changed).
+
+Legality of fusing an epilogue E into a convolution C (oneDNN: kernels.py):
+  1. C is a Conv or ConvTranspose module called with a single input, zero padding mode
+     and numeric (or symmetric "same") padding; E is an activation in ACTIVATIONS whose
+     parameters are constants, or an add of C's output and another tensor (alpha = 1; an
+     in-place add must write into C's output, not into the other tensor), optionally
+     followed by a ReLU.
+  2. C's output has exactly one consumer, E (for Conv+Add+Relu, the add's only consumer is
+     the ReLU): otherwise the others would read the activated values.
+  3. This build's oneDNN runs E for C's rank and dtype, checked by a probe call (the
+     binary add form exists for 2-D and 3-D convolutions only, not transposed).
+When (3) fails the conv stays a plain (folded) conv followed by E, with the reason.
+Convolutions without an epilogue also move to the oneDNN kernel when their weights can be
+pre-packed (2-D/3-D): the packing, not the epilogue, is most of the measured speed-up.
+"""
+
+from __future__ import annotations
+
+__all__ = ["fuse", "ACTIVATIONS", "FOLD_PATTERNS"]
+
+import copy
+import dataclasses
+import logging
+import operator
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils import _pytree as pytree
+
+from opfuse.report import FusionRecord, FusionReport, OutputCheck, Refusal, Verification
+from opfuse.torch.fold import FoldingError, fold_conv_bn_weights, fold_linear_bn_weights
+from opfuse.torch.kernels import (
+    ConvAddPointwise,
+    ConvPointwise,
+    Unary,
+    binary_problem,
+    first_line,
+    kernels_available,
+    pack_problem,
+    unary_problem,
+)
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+# -- what opfuse recognises (rules as data) ------------------------------------------------
+
+CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+CONV_TRANSPOSE_TYPES = {nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3}
+BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+# producer kind -> pattern name of "producer + BatchNorm"
+FOLD_PATTERNS = {
+    "Conv": "Conv+BatchNormalization",
+    "ConvTranspose": "ConvTranspose+BatchNormalization",
+    "Linear": "Linear+BatchNormalization",
+}
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _const(*values: Any) -> bool:
+    return all(_number(v) for v in values)
+
+
+# Activation epilogues: target -> (ONNX-style pattern suffix, node/module -> Unary or None).
+# None means "not with these arguments" (e.g. a bound that is a tensor). Adding an
+# activation is adding a row, provided oneDNN has an algorithm for it.
+def _fixed(attr: str, *scalars: float) -> Callable:
+    return lambda node, module=None: Unary(attr, scalars)
+
+
+def _hardtanh_fn(node, module=None):
+    lo, hi = _arg(node, 1, "min_val", -1.0), _arg(node, 2, "max_val", 1.0)
+    return Unary("hardtanh", (float(lo), float(hi))) if _const(lo, hi) else None
+
+
+def _clamp_fn(node, module=None):
+    lo, hi = _arg(node, 1, "min"), _arg(node, 2, "max")
+    return Unary("hardtanh", (float(lo), float(hi))) if _const(lo, hi) else None
+
+
+def _leaky_fn(node, module=None):
+    slope = _arg(node, 1, "negative_slope", 0.01)
+    return Unary("leaky_relu", (float(slope),)) if _const(slope) else None
+
+
+def _gelu_fn(node, module=None):
+    approximate = _arg(node, 1, "approximate", "none")
+    return Unary("gelu", (), approximate) if approximate in ("none", "tanh") else None
+
+
+_RELU = ("Relu", _fixed("relu"))
+_RELU6 = ("Clip", _fixed("hardtanh", 0.0, 6.0))
+_SIGMOID = ("Sigmoid", _fixed("sigmoid"))
+_TANH = ("Tanh", _fixed("tanh"))
+_SILU = ("SiLU", _fixed("swish"))
+_HARDSWISH = ("HardSwish", _fixed("hardswish"))
+_HARDSIGMOID = ("HardSigmoid", _fixed("hardsigmoid"))
+
+ACTIVATIONS: dict[Any, tuple[str, Callable]] = {
+    # modules
+    nn.ReLU: _RELU,
+    nn.ReLU6: _RELU6,
+    nn.Hardtanh: ("Clip", lambda n, m: Unary("hardtanh", (float(m.min_val), float(m.max_val)))),
+    nn.LeakyReLU: ("LeakyRelu", lambda n, m: Unary("leaky_relu", (float(m.negative_slope),))),
+    nn.Sigmoid: _SIGMOID,
+    nn.Tanh: _TANH,
+    nn.SiLU: _SILU,
+    nn.GELU: ("Gelu", lambda n, m: Unary("gelu", (), m.approximate)),
+    nn.Hardswish: _HARDSWISH,
+    nn.Hardsigmoid: _HARDSIGMOID,
+    # functions (torch.fx records F.* and torch.*; torch.export records aten ops)
+    F.relu: _RELU, torch.relu: _RELU, torch.relu_: _RELU,
+    aten.relu.default: _RELU, aten.relu_.default: _RELU,
+    F.relu6: _RELU6, aten.relu6.default: _RELU6,
+    F.hardtanh: ("Clip", _hardtanh_fn), aten.hardtanh.default: ("Clip", _hardtanh_fn),
+    aten.hardtanh_.default: ("Clip", _hardtanh_fn),
+    torch.clamp: ("Clip", _clamp_fn), torch.clip: ("Clip", _clamp_fn),
+    aten.clamp.default: ("Clip", _clamp_fn),
+    F.leaky_relu: ("LeakyRelu", _leaky_fn), aten.leaky_relu.default: ("LeakyRelu", _leaky_fn),
+    aten.leaky_relu_.default: ("LeakyRelu", _leaky_fn),
+    torch.sigmoid: _SIGMOID, F.sigmoid: _SIGMOID, aten.sigmoid.default: _SIGMOID,
+    torch.tanh: _TANH, F.tanh: _TANH, aten.tanh.default: _TANH,
+    F.silu: _SILU, aten.silu.default: _SILU, aten.silu_.default: _SILU,
+    F.gelu: ("Gelu", _gelu_fn), torch._C._nn.gelu: ("Gelu", _gelu_fn),
+    aten.gelu.default: ("Gelu", _gelu_fn),
+    F.hardswish: _HARDSWISH, aten.hardswish.default: _HARDSWISH,
+    F.hardsigmoid: _HARDSIGMOID, aten.hardsigmoid.default: _HARDSIGMOID,
+    # tensor methods: x.relu(), x.clamp(0, 6)...
+    ("method", "relu"): _RELU, ("method", "relu_"): _RELU,
+    ("method", "sigmoid"): _SIGMOID, ("method", "tanh"): _TANH,
+    ("method", "clamp"): ("Clip", _clamp_fn), ("method", "clip"): ("Clip", _clamp_fn),
+}
+
+# Additions of two tensors: x + y, x += y, torch.add, x.add(y), x.add_(y), aten.add.
+ADDS = {operator.add, operator.iadd, torch.add, aten.add.Tensor, aten.add_.Tensor,
+        ("method", "add"), ("method", "add_")}
+INPLACE_ADDS = {operator.iadd, aten.add_.Tensor, ("method", "add_")}
+
+
+# -- small graph helpers -------------------------------------------------------------------
+
+
+def _key(node: fx.Node) -> Any:
+    if node.op == "call_method":
+        return ("method", node.target)
+    return node.target
+
+
+def _module(gm: fx.GraphModule, node: Any) -> nn.Module | None:
+    if isinstance(node, fx.Node) and node.op == "call_module":
+        return gm.get_submodule(node.target)
+    return None
+
+
+def _name(node: fx.Node) -> str:
+    """A name a user recognises: the module path for module calls, else the node name."""
+    return str(node.target) if node.op == "call_module" else node.name
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _producer_kind(m: nn.Module | None) -> str | None:
+    t = type(m)
+    if t in CONV_TYPES:
+        return "Conv"
+    if t in CONV_TRANSPOSE_TYPES:
+        return "ConvTranspose"
+    if t is nn.Linear:
+        return "Linear"
+    return None
+
+
+def _match_activation(gm: fx.GraphModule, node: fx.Node) -> tuple[str, Unary] | None:
+    module = _module(gm, node)
+    rule = ACTIVATIONS.get(type(module)) if module is not None else None
+    if rule is None and node.op in ("call_function", "call_method"):
+        try:
+            rule = ACTIVATIONS.get(_key(node))
+        except TypeError:  # unhashable target
+            rule = None
+    if rule is None:
+        return None
+    pattern, make = rule
+    unary = make(node, module)
+    return None if unary is None else (pattern, unary)
+
+
+def _is_add(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    try:
+        return _key(node) in ADDS
+    except TypeError:
+        return False
+
+
+# -- the pass ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Rewrite:
+    """A record whose extra bytes are known only at the end."""
+
+    record: FusionRecord | None  # None: a conv only moved to the packed kernel
+    source: nn.Module  # the module that was copied (it may stay in use elsewhere)
+    copy: nn.Module  # the module this site now calls
+
+
+_TRAINING_BN = ("the BatchNorm is in training mode, so it normalises with each batch's "
+                "statistics; call model.eval() before fusing")
+
+
+class _Fuser:
+    def __init__(self, gm: fx.GraphModule, report: FusionReport, use_kernels: bool,
+                 prepack: bool):
+        self.gm = gm
+        self.graph = gm.graph
+        self.report = report
+        self.use_kernels = use_kernels
+        self.prepack = prepack
+        self.rewrites: list[_Rewrite] = []
+        self.copies: dict[tuple, nn.Module] = {}  # (id(source), what) -> shared new module
+        self.packed_convs = 0
+
+    # naming and installation ---------------------------------------------------------------
+    def _call_sites(self, module: nn.Module) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "call_module"
+                and self.gm.get_submodule(n.target) is module]
+
+    def _install(self, node: fx.Node, new: nn.Module, suffix: str) -> str:
+        """Give ``new`` a module path for the site ``node``: the old module's own path when
+        this is its only call site, else a fresh path next to it."""
+        old = self.gm.get_submodule(node.target)
+        if len(self._call_sites(old)) == 1 and not any(
+            n.op == "get_attr" and n.target.startswith(node.target + ".")
+            for n in self.graph.nodes
+        ):
+            target = node.target
+        else:
+            for m_name, m in self.gm.named_modules():
+                if m is new:  # an identical fold already installed for another site
+                    return m_name
+            base, i = f"{node.target}_{suffix}", 1
+            target = base
+            while _exists(self.gm, target):
+                i += 1
+                target = f"{base}{i}"
+        _set_submodule(self.gm, target, new)
+        return target
+
+    def _refuse(self, pattern: str, node: fx.Node, reason: str, anchor: fx.Node | None = None):
+        self.report.refusals.append(
+            Refusal(pattern, _name(node), reason, "" if anchor is None else _name(anchor))
+        )
+        log.debug("refused %s at %s: %s", pattern, _name(node), reason)
+
+    # phase 1: fold BatchNorm ---------------------------------------------------------------
+    def fold_batchnorms(self) -> None:
+        for bn_node in list(self.graph.nodes):
+            if bn_node.op == "call_function" and bn_node.target is aten.batch_norm.default:
+                self._refuse("BatchNormalization", bn_node, _TRAINING_BN
+                             if _arg(bn_node, 5, "training", False) else
+                             "this batch_norm call follows no Conv, ConvTranspose or Linear "
+                             "module with constant weights, so there is nothing to fold it into")
+                continue
+            bn = _module(self.gm, bn_node)
+            if type(bn) not in BATCHNORM_TYPES:
+                continue
+            producer = bn_node.args[0] if bn_node.args else None
+            pm = _module(self.gm, producer)
+            kind = _producer_kind(pm)
+            if kind is None:
+                what = (type(pm).__name__ if pm is not None else
+                        getattr(producer, "name", "an input") if isinstance(producer, fx.Node)
+                        else "a constant")
+                self._refuse("BatchNormalization", bn_node,
+                             f"it follows {what}, not a Conv, ConvTranspose or Linear, so "
+                             "there is no weight to fold it into")
+                continue
+            pattern = FOLD_PATTERNS[kind]
+            reason = self._check_fold(kind, producer, pm, bn_node, bn)
+            if reason is None:
+                try:
+                    folded = self._folded_copy(kind, pm, bn)
+                except FoldingError as exc:
+                    reason = f"the folded weights do not fit: {exc}"
+            if reason is not None:
+                self._refuse(pattern, bn_node, reason, producer)
+                continue
+            self._apply_fold(pattern, producer, pm, bn_node, bn, folded)
+
+    def _check_fold(self, kind, producer, pm, bn_node, bn) -> str | None:
+        if bn.training:
+            return _TRAINING_BN
+        if bn.running_mean is None or bn.running_var is None:
+            return ("the BatchNorm has no running statistics (track_running_stats=False), so "
+                    "it normalises with each batch's statistics even in eval mode")
+        if _has_hooks(bn) or _has_hooks(pm):
+            which = "BatchNorm" if _has_hooks(bn) else kind
+            return f"the {which} module has forward hooks, which a fold would bypass"
+        users = list(producer.users)
+        if len(users) != 1:
+            others = ", ".join(_name(u) for u in users if u is not bn_node)
+            return (f"the {kind} output is also read by {others}, which needs the values "
+                    "before BatchNorm")
+        channels = pm.out_features if kind == "Linear" else pm.out_channels
+        if bn.num_features != channels:
+            return (f"the BatchNorm has {bn.num_features} features but the {kind} has "
+                    f"{channels} output channels")
+        out_shape = _shape(producer)
+        if kind == "Linear":
+            if out_shape is None:
+                return ("the Linear output's rank is unknown: BatchNorm1d normalises dim 1, "
+                        "which is the Linear's feature dim only for 2-D outputs; pass "
+                        "example_inputs so opfuse can check")
+            if len(out_shape) != 2:
+                return (f"the Linear output is {len(out_shape)}-D, so BatchNorm1d normalises "
+                        "dim 1, which is not the Linear's feature dim")
+        elif out_shape is not None:
+            rank = (CONV_TYPES.get(type(pm)) or CONV_TRANSPOSE_TYPES.get(type(pm))) + 2
+            if len(out_shape) != rank:
+                return (f"the {kind} runs on an unbatched input, so the BatchNorm normalises "
+                        "another dim than its channels")
+        return None
+
+    def _folded_copy(self, kind: str, pm: nn.Module, bn: nn.Module) -> nn.Module:
+        key = (id(pm), id(bn), "fold")
+        if key in self.copies:
+            return self.copies[key]
+        if kind == "Linear":
+            w, b = fold_linear_bn_weights(pm.weight, pm.bias, bn.running_mean, bn.running_var,
+                                          bn.eps, bn.weight, bn.bias)
+        else:
+            w, b = fold_conv_bn_weights(pm.weight, pm.bias, bn.running_mean, bn.running_var,
+                                        bn.eps, bn.weight, bn.bias,
+                                        transpose=kind == "ConvTranspose", groups=pm.groups)
+        folded = copy.deepcopy(pm)
+        folded.weight = nn.Parameter(w, requires_grad=pm.weight.requires_grad)
+        folded.bias = nn.Parameter(b, requires_grad=pm.weight.requires_grad)
+        self.copies[key] = folded
+        return folded
+
+    def _apply_fold(self, pattern, producer, pm, bn_node, bn, folded) -> None:
+        sites = len(self._call_sites(pm))
+        target = self._install(producer, folded, "bn_folded")
+        bn_name, anchor = _name(bn_node), _name(producer)
+        producer.target = target
+        bn_node.replace_all_uses_with(producer)
+        self.graph.erase_node(bn_node)
+        detail = f"eps={bn.eps:g}" + ("" if bn.affine else ", affine=False") + (
+            ", bias created" if pm.bias is None else "")
+        if sites > 1:
+            detail += f"; the module is called at {sites} sites: this one has its own copy"
+        record = FusionRecord(pattern, anchor, (bn_name,), target,
+                              weight_bytes=_nbytes(folded.weight, folded.bias), detail=detail)
+        self.rewrites.append(_Rewrite(record, pm, folded))
+
+    # phase 2: epilogues --------------------------------------------------------------------
+    def fuse_epilogues(self) -> None:
+        if not self.use_kernels:
+            return
+        for node in list(self.graph.nodes):
+            if getattr(node, "_erased", False) or node.op != "call_module":
+                continue
+            conv = self.gm.get_submodule(node.target)
+            kind = _producer_kind(conv)
+            if kind not in ("Conv", "ConvTranspose"):
+                continue
+            self._fuse_one(node, conv, kind)
+
+    def _kernel_problem(self, node: fx.Node, conv: nn.Module) -> str | None:
+        """Why this conv cannot become a oneDNN kernel module at all, or None."""
+        if len(node.args) != 1 or node.kwargs:
+            return "the conv is called with more than its input (output_size?)"
+        if _has_hooks(conv):
+            return "the conv module has forward hooks, which a fused kernel would bypass"
+        if conv.padding_mode != "zeros":
+            return (f"padding_mode '{conv.padding_mode}' pads outside the convolution; the "
+                    "fused kernel only zero-pads")
+        if _numeric_padding(conv) is None:
+            return f"padding={conv.padding!r} is asymmetric, which the fused kernel cannot express"
+        if conv.weight.dtype not in (torch.float32, torch.bfloat16):
+            return f"oneDNN's fused convolution does not take {conv.weight.dtype} weights"
+        return None
+
+    def _fuse_one(self, node: fx.Node, conv: nn.Module, kind: str) -> None:
+        users = list(node.users)
+        rank = conv.weight.dim() - 2
+        transposed = kind == "ConvTranspose"
+        dtype = conv.weight.dtype
+
+        # pattern: which epilogue follows?
+        candidates = []
+        for u in users:
+            act = _match_activation(self.gm, u)
+            if act is not None:
+                candidates.append((f"{kind}+{act[0]}", u))
+            elif _is_add(u):
+                candidates.append((f"{kind}+Add", u))
+        if len(users) > 1:
+            for pattern, u in candidates:
+                self._refuse(pattern, u, f"the {kind} output is read by {len(users)} nodes "
+                             f"({', '.join(_name(x) for x in users)}); fusing would hide the "
+                             "pre-activation values from the others", node)
+            return self._pack_only(node, conv, kind, rank, transposed, dtype)
+        if not candidates:
+            return self._pack_only(node, conv, kind, rank, transposed, dtype)
+
+        pattern, epi = candidates[0]
+        base_problem = self._kernel_problem(node, conv)
+        act = _match_activation(self.gm, epi)
+        if act is not None:  # unary epilogue
+            unary = act[1]
+            module = _module(self.gm, epi)
+            problem = base_problem or (
+                "the activation module has forward hooks, which a fused kernel would bypass"
+                if module is not None and _has_hooks(module) else None
+            ) or unary_problem(unary, rank, transposed, dtype)
+            if problem:
+                self._refuse(pattern, epi, problem, node)
+                return self._pack_only(node, conv, kind, rank, transposed, dtype)
+            new = self._kernel(ConvPointwise, conv, unary, rank, transposed, dtype)
+            return self._replace_chain(pattern, node, conv, [epi], new, (node.args[0],))
+
+        # residual add
+        other = self._add_other(epi, node)
+        if isinstance(other, str):
+            self._refuse(pattern, epi, other, node)
+            return self._pack_only(node, conv, kind, rank, transposed, dtype)
+        if other is None:  # adding a constant: not this pattern
+            return self._pack_only(node, conv, kind, rank, transposed, dtype)
+        add_users = list(epi.users)
+        relu = None
+        if len(add_users) == 1:
+            act = _match_activation(self.gm, add_users[0])
+            if act is not None and act[1] == Unary("relu"):
+                relu = add_users[0]
+        full = pattern + ("+Relu" if relu is not None else "")
+        problem = base_problem or (
+            "oneDNN has no fused transposed convolution + add" if transposed else None
+        ) or binary_problem(Unary(), rank, dtype)
+        if problem:
+            self._refuse(full, epi, problem, node)
+            return self._pack_only(node, conv, kind, rank, transposed, dtype)
+        unary, chain = Unary(), [epi]
+        if relu is not None:
+            relu_module = _module(self.gm, relu)
+            problem = ("the ReLU module has forward hooks, which a fused kernel would bypass"
+                       if relu_module is not None and _has_hooks(relu_module)
+                       else binary_problem(Unary("relu"), rank, dtype))
+            if problem:
+                self._refuse(full, relu, problem, node)
+                full = pattern
+            else:
+                unary, chain = Unary("relu"), [epi, relu]
+        new = self._kernel(ConvAddPointwise, conv, unary, rank, transposed, dtype)
+        self._replace_chain(full, node, conv, chain, new, (node.args[0], other))
+
+    def _add_other(self, add: fx.Node, conv_node: fx.Node) -> fx.Node | str | None:
+        """The add's other tensor operand; None for a constant; a reason when illegal."""
+        if len(add.args) < 2 or add.kwargs.get("out") is not None:
+            return None
+        alpha = _arg(add, 2, "alpha", 1)
+        if alpha != 1:
+            return f"the add scales its second operand (alpha={alpha}), which the kernel cannot"
+        a, b = add.args[0], add.args[1]
+        other = b if a is conv_node else a
+        if not isinstance(other, fx.Node):
+            return None
+        if other is conv_node:
+            return "the conv output is added to itself"
+        try:
+            inplace = _key(add) in INPLACE_ADDS
+        except TypeError:
+            inplace = False
+        if inplace and a is not conv_node:
+            return ("the in-place add writes into the other operand, which later readers "
+                    "would no longer see updated")
+        return other
+
+    def _kernel(self, cls, conv, unary, rank, transposed, dtype) -> nn.Module:
+        key = (id(conv), cls.__name__, unary)
+        if key in self.copies:
+            return self.copies[key]
+        prepack = self.prepack and pack_problem(rank, transposed, dtype) is None
+        new = cls(
+            conv.weight, conv.bias, stride=conv.stride, padding=_numeric_padding(conv),
+            dilation=conv.dilation, groups=conv.groups, transposed=transposed,
+            output_padding=getattr(conv, "output_padding", None), unary=unary, prepack=prepack,
+        )
+        self.copies[key] = new
+        return new
+
+    def _replace_chain(self, pattern, conv_node, conv, chain, new, args) -> None:
+        sites = len(self._call_sites(conv))
+        anchor = _name(conv_node)
+        removed = tuple(_name(n) for n in chain)
+        last = chain[-1]
+        target = self._install(conv_node, new, "fused")
+        with self.graph.inserting_before(last):
+            fused = self.graph.call_module(target, args)
+        fused.meta.update(last.meta)
+        input_shape = _shape(conv_node.args[0])
+        last.replace_all_uses_with(fused)
+        for n in reversed([conv_node, *chain]):
+            self.graph.erase_node(n)
+        if input_shape is not None and new.prepack:
+            new.pack(input_shape)
+        detail = f"oneDNN {new.epilogue()}" + (", pre-packed weights" if new.prepack else "")
+        if sites > 1:
+            detail += f"; the conv is called at {sites} sites: this one has its own kernel"
+        record = FusionRecord(pattern, anchor, removed, target,
+                              weight_bytes=_nbytes(new.weight, new.bias), detail=detail)
+        self.rewrites.append(_Rewrite(record, conv, new))
+
+    def _pack_only(self, node, conv, kind, rank, transposed, dtype) -> None:
+        """No epilogue: still move a 2-D/3-D conv to the kernel when its weights can be packed."""
+        if (kind != "Conv" or not self.prepack or self._kernel_problem(node, conv)
+                or pack_problem(rank, transposed, dtype)
+                or unary_problem(Unary(), rank, transposed, dtype)):
+            return
+        new = self._kernel(ConvPointwise, conv, Unary(), rank, transposed, dtype)
+        target = self._install(node, new, "packed")
+        input_shape = _shape(node.args[0])
+        node.target = target
+        if input_shape is not None:
+            new.pack(input_shape)
+        self.packed_convs += 1
+        self.rewrites.append(_Rewrite(None, conv, new))
+
+    # bookkeeping -----------------------------------------------------------------------------
+    def records(self) -> list[FusionRecord]:
+        """The records, with ``extra_bytes``: per source module, the bytes of the distinct
+        copies made from it, less one copy when the source itself is gone (it was replaced,
+        not duplicated). The total goes on the first record made from that source."""
+        alive = {id(m) for m in self.gm.modules()}
+        by_source: dict[int, list[_Rewrite]] = {}
+        for rw in self.rewrites:
+            by_source.setdefault(id(rw.source), []).append(rw)
+        extra: dict[int, int] = {}
+        for source_id, rws in by_source.items():
+            distinct = list({id(rw.copy): rw.copy for rw in rws}.values())
+            total = sum(_module_bytes(c) for c in distinct)
+            if source_id not in alive:
+                total -= _module_bytes(distinct[0])
+            first = next((rw for rw in rws if rw.record is not None), None)
+            if first is not None and total > 0:
+                extra[id(first)] = total
+        return [dataclasses.replace(rw.record, extra_bytes=extra.get(id(rw), 0))
+                for rw in self.rewrites if rw.record is not None]
+
+
+def _module_bytes(m: nn.Module) -> int:
+    return _nbytes(getattr(m, "weight", None), getattr(m, "bias", None))
+
+
+def _numeric_padding(conv: nn.Module) -> list[int] | None:
+    rank = conv.weight.dim() - 2
+    if not isinstance(conv.padding, str):
+        return list(conv.padding)
+    if conv.padding == "valid":
+        return [0] * rank
+    total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+    return None if any(t % 2 for t in total) else [t // 2 for t in total]
+
+
+def _exists(gm: nn.Module, target: str) -> bool:
+    try:
+        gm.get_submodule(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _set_submodule(gm: nn.Module, target: str, module: nn.Module) -> None:
+    parent_path, _, field = target.rpartition(".")
+    parent = gm.get_submodule(parent_path) if parent_path else gm
+    setattr(parent, field, module)
+
+
+def _op_counts(gm: fx.GraphModule) -> Counter:
+    counts: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            counts[type(gm.get_submodule(n.target)).__name__] += 1
+        elif n.op == "call_function":
+            counts[getattr(n.target, "__name__", str(n.target))] += 1
+        elif n.op == "call_method":
+            counts[f"Tensor.{n.target}"] += 1
+    return counts
+
+
+# -- capture ----------------------------------------------------------------------------------
+
+
+def _capture(model: nn.Module, example_inputs) -> tuple[fx.GraphModule | None, str, str]:
+    """(graph module, how it was captured, why capture failed)."""
+    try:
+        return fx.symbolic_trace(model), "torch.fx", ""
+    except Exception as exc:  # noqa: BLE001 - any trace failure
+        fx_error = first_line(exc)
+    if example_inputs is None:
+        return None, "", (f"torch.fx cannot trace it ({fx_error}); pass example_inputs so "
+                          "opfuse can capture it with torch.export instead")
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        gm = ep.module()
+        _lift_aten(gm)
+        return gm, "torch.export", ""
+    except Exception as exc:  # noqa: BLE001
+        return None, "", (f"neither torch.fx ({fx_error}) nor torch.export "
+                          f"({first_line(exc)}) can capture it")
+
+
+_ATEN_CONV = {aten.conv1d.default: nn.Conv1d, aten.conv2d.default: nn.Conv2d,
+              aten.conv3d.default: nn.Conv3d}
+_ATEN_CONV_T = {aten.conv_transpose1d.default: nn.ConvTranspose1d,
+                aten.conv_transpose2d.input: nn.ConvTranspose2d,
+                aten.conv_transpose3d.input: nn.ConvTranspose3d}
+
+
+def _lift_aten(gm: fx.GraphModule) -> None:
+    """Turn torch.export's aten conv/linear/batch_norm calls on constant weights back into
+    modules, so that one matcher serves both captures. Calls sharing a weight share a module,
+    so module reuse stays visible."""
+    graph = gm.graph
+    lifted: dict[tuple, str] = {}
+    ranks: dict[fx.Node, int] = {}
+    producers: dict[fx.Node, str] = {}
+
+    def attr(node):
+        if node is None:
+            return None
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            return node.target
+        return False  # computed: cannot lift
+
+    def tensor(target):
+        t = gm.get_parameter(target) if _is_param(gm, target) else gm.get_buffer(target)
+        return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+
+    def install(key, make, names):
+        if key not in lifted:
+            module = make()
+            parent = names[0].rpartition(".")[0]
+            target = (parent or "lifted") + "_" + type(module).__name__.lower()
+            i = 1
+            while _exists(gm, target):
+                i += 1
+                target = f"{parent or 'lifted'}_{type(module).__name__.lower()}{i}"
+            _set_submodule(gm, target, module)
+            lifted[key] = target
+        return lifted[key]
+
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        t = node.target
+        if t in _ATEN_CONV or t in _ATEN_CONV_T or t is aten.linear.default:
+            w, b = attr(_arg(node, 1, "weight")), attr(_arg(node, 2, "bias"))
+            if not w or b is False:
+                continue
+            weight = tensor(w)
+            rank = weight.dim() - 2
+            if t is aten.linear.default:
+                hp: tuple = ()
+
+                def make(weight=weight, b=b):
+                    m = nn.Linear(weight.shape[1], weight.shape[0], bias=b is not None,
+                                  device="meta")
+                    m.weight, m.bias = weight, None if b is None else tensor(b)
+                    return m
+            else:
+                transposed = t in _ATEN_CONV_T
+                if transposed:
+                    names = ("stride", "padding", "output_padding", "groups", "dilation")
+                    defaults = (1, 0, 0, 1, 1)
+                else:
+                    names = ("stride", "padding", "dilation", "groups")
+                    defaults = (1, 0, 1, 1)
+                values = {n: _arg(node, 3 + i, n, d) for i, (n, d) in enumerate(zip(names, defaults))}
+                hp = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                  for k, v in values.items()))
+                if any(isinstance(v, fx.Node) for v in values.values()):
+                    continue
+
+                def make(weight=weight, b=b, values=values, transposed=transposed, t=t):
+                    cls = _ATEN_CONV_T[t] if transposed else _ATEN_CONV[t]
+                    groups = values["groups"]
+                    c_in, c_out = ((weight.shape[0], weight.shape[1] * groups) if transposed
+                                   else (weight.shape[1] * groups, weight.shape[0]))
+                    kw = {k: v for k, v in values.items() if k != "groups"}
+                    m = cls(c_in, c_out, tuple(weight.shape[2:]), groups=groups,
+                            bias=b is not None, device="meta", **kw)
+                    m.weight, m.bias = weight, None if b is None else tensor(b)
+                    return m
+            target = install((t, w, b, hp), make, (w,))
+            with graph.inserting_before(node):
+                new = graph.call_module(target, (node.args[0],))
+            new.meta.update(node.meta)
+            ranks[new] = rank
+            producers[new] = target
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        elif t is aten.batch_norm.default:
+            producer = node.args[0]
+            if producer not in ranks:
+                continue
+            parts = [attr(_arg(node, i, n)) for i, n in
+                     enumerate(("input", "weight", "bias", "running_mean", "running_var"))][1:]
+            if any(p is False for p in parts):
+                continue
+            wt, bt, mt, vt = parts
+            training = bool(_arg(node, 5, "training", False))
+            if training:  # left as a call; reported with the training-mode reason
+                continue
+            momentum, eps = _arg(node, 6, "momentum", 0.1), _arg(node, 7, "eps", 1e-5)
+            rank = ranks[producer]
+
+            def make(wt=wt, bt=bt, mt=mt, vt=vt, rank=rank, training=training,
+                     momentum=momentum, eps=eps, producer=producer):
+                cls = (nn.BatchNorm1d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)[max(rank, 0)]
+                pm = gm.get_submodule(producers[producer])
+                features = pm.out_features if isinstance(pm, nn.Linear) else pm.out_channels
+                m = cls(features, eps=eps, momentum=momentum, affine=wt is not None,
+                        track_running_stats=mt is not None, device="meta")
+                if wt is not None:
+                    m.weight, m.bias = tensor(wt), tensor(bt)
+                if mt is not None:
+                    m.running_mean, m.running_var = gm.get_buffer(mt), gm.get_buffer(vt)
+                    m.num_batches_tracked = torch.tensor(0)
+                return m.train(training)
+
+            target = install(("bn", wt, bt, mt, vt, training, eps), make,
+                             (mt or wt or "batchnorm",))
+            with graph.inserting_before(node):
+                new = graph.call_module(target, (producer,))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    gm.recompile()
+
+
+def _is_param(gm: nn.Module, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _clone_inputs(example_inputs: tuple) -> tuple:
+    """Fresh copies: a model may write into its inputs."""
+    return pytree.tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a,
+                           example_inputs)
+
+
+def _propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> str | None:
+    """Record every node's shape (ShapeProp), in eval mode so that no BatchNorm updates its
+    statistics; returns why it failed, or None."""
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*_clone_inputs(example_inputs))
+    except Exception as exc:  # noqa: BLE001
+        return first_line(exc)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return None
+
+
+# -- verification -------------------------------------------------------------------------------
+
+_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def _verify(reference: nn.Module, fused: nn.Module, example_inputs: tuple) -> Verification:
+    verification = Verification(runtime=f"torch {torch.__version__} eager", inputs="example_inputs")
+    with torch.no_grad():
+        expected = pytree.tree_leaves(reference(*_clone_inputs(example_inputs)))
+        actual = pytree.tree_leaves(fused(*_clone_inputs(example_inputs)))
+    if len(expected) != len(actual):
+        verification.skipped = "the two models return different numbers of outputs"
+        return verification
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if not isinstance(e, torch.Tensor) or not e.is_floating_point():
+            continue
+        tol = _TOLERANCE.get(e.dtype, 1e-5)
+        diff = (e.double() - a.double()).abs()
+        scale = float(e.double().abs().max()) if e.numel() else 0.0
+        bound = tol * scale + tol * a.double().abs()
+        scaled = float((diff / bound.clamp_min(1e-300)).max()) if e.numel() else 0.0
+        verification.outputs.append(OutputCheck(
+            name=f"output[{i}]", dtype=str(e.dtype).removeprefix("torch."),
+            shape=tuple(e.shape), max_abs_error=float(diff.max()) if e.numel() else 0.0,
+            max_scaled_error=scaled, scale=scale, ok=scaled <= 1.0,
+            problem="" if scaled <= 1.0 else "differs beyond tolerance",
+        ))
+    return verification
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+
+def fuse(
+    model: nn.Module,
+    example_inputs: Any = None,
+    inplace: bool = False,
+    *,
+    kernels: bool = True,
+    prepack: bool = True,
+    verify: bool = True,
+) -> tuple[nn.Module, FusionReport]:
+    """Fold BatchNorms and fuse conv epilogues of an eval-mode ``model``.
+
+    ``example_inputs`` (a tensor or a tuple of positional inputs) is optional; with it
+    opfuse knows every tensor's shape (checks that need ranks, weights pre-packed for that
+    shape), can capture with torch.export where torch.fx cannot trace, and verifies the
+    result against ``model``. ``kernels=False`` folds only and keeps plain torch modules
+    (exportable); ``prepack=False`` uses the fused kernels without packed weights.
+    Returns ``(fused_module, report)``; ``model`` itself is never modified.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    elif example_inputs is not None:
+        example_inputs = tuple(example_inputs)
+    report = FusionReport(model=type(model).__name__, target="torch")
+    work = model if inplace else copy.deepcopy(model)
+    gm, how, failure = _capture(work, example_inputs)
+    if gm is None:
+        report.refusals.append(Refusal("Capture", type(model).__name__, failure))
+        return work, report
+    report.passes = [how, "fold_batchnorm"] + (["fuse_epilogues"] if kernels else [])
+    if how == "torch.export":
+        report.notes.append("captured with torch.export because torch.fx could not trace it; "
+                            "the result is specialised to the example inputs' shapes")
+    report.ops_before = _op_counts(gm)
+    if example_inputs is not None and (problem := _propagate_shapes(gm, example_inputs)):
+        report.notes.append(f"shapes unknown (ShapeProp failed: {problem})")
+
+    use_kernels = kernels
+    if use_kernels and (problem := kernels_available()):
+        report.notes.append(f"fused oneDNN kernels not used: {problem}")
+        use_kernels = False
+    fuser = _Fuser(gm, report, use_kernels, prepack)
+    fuser.fold_batchnorms()
+    fuser.fuse_epilogues()
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    report.records = fuser.records()
+    report.ops_after = _op_counts(gm)
+    if fuser.packed_convs:
+        report.notes.append(
+            f"{fuser.packed_convs} convolution(s) without an epilogue run on oneDNN's kernel "
+            "with pre-packed weights")
+    training = sorted({type(m).__name__ for m in model.modules() if m.training})
+    if verify and example_inputs is not None and training:
+        report.verification = Verification(
+            runtime=f"torch {torch.__version__} eager", inputs="example_inputs",
+            skipped=f"modules in training mode ({', '.join(training)}) depend on batch "
+                    "statistics or randomness, and running them would update their state")
+    elif verify and example_inputs is not None:
+        report.verification = _verify(model, gm, example_inputs)
+        if not report.verification.ok:
+            log.warning("opfuse.torch.fuse: the fused model differs from the original")
+    return gm, report
