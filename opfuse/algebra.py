@@ -55,6 +55,7 @@ WeightLayout = Literal["oihw", "iohw", "kn", "nk"]
 # Share of a tensor's non-zero weights that may flush to zero in a narrow dtype before a
 # fold is refused (a whole output channel flushing to zero is refused regardless).
 UNDERFLOW_TOLERANCE = 0.01
+MIN_SAFE_SCALE = 2.0**-20
 
 
 def batchnorm_affine(
@@ -75,22 +76,29 @@ def output_channels(weight_shape: tuple[int, ...], layout: WeightLayout, group: 
     return int(weight_shape[1])  # "kn"
 
 
+def _channel_broadcast(scale: np.ndarray, shape: tuple[int, ...], layout: WeightLayout, group: int):
+    """``scale`` reshaped to broadcast over a weight of ``shape`` (grouped view for iohw)."""
+    s = np.asarray(scale, dtype=np.float64).reshape(-1)
+    ndim = len(shape)
+    if layout == "oihw" or layout == "nk":
+        return shape, s.reshape((-1,) + (1,) * (ndim - 1))
+    if layout == "kn":
+        return shape, s.reshape(1, -1)
+    # ConvTranspose: W[C_in, C_out/g, k...]; input channels of group g feed output
+    # channels g*C_out/g .. (g+1)*C_out/g - 1, so the scale is laid out per group.
+    grouped = (group, shape[0] // group, shape[1]) + tuple(shape[2:])
+    return grouped, s.reshape((group, 1, shape[1]) + (1,) * (ndim - 2))
+
+
 def scale_output_channels(
     weight: np.ndarray, scale: np.ndarray, layout: WeightLayout, group: int = 1
 ) -> np.ndarray:
-    """Return W' (float64) with every output channel o's weights multiplied by scale[o]."""
-    w = np.asarray(weight, dtype=np.float64)
-    s = np.asarray(scale, dtype=np.float64).reshape(-1)
-    if layout == "oihw" or layout == "nk":
-        return w * s.reshape((-1,) + (1,) * (w.ndim - 1))
-    if layout == "kn":
-        return w * s.reshape(1, -1)
-    # ConvTranspose: W[C_in, C_out/g, k...]; input channels of group g feed output
-    # channels g*C_out/g .. (g+1)*C_out/g - 1, so the scale is laid out per group.
-    c_in, c_out_per_group = w.shape[0], w.shape[1]
-    grouped = w.reshape((group, c_in // group, c_out_per_group) + w.shape[2:])
-    s_grouped = s.reshape((group, 1, c_out_per_group) + (1,) * (w.ndim - 2))
-    return (grouped * s_grouped).reshape(w.shape)
+    """Return W' (a new float64 array) with output channel o's weights times scale[o]."""
+    w = np.array(weight, dtype=np.float64)  # always a private copy, scaled in place
+    view_shape, s = _channel_broadcast(scale, w.shape, layout, group)
+    view = w.reshape(view_shape)
+    view *= s
+    return w
 
 
 def fold_affine(
@@ -107,7 +115,7 @@ def fold_affine(
     none. b' is None only when there was no bias and nothing creates one.
     """
     channels = output_channels(np.shape(weight), layout, group)
-    w = np.asarray(weight, dtype=np.float64)
+    w = weight
     b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), (channels,))
     if scale is not None:
         s = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (channels,))
@@ -116,6 +124,8 @@ def fold_affine(
     if shift is not None:
         t = np.broadcast_to(np.asarray(shift, np.float64).reshape(-1), (channels,))
         b = t.copy() if b is None else b + t
+    if scale is None:
+        w = np.array(weight, dtype=np.float64)
     return w, (None if b is None else np.array(b, dtype=np.float64))
 
 
@@ -136,6 +146,7 @@ def cast_back(
     what: str = "weight",
     layout: WeightLayout | None = None,
     group: int = 1,
+    min_abs_scale: float | None = None,
 ) -> tuple[np.ndarray, str | None]:
     """Cast a float64 result to ``dtype``; return (array, problem or None).
 
@@ -143,34 +154,39 @@ def cast_back(
     inf (overflow), a NaN, an output channel whose non-zero weights all flush to zero, or
     more than UNDERFLOW_TOLERANCE of the non-zero weights flushing to zero. ``layout`` says
     where the output channels are (a bias is one value per channel when it is None).
+    ``min_abs_scale`` is the smallest |scale| the fold applied, when known: in float32 and
+    float64 a scale of at least 2**-20 can only flush weights that were already below the
+    smallest normal number (1e-38, numerically nothing), so the count is skipped.
     """
     dtype = np.dtype(dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         out = folded.astype(dtype)
-    if not np.all(np.isfinite(folded)):
-        return out, f"folded {what} is not finite (inf or NaN in the algebra)"
-    as64 = out.astype(np.float64)
-    if not np.all(np.isfinite(as64)):
+    if not np.isfinite(out).all():  # inf/NaN in the result: from the algebra or the cast
+        if not np.isfinite(folded).all():
+            return out, f"folded {what} is not finite (inf or NaN in the algebra)"
         worst = float(np.max(np.abs(folded)))
         limit = float(ml_dtypes.finfo(dtype).max)  # knows bfloat16 too
         return out, (
             f"folded {what} reaches {worst:.3g}, beyond {dtype.name}'s largest value "
             f"{limit:.5g} (overflow to inf)"
         )
+    if dtype.itemsize >= 4 and min_abs_scale is not None and min_abs_scale >= MIN_SAFE_SCALE:
+        return out, None
+    if np.count_nonzero(out) == np.count_nonzero(folded):
+        return out, None  # nothing flushed to zero
     nonzero = folded != 0
-    flushed = nonzero & (as64 == 0)
-    if flushed.any():
-        if layout is None:
-            nz_rows, fl_rows = nonzero.reshape(-1, 1), flushed.reshape(-1, 1)
-        else:
-            nz_rows = channel_major(nonzero, layout, group)
-            fl_rows = channel_major(flushed, layout, group)
-        lost = np.flatnonzero(nz_rows.any(axis=1) & (fl_rows == nz_rows).all(axis=1))
-        share = flushed.sum() / max(int(nonzero.sum()), 1)
-        if (layout is not None and lost.size) or share > UNDERFLOW_TOLERANCE:
-            where = f"; output channel {int(lost[0])} becomes all zeros" if lost.size else ""
-            return out, (
-                f"{share:.1%} of the folded {what}'s non-zero values underflow to zero "
-                f"in {dtype.name}{where}"
-            )
+    flushed = nonzero & (out == 0)
+    if layout is None:
+        nz_rows, fl_rows = nonzero.reshape(-1, 1), flushed.reshape(-1, 1)
+    else:
+        nz_rows = channel_major(nonzero, layout, group)
+        fl_rows = channel_major(flushed, layout, group)
+    lost = np.flatnonzero(nz_rows.any(axis=1) & (fl_rows == nz_rows).all(axis=1))
+    share = flushed.sum() / max(int(nonzero.sum()), 1)
+    if (layout is not None and lost.size) or share > UNDERFLOW_TOLERANCE:
+        where = f"; output channel {int(lost[0])} becomes all zeros" if lost.size else ""
+        return out, (
+            f"{share:.1%} of the folded {what}'s non-zero values underflow to zero "
+            f"in {dtype.name}{where}"
+        )
     return out, None

@@ -262,21 +262,27 @@ class FoldPass(ir.passes.InPlacePass):
     ) -> str | None:
         producer, kind, node = cand.producer, cand.kind, cand.consumer
         layout, group = kind.layout(producer), kind.group(producer)
-        w = weight.array.astype(np.float64)
+        scale = affine.scale
         b = None if bias is None else bias.array.astype(np.float64)
         if kind.op_type == "Gemm":
-            w = w * _float_attr(producer, "alpha", 1.0)
+            # y = alpha * (A.B + (beta / alpha) * C): alpha joins the scale (one pass over B)
+            alpha = _float_attr(producer, "alpha", 1.0)
+            if alpha == 0.0:
+                return f"{describe(producer)} has alpha=0, so its weight does not matter"
+            if alpha != 1.0:
+                scale = np.full(out.channels, alpha) if scale is None else scale * alpha
             if b is not None:
-                b = b * _float_attr(producer, "beta", 1.0)
+                b = b * (_float_attr(producer, "beta", 1.0) / alpha)
                 if b.size != 1 and b.size != out.channels or (b.ndim == 2 and b.shape[0] != 1):
                     return (
                         f"the C input of {describe(producer)} has shape {list(b.shape)}, "
                         "which varies along the batch axis"
                     )
                 b = b.reshape(-1)
-        w_new, b_new = algebra.fold_affine(w, b, affine.scale, affine.shift, layout, group)
+        w_new, b_new = algebra.fold_affine(weight.array, b, scale, affine.shift, layout, group)
         dtype = weight.array.dtype
-        w_arr, problem = algebra.cast_back(w_new, dtype, "weight", layout, group)
+        min_abs_scale = 1.0 if scale is None else float(np.min(np.abs(scale)))
+        w_arr, problem = algebra.cast_back(w_new, dtype, "weight", layout, group, min_abs_scale)
         if problem:
             return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
         b_arr = None
@@ -366,7 +372,7 @@ class FoldPass(ir.passes.InPlacePass):
     def _new_constant(self, scope: Scope, before: ir.Node, array: np.ndarray, base: str) -> ir.Value:
         """A private constant: an initializer, or a Constant node inside a function."""
         name = self._names.fresh(base)
-        tensor = ir.tensor(array, name=name)
+        tensor = ir.Tensor(array, name=name)
         if scope.function is None:
             value = ir.Value(
                 name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor

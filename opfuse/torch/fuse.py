@@ -287,15 +287,14 @@ class _Fuser:
         self.packed_convs = 0
 
     # naming and installation ---------------------------------------------------------------
-    def _call_sites(self, module: nn.Module) -> list[fx.Node]:
-        return [n for n in self.graph.nodes if n.op == "call_module"
-                and self.gm.get_submodule(n.target) is module]
+    def _call_sites(self, node: fx.Node) -> list[fx.Node]:
+        """The calls of ``node``'s module (fx names a module by one canonical path)."""
+        return [n for n in self.graph.nodes if n.op == "call_module" and n.target == node.target]
 
     def _install(self, node: fx.Node, new: nn.Module, suffix: str) -> str:
         """Give ``new`` a module path for the site ``node``: the old module's own path when
         this is its only call site, else a fresh path next to it."""
-        old = self.gm.get_submodule(node.target)
-        if len(self._call_sites(old)) == 1 and not any(
+        if len(self._call_sites(node)) == 1 and not any(
             n.op == "get_attr" and n.target.startswith(node.target + ".")
             for n in self.graph.nodes
         ):
@@ -405,7 +404,7 @@ class _Fuser:
         return folded
 
     def _apply_fold(self, pattern, producer, pm, bn_node, bn, folded) -> None:
-        sites = len(self._call_sites(pm))
+        sites = len(self._call_sites(producer))
         target = self._install(producer, folded, "bn_folded")
         bn_name, anchor = _name(bn_node), _name(producer)
         producer.target = target
@@ -421,16 +420,26 @@ class _Fuser:
 
     # phase 2: epilogues --------------------------------------------------------------------
     def fuse_epilogues(self) -> None:
+        """Activations first, then residual adds (each add picks the conv operand that can
+        absorb it), then the convs left without an epilogue move to packed kernels."""
         if not self.use_kernels:
             return
         for node in list(self.graph.nodes):
-            if getattr(node, "_erased", False) or node.op != "call_module":
-                continue
-            conv = self.gm.get_submodule(node.target)
-            kind = _producer_kind(conv)
-            if kind not in ("Conv", "ConvTranspose"):
-                continue
-            self._fuse_one(node, conv, kind)
+            if self._conv_kind(node) is not None:
+                self._fuse_activation(node)
+        for node in list(self.graph.nodes):
+            if _is_add(node):
+                self._fuse_add(node)
+        for node in list(self.graph.nodes):
+            if self._conv_kind(node) == "Conv":
+                self._pack_only(node)
+
+    def _conv_kind(self, node: fx.Node) -> str | None:
+        """"Conv"/"ConvTranspose" for a call of a (still plain) conv module, else None."""
+        if node.op != "call_module":
+            return None
+        kind = _producer_kind(self.gm.get_submodule(node.target))
+        return kind if kind in ("Conv", "ConvTranspose") else None
 
     def _kernel_problem(self, node: fx.Node, conv: nn.Module) -> str | None:
         """Why this conv cannot become a oneDNN kernel module at all, or None."""
@@ -447,106 +456,98 @@ class _Fuser:
             return f"oneDNN's fused convolution does not take {conv.weight.dtype} weights"
         return None
 
-    def _fuse_one(self, node: fx.Node, conv: nn.Module, kind: str) -> None:
+    def _fuse_activation(self, node: fx.Node) -> None:
+        conv, kind = self.gm.get_submodule(node.target), self._conv_kind(node)
         users = list(node.users)
-        rank = conv.weight.dim() - 2
-        transposed = kind == "ConvTranspose"
-        dtype = conv.weight.dtype
-
-        # pattern: which epilogue follows?
-        candidates = []
-        for u in users:
-            act = _match_activation(self.gm, u)
-            if act is not None:
-                candidates.append((f"{kind}+{act[0]}", u))
-            elif _is_add(u):
-                candidates.append((f"{kind}+Add", u))
+        matches = [(u, act) for u in users if (act := _match_activation(self.gm, u))]
+        if not matches:
+            return
         if len(users) > 1:
-            for pattern, u in candidates:
-                self._refuse(pattern, u, f"the {kind} output is read by {len(users)} nodes "
-                             f"({', '.join(_name(x) for x in users)}); fusing would hide the "
-                             "pre-activation values from the others", node)
-            return self._pack_only(node, conv, kind, rank, transposed, dtype)
-        if not candidates:
-            return self._pack_only(node, conv, kind, rank, transposed, dtype)
-
-        pattern, epi = candidates[0]
-        base_problem = self._kernel_problem(node, conv)
-        act = _match_activation(self.gm, epi)
-        if act is not None:  # unary epilogue
-            unary = act[1]
-            module = _module(self.gm, epi)
-            problem = base_problem or (
-                "the activation module has forward hooks, which a fused kernel would bypass"
-                if module is not None and _has_hooks(module) else None
-            ) or unary_problem(unary, rank, transposed, dtype)
-            if problem:
-                self._refuse(pattern, epi, problem, node)
-                return self._pack_only(node, conv, kind, rank, transposed, dtype)
-            new = self._kernel(ConvPointwise, conv, unary, rank, transposed, dtype)
-            return self._replace_chain(pattern, node, conv, [epi], new, (node.args[0],))
-
-        # residual add
-        other = self._add_other(epi, node)
-        if isinstance(other, str):
-            self._refuse(pattern, epi, other, node)
-            return self._pack_only(node, conv, kind, rank, transposed, dtype)
-        if other is None:  # adding a constant: not this pattern
-            return self._pack_only(node, conv, kind, rank, transposed, dtype)
-        add_users = list(epi.users)
-        relu = None
-        if len(add_users) == 1:
-            act = _match_activation(self.gm, add_users[0])
-            if act is not None and act[1] == Unary("relu"):
-                relu = add_users[0]
-        full = pattern + ("+Relu" if relu is not None else "")
-        problem = base_problem or (
-            "oneDNN has no fused transposed convolution + add" if transposed else None
-        ) or binary_problem(Unary(), rank, dtype)
+            for u, (suffix, _) in matches:
+                self._refuse(f"{kind}+{suffix}", u, _multiple_readers(kind, users), node)
+            return
+        epi, (suffix, unary) = matches[0]
+        pattern = f"{kind}+{suffix}"
+        rank, transposed = conv.weight.dim() - 2, kind == "ConvTranspose"
+        module = _module(self.gm, epi)
+        problem = (
+            self._kernel_problem(node, conv)
+            or ("the activation module has forward hooks, which a fused kernel would bypass"
+                if module is not None and _has_hooks(module) else None)
+            or unary_problem(unary, rank, transposed, conv.weight.dtype)
+        )
         if problem:
-            self._refuse(full, epi, problem, node)
-            return self._pack_only(node, conv, kind, rank, transposed, dtype)
-        unary, chain = Unary(), [epi]
-        if relu is not None:
-            relu_module = _module(self.gm, relu)
-            problem = ("the ReLU module has forward hooks, which a fused kernel would bypass"
-                       if relu_module is not None and _has_hooks(relu_module)
-                       else binary_problem(Unary("relu"), rank, dtype))
-            if problem:
-                self._refuse(full, relu, problem, node)
-                full = pattern
-            else:
-                unary, chain = Unary("relu"), [epi, relu]
-        new = self._kernel(ConvAddPointwise, conv, unary, rank, transposed, dtype)
-        self._replace_chain(full, node, conv, chain, new, (node.args[0], other))
+            self._refuse(pattern, epi, problem, node)
+            return
+        new = self._kernel(ConvPointwise, conv, unary, rank, transposed)
+        self._replace_chain(pattern, node, conv, [epi], new, (node.args[0],))
 
-    def _add_other(self, add: fx.Node, conv_node: fx.Node) -> fx.Node | str | None:
-        """The add's other tensor operand; None for a constant; a reason when illegal."""
-        if len(add.args) < 2 or add.kwargs.get("out") is not None:
-            return None
+    def _fuse_add(self, add: fx.Node) -> None:
+        """Fuse ``add`` into the first of its operands that is a conv able to absorb it."""
+        operands = [a for a in add.args[:2] if isinstance(a, fx.Node)]
+        convs = [a for a in operands if self._conv_kind(a) is not None]
+        if not convs or len(operands) < 2:
+            return  # no conv operand, or a constant addend: not this pattern
+        relu = None
+        if len(add.users) == 1:
+            (user,) = add.users
+            act = _match_activation(self.gm, user)
+            if act is not None and act[1] == Unary("relu"):
+                relu = user
+        problems = []
+        for conv_node in convs:
+            kind = self._conv_kind(conv_node)
+            problem = self._add_problem(add, conv_node, kind)
+            if problem is None:
+                return self._apply_add(add, conv_node, kind, relu)
+            problems.append((conv_node, kind, problem))
+        conv_node, kind, problem = problems[0]
+        pattern = f"{kind}+Add" + ("+Relu" if relu is not None else "")
+        self._refuse(pattern, add, problem, conv_node)
+
+    def _add_problem(self, add: fx.Node, conv_node: fx.Node, kind: str) -> str | None:
+        conv = self.gm.get_submodule(conv_node.target)
+        users = list(conv_node.users)
+        if len(users) > 1:
+            return _multiple_readers(kind, users)
+        if add.kwargs.get("out") is not None:
+            return "the add writes into an out= tensor"
         alpha = _arg(add, 2, "alpha", 1)
         if alpha != 1:
             return f"the add scales its second operand (alpha={alpha}), which the kernel cannot"
         a, b = add.args[0], add.args[1]
-        other = b if a is conv_node else a
-        if not isinstance(other, fx.Node):
-            return None
-        if other is conv_node:
+        if a is b:
             return "the conv output is added to itself"
-        try:
-            inplace = _key(add) in INPLACE_ADDS
-        except TypeError:
-            inplace = False
-        if inplace and a is not conv_node:
+        if _key(add) in INPLACE_ADDS and a is not conv_node:
             return ("the in-place add writes into the other operand, which later readers "
                     "would no longer see updated")
-        return other
+        if kind == "ConvTranspose":
+            return "oneDNN has no fused transposed convolution + add"
+        return self._kernel_problem(conv_node, conv) or binary_problem(
+            Unary(), conv.weight.dim() - 2, conv.weight.dtype)
 
-    def _kernel(self, cls, conv, unary, rank, transposed, dtype) -> nn.Module:
+    def _apply_add(self, add: fx.Node, conv_node: fx.Node, kind: str, relu) -> None:
+        conv = self.gm.get_submodule(conv_node.target)
+        rank = conv.weight.dim() - 2
+        other = add.args[1] if add.args[0] is conv_node else add.args[0]
+        pattern, unary, chain = f"{kind}+Add", Unary(), [add]
+        if relu is not None:
+            relu_module = _module(self.gm, relu)
+            problem = ("the ReLU module has forward hooks, which a fused kernel would bypass"
+                       if relu_module is not None and _has_hooks(relu_module)
+                       else binary_problem(Unary("relu"), rank, conv.weight.dtype))
+            if problem:
+                self._refuse(f"{kind}+Add+Relu", relu, problem, conv_node)
+            else:
+                pattern, unary, chain = f"{kind}+Add+Relu", Unary("relu"), [add, relu]
+        new = self._kernel(ConvAddPointwise, conv, unary, rank, False)
+        self._replace_chain(pattern, conv_node, conv, chain, new, (conv_node.args[0], other))
+
+    def _kernel(self, cls, conv, unary, rank, transposed) -> nn.Module:
         key = (id(conv), cls.__name__, unary)
         if key in self.copies:
             return self.copies[key]
-        prepack = self.prepack and pack_problem(rank, transposed, dtype) is None
+        prepack = self.prepack and pack_problem(rank, transposed, conv.weight.dtype) is None
         new = cls(
             conv.weight, conv.bias, stride=conv.stride, padding=_numeric_padding(conv),
             dilation=conv.dilation, groups=conv.groups, transposed=transposed,
@@ -556,7 +557,7 @@ class _Fuser:
         return new
 
     def _replace_chain(self, pattern, conv_node, conv, chain, new, args) -> None:
-        sites = len(self._call_sites(conv))
+        sites = len(self._call_sites(conv_node))
         anchor = _name(conv_node)
         removed = tuple(_name(n) for n in chain)
         last = chain[-1]
@@ -577,13 +578,15 @@ class _Fuser:
                               weight_bytes=_nbytes(new.weight, new.bias), detail=detail)
         self.rewrites.append(_Rewrite(record, conv, new))
 
-    def _pack_only(self, node, conv, kind, rank, transposed, dtype) -> None:
+    def _pack_only(self, node: fx.Node) -> None:
         """No epilogue: still move a 2-D/3-D conv to the kernel when its weights can be packed."""
-        if (kind != "Conv" or not self.prepack or self._kernel_problem(node, conv)
+        conv = self.gm.get_submodule(node.target)
+        rank, dtype, transposed = conv.weight.dim() - 2, conv.weight.dtype, False
+        if (not self.prepack or self._kernel_problem(node, conv)
                 or pack_problem(rank, transposed, dtype)
                 or unary_problem(Unary(), rank, transposed, dtype)):
             return
-        new = self._kernel(ConvPointwise, conv, Unary(), rank, transposed, dtype)
+        new = self._kernel(ConvPointwise, conv, Unary(), rank, transposed)
         target = self._install(node, new, "packed")
         input_shape = _shape(node.args[0])
         node.target = target
@@ -616,6 +619,12 @@ class _Fuser:
 
 def _module_bytes(m: nn.Module) -> int:
     return _nbytes(getattr(m, "weight", None), getattr(m, "bias", None))
+
+
+def _multiple_readers(kind: str, users: list[fx.Node]) -> str:
+    return (f"the {kind} output is read by {len(users)} nodes "
+            f"({', '.join(_name(u) for u in users)}); fusing would hide the values before the "
+            "epilogue from the others")
 
 
 def _numeric_padding(conv: nn.Module) -> list[int] | None:

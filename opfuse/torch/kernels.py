@@ -265,6 +265,7 @@ class _ConvKernel(nn.Module):
         self.output_padding = list(output_padding or [0] * self.rank)
         self.unary = unary
         self.prepack = bool(prepack)
+        self.kernel_dtype = weight.dtype  # the dtype the kernel was checked for
         self._packed: dict[tuple[int, ...], torch.Tensor] = {}
         self._packed_version = -1
 
@@ -296,7 +297,7 @@ class _ConvKernel(nn.Module):
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         return (
             x.dim() == self.rank + 2
-            and x.dtype == self.weight.dtype
+            and x.dtype == self.weight.dtype == self.kernel_dtype
             and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and x.requires_grad)
         )
