@@ -8,7 +8,7 @@ The pipeline: :mod:`opfuse.load` -> :mod:`opfuse.analyse` -> :mod:`opfuse.passes
 """
 
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
-from opfuse.passes import DEFAULT_PASSES, PASSES
+from opfuse.passes import DEFAULT_PASSES, PASSES, TARGETS
 from opfuse.pipeline import Inspection, inspect_model, optimize
 from opfuse.report import FusionRecord, FusionReport, Refusal, Verification
 
@@ -22,6 +22,7 @@ __all__ = [
     "Verification",
     "PASSES",
     "DEFAULT_PASSES",
+    "TARGETS",
     "OpfuseError",
     "BadInputError",
     "VerificationError",

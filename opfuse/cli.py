@@ -20,7 +20,8 @@ import time
 
 from opfuse import __version__
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
-from opfuse.passes import DEFAULT_PASSES, PASSES
+from opfuse.passes import PASSES, TARGET_DEFAULT_PASSES, TARGETS
+from opfuse.targets.onnxruntime import RUNTIME_LEVELS
 
 
 def _dim(text: str) -> tuple[str, int]:
@@ -41,11 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt = sub.add_parser("optimize", help="rewrite a model, verify it, save it")
     opt.add_argument("input", help="the ONNX model to optimise")
     opt.add_argument("-o", "--output", required=True, help="where to write the optimised model")
-    opt.add_argument(
-        "--passes",
-        default=",".join(DEFAULT_PASSES),
-        help=f"comma-separated passes to run (default: %(default)s; known: {', '.join(PASSES)})",
-    )
+    _add_target_options(opt)
     opt.add_argument("--report", metavar="FILE", help="write the fusion log as JSON")
     opt.add_argument("--inputs", metavar="FILE.npz", help="verify on these inputs (keyed by input name)")
     opt.add_argument(
@@ -64,13 +61,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser("inspect", help="list fusion candidates, their blockers and the BN epsilons")
     ins.add_argument("input")
-    ins.add_argument("--passes", default=",".join(DEFAULT_PASSES))
+    _add_target_options(ins)
     ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    from opfuse.bench import command as bench_command  # light: heavy imports happen in run()
+
+    bench_command.add_parser(sub)
 
     demo = sub.add_parser("demo", help="optimise a built-in model (no files needed) and report")
     demo.add_argument("--model", default="resnet50", help="built-in model (default: %(default)s)")
-    demo.add_argument("--passes", default=",".join(DEFAULT_PASSES))
+    _add_target_options(demo)
     return parser
+
+
+def _add_target_options(p: argparse.ArgumentParser) -> None:
+    defaults = "; ".join(f"{t}: {','.join(ps)}" for t, ps in TARGET_DEFAULT_PASSES.items())
+    p.add_argument("--target", choices=TARGETS, default="onnx",
+                   help="onnx: portable folding only (default); onnxruntime: also fuse epilogues "
+                        "into com.microsoft.FusedConv/FusedGemm")
+    p.add_argument("--passes", default=None,
+                   help=f"comma-separated passes (known: {', '.join(PASSES)}; defaults per target: {defaults})")
+    p.add_argument("--runtime-level", choices=RUNTIME_LEVELS, default="all",
+                   help="ONNX Runtime graph-optimisation level the result will run at: at 'all' a fusion "
+                        "that would cost a conv the runtime's NCHWc layout is left to the runtime; "
+                        "lower levels fuse everything legal (default: %(default)s)")
+    p.add_argument("--hardware", metavar="PROFILE",
+                   help="accelerator profile (see opfuse bench): decline fusions whose working set "
+                        "would spill its on-chip buffer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +124,9 @@ def _optimize(args) -> int:
     _, report = optimize(
         args.input,
         passes=args.passes,
+        target=args.target,
+        runtime_level=args.runtime_level,
+        hardware=args.hardware,
         verify=not args.no_verify,
         inputs=args.inputs,
         dims=dict(args.dim),
@@ -130,7 +150,8 @@ def _inspect(args) -> int:
 
     from opfuse.pipeline import inspect_model
 
-    result = inspect_model(args.input, passes=args.passes)
+    result = inspect_model(args.input, passes=args.passes, target=args.target,
+                           runtime_level=args.runtime_level, hardware=args.hardware)
     report = result.report
     if args.json:
         print(json.dumps({
@@ -178,14 +199,21 @@ def _demo(args) -> int:
     proto = build(args.model)
     console.print(f"built {args.model} in code ({time.perf_counter() - start:.1f} s); optimising...")
     start = time.perf_counter()
-    _, report = optimize(proto, passes=args.passes)
+    _, report = optimize(proto, passes=args.passes, target=args.target,
+                         runtime_level=args.runtime_level, hardware=args.hardware)
     report.model = f"built-in {args.model}"
     print_report(report, console)
     console.print(f"summary: {report.summary()}  ({time.perf_counter() - start:.1f} s with verification)")
     return 0
 
 
-COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo}
+def _bench(args) -> int:
+    from opfuse.bench import command as bench_command
+
+    return bench_command.run(args)
+
+
+COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench}
 
 
 if __name__ == "__main__":  # pragma: no cover

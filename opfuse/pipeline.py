@@ -20,27 +20,80 @@ import onnx_ir as ir
 from opfuse.analyse import epsilon_census, op_counts
 from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
-from opfuse.passes import DEFAULT_PASSES, make_passes
+from opfuse.passes import FUSION_PASSES, TARGET_DEFAULT_PASSES, TARGETS, make_passes
 from opfuse.report import FusionReport
+from opfuse.targets.onnxruntime import RUNTIME_LEVELS, has_layout_pass, layout_losses, runtime_graph
 from opfuse.save import needs_external_data, save_model, write_text_atomic
 from opfuse.verify import verify_models
 
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
+LAYOUT_ATTEMPTS = 3  # fusion redone at most this often to keep the runtime's layout
 
 
-def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport) -> None:
+def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **fusion_options) -> list:
     """Run the named passes in order, repeatedly, until a round changes nothing.
 
-    Refusals are those of the last round, so they describe the final graph.
+    Refusals are those of the last round, so they describe the final graph. Returns the
+    pass objects (the fusion passes know what they emitted).
     """
-    passes = make_passes(list(names), report)
+    passes = make_passes(list(names), report, **fusion_options)
+    earlier = len(report.refusals)  # refusals of passes run before these stay
     for _ in range(MAX_ROUNDS):
-        report.refusals.clear()
+        del report.refusals[earlier:]
         modified = False
         for p in passes:
             modified = p(model).modified or modified
         if not modified:
             break
+    return passes
+
+
+def run_fusion(
+    model: ir.Model,
+    names: list[str],
+    report: FusionReport,
+    *,
+    runtime_level: str = "all",
+    veto=None,
+) -> ir.Model:
+    """Run the fuse-* passes; at runtime level "all", keep ONNX Runtime's NCHWc layout.
+
+    Fusions the layout check rejects are excluded and the fusion is redone (a rejected
+    fusion can change what the next block's Z comes from); returns the fused model, which
+    is a new object at level "all".
+    """
+    if runtime_level != "all":
+        run_passes(model, names, report, veto=veto)
+        report.notes.append(
+            f"runtime level {runtime_level}: ONNX Runtime applies no layout pass below "
+            "ENABLE_ALL, so every legal epilogue fusion is emitted"
+        )
+        return model
+    baseline_graph = runtime_graph(model)
+    exclude: dict[str, str] = {}
+    for _ in range(LAYOUT_ATTEMPTS):
+        trial, attempt = model.clone(), FusionReport()
+        passes = run_passes(trial, names, attempt, exclude=exclude, veto=veto)
+        emitted = {k: v for p in passes for k, v in getattr(p, "emitted", {}).items()}
+        losses = layout_losses(baseline_graph, trial, emitted)
+        if not losses:
+            break
+        exclude.update(losses)
+    report.records.extend(attempt.records)
+    report.refusals.extend(attempt.refusals)
+    if not has_layout_pass(baseline_graph):
+        report.notes.append(
+            "runtime level all: ONNX Runtime runs no NCHWc layout pass on this machine, so "
+            "every legal epilogue fusion is emitted"
+        )
+    else:
+        report.notes.append(
+            f"runtime level all: {len(emitted)} fused kernel(s) keep ONNX Runtime's NCHWc layout; "
+            f"{len(exclude)} fusion(s) left to the runtime because they would lose it"
+            + (f" ({', '.join(sorted(exclude)[:5])}{', ...' if len(exclude) > 5 else ''})" if exclude else "")
+            + ". For runtimes below ENABLE_ALL use --runtime-level extended (or lower) to fuse everything."
+        )
+    return trial
 
 
 def epsilon_notes(model: ir.Model) -> list[str]:
@@ -66,6 +119,8 @@ def optimize(
     *,
     passes: Iterable[str] | str | None = None,
     target: str = "onnx",
+    runtime_level: str = "all",
+    hardware: str | None = None,
     verify: bool = True,
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
     dims: Mapping[str, int] | None = None,
@@ -78,13 +133,34 @@ def optimize(
     """Optimise ``model`` (a path, bytes, ModelProto or onnx_ir.Model).
 
     Returns the new model and its report; the caller's model is never mutated. With
+    ``target`` "onnxruntime" adds epilogue fusion (FusedConv/FusedGemm);
+    ``runtime_level`` is the graph-optimisation level the result will run at ("all" keeps
+    the runtime's NCHWc layout, lower levels fuse everything legal); ``hardware`` names an
+    accelerator profile whose on-chip buffer vetoes fusions that would spill. With
     ``verify`` (the default) both models run on ONNX Runtime and a mismatch raises
     :class:`VerificationError` before anything is written. ``output`` writes the model
     (atomically); ``report_path`` writes the report as JSON.
     """
     if isinstance(passes, str):
         passes = [p.strip() for p in passes.split(",") if p.strip()]
-    names = list(passes) if passes is not None else list(DEFAULT_PASSES)
+    if target not in TARGETS:
+        raise BadInputError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+    if runtime_level not in RUNTIME_LEVELS:
+        raise BadInputError(
+            f"unknown runtime level {runtime_level!r}; choose from {', '.join(RUNTIME_LEVELS)}"
+        )
+    names = list(passes) if passes is not None else list(TARGET_DEFAULT_PASSES[target])
+    fusion = [n for n in names if n in FUSION_PASSES]
+    if fusion and target == "onnx":
+        raise BadInputError(
+            f"pass {fusion[0]} emits com.microsoft.FusedConv, which portable ONNX cannot run; "
+            "use --target onnxruntime"
+        )
+    veto = None
+    if hardware is not None:
+        from opfuse.bench.costmodel import fusion_veto
+
+        veto = fusion_veto(hardware)
     if output is not None and isinstance(model, (str, os.PathLike)) and not overwrite:
         if pathlib.Path(output).resolve() == pathlib.Path(model).resolve():
             raise BadInputError(
@@ -100,7 +176,9 @@ def optimize(
     report.notes.extend(epsilon_notes(work))
     input_was_external = needs_external_data(work)  # before the folds replace its tensors
 
-    run_passes(work, names, report)
+    run_passes(work, [n for n in names if n not in FUSION_PASSES], report)
+    if fusion:
+        work = run_fusion(work, fusion, report, runtime_level=runtime_level, veto=veto)
     report.ops_after = op_counts(work)
 
     if verify:
@@ -132,12 +210,10 @@ class Inspection:
         return [n for n in self.report.notes if "epsilon" in n]
 
 
-def inspect_model(
-    model: ModelSource, *, passes: Iterable[str] | str | None = None
-) -> Inspection:
+def inspect_model(model: ModelSource, **options) -> Inspection:
     """Dry run: which candidates would fold, what blocks the others, and the BN epsilons."""
     work, display = load_model(model)
     epsilons = epsilon_census(work)
-    _, report = optimize(work, passes=passes, verify=False)
+    _, report = optimize(work, verify=False, **options)
     report.model = display
     return Inspection(report=report, epsilons=epsilons)

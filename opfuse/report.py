@@ -104,9 +104,9 @@ class FusionReport:
         return [r for r in self.refusals if node is None or r.node == node]
 
     def reason_for(self, node: str) -> str | None:
-        """The reason the candidate ``node`` was refused, or None if it was not."""
+        """Why the candidate ``node`` was refused (every pass's reason), or None if it was not."""
         found = self.refused(node)
-        return found[0].reason if found else None
+        return "; ".join(dict.fromkeys(r.reason for r in found)) if found else None
 
     @property
     def extra_bytes(self) -> int:

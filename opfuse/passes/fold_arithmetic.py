@@ -28,7 +28,7 @@ __all__ = ["FoldArithmeticPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import describe, find_constant
+from opfuse.analyse import describe, find_constant, trace_producer
 from opfuse.passes.folding import ChannelAffine, FoldPass, ProducerShape
 
 AXIS_NAMES = {0: "batch", 1: "channel"}
@@ -43,6 +43,15 @@ class FoldArithmeticPass(FoldPass):
 
     def producer_sides(self, node: ir.Node):
         return (0, 1)
+
+    def is_candidate(self, cand) -> bool:
+        """Only a constant, or a parameter that looks like one (a graph input), is a
+        candidate: an operand computed by another node (a residual branch) is not."""
+        other = cand.consumer.inputs[1 - cand.side]
+        if other is None:
+            return False
+        source, _ = trace_producer(other)
+        return source is None or (source.op_type == "Constant" and source.domain in ("", "ai.onnx"))
 
     def affine(self, cand, out: ProducerShape) -> ChannelAffine | str:
         node, side = cand.consumer, cand.side

@@ -27,7 +27,7 @@ its name when that is a graph output. Inputs, outputs and unrelated nodes are un
 
 from __future__ import annotations
 
-__all__ = ["ChannelAffine", "Producer", "PRODUCERS", "FoldPass"]
+__all__ = ["ChannelAffine", "Producer", "PRODUCERS", "FoldPass", "add_constant"]
 
 import dataclasses
 import logging
@@ -161,6 +161,10 @@ class FoldPass(ir.passes.InPlacePass):
         """Consumer inputs that may carry the producer's output."""
         return (0,)
 
+    def is_candidate(self, cand: "_Candidate") -> bool:
+        """Whether a producer/consumer pair is worth a refusal when it cannot fold."""
+        return True
+
     def without_producer(self, node: ir.Node, scope: Scope) -> str | None:
         """Reason to report when no input comes from a producer (None: not a candidate)."""
         return None
@@ -201,6 +205,7 @@ class FoldPass(ir.passes.InPlacePass):
                 candidates.append(
                     _Candidate(scope, node, side, producer, through, PRODUCERS[producer.op_type])
                 )
+        candidates = [c for c in candidates if self.is_candidate(c)]
         if not candidates:
             reason = self.without_producer(node, scope)
             if reason:
@@ -370,19 +375,21 @@ class FoldPass(ir.passes.InPlacePass):
             self.report.records[index] = dataclasses.replace(self.report.records[index], extra_bytes=0)
 
     def _new_constant(self, scope: Scope, before: ir.Node, array: np.ndarray, base: str) -> ir.Value:
-        """A private constant: an initializer, or a Constant node inside a function."""
-        name = self._names.fresh(base)
-        tensor = ir.Tensor(array, name=name)
-        if scope.function is None:
-            value = ir.Value(
-                name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor
-            )
-            scope.graph.register_initializer(value)
-            return value
-        const = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", tensor)], name=name)
-        const.outputs[0].name = name
-        scope.container.insert_before(before, const)
-        return const.outputs[0]
+        return add_constant(scope, self._names, before, array, base)
+
+
+def add_constant(scope: Scope, names: NameTable, before: ir.Node, array: np.ndarray, base: str) -> ir.Value:
+    """A new private constant: an initializer, or a Constant node inside a function."""
+    name = names.fresh(base)
+    tensor = ir.Tensor(array, name=name)
+    if scope.function is None:
+        value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+        scope.graph.register_initializer(value)
+        return value
+    const = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", tensor)], name=name)
+    const.outputs[0].name = name
+    scope.container.insert_before(before, const)
+    return const.outputs[0]
 
 
 def _input(node: ir.Node, index: int | None) -> ir.Value | None:

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import pathlib
 import tempfile
+import warnings
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,9 @@ def export(
             export_kw[key] = value
     with tempfile.TemporaryDirectory(prefix="opfuse-torch-export-") as tmp:
         raw = pathlib.Path(tmp) / "folded.onnx"
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # the TorchScript exporter is chosen on purpose: it takes the fx GraphModule as is
+            warnings.simplefilter("ignore", DeprecationWarning)
             torch.onnx.export(folded, example_inputs, str(raw), **export_kw)
         feeds = _feeds(raw, example_inputs)
         onnx_model, report = optimize(raw, passes=passes, verify=verify, inputs=feeds,

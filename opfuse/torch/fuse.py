@@ -283,7 +283,7 @@ class _Fuser:
         self.use_kernels = use_kernels
         self.prepack = prepack
         self.rewrites: list[_Rewrite] = []
-        self.copies: dict[tuple, nn.Module] = {}  # (id(source), what) -> shared new module
+        self.copies: dict[tuple, nn.Module] = {}  # (source module, what) -> shared new module
         self.packed_convs = 0
 
     # naming and installation ---------------------------------------------------------------
@@ -294,15 +294,15 @@ class _Fuser:
     def _install(self, node: fx.Node, new: nn.Module, suffix: str) -> str:
         """Give ``new`` a module path for the site ``node``: the old module's own path when
         this is its only call site, else a fresh path next to it."""
+        for m_name, m in self.gm.named_modules():
+            if m is new:  # an identical rewrite already installed for another site
+                return m_name
         if len(self._call_sites(node)) == 1 and not any(
             n.op == "get_attr" and n.target.startswith(node.target + ".")
             for n in self.graph.nodes
         ):
             target = node.target
         else:
-            for m_name, m in self.gm.named_modules():
-                if m is new:  # an identical fold already installed for another site
-                    return m_name
             base, i = f"{node.target}_{suffix}", 1
             target = base
             while _exists(self.gm, target):
@@ -387,7 +387,7 @@ class _Fuser:
         return None
 
     def _folded_copy(self, kind: str, pm: nn.Module, bn: nn.Module) -> nn.Module:
-        key = (id(pm), id(bn), "fold")
+        key = (pm, bn, "fold")
         if key in self.copies:
             return self.copies[key]
         if kind == "Linear":
@@ -413,7 +413,8 @@ class _Fuser:
         detail = f"eps={bn.eps:g}" + ("" if bn.affine else ", affine=False") + (
             ", bias created" if pm.bias is None else "")
         if sites > 1:
-            detail += f"; the module is called at {sites} sites: this one has its own copy"
+            detail += (f"; the module is called at {sites} sites, so the fold went into a copy "
+                       "(sites with the same BatchNorm share one)")
         record = FusionRecord(pattern, anchor, (bn_name,), target,
                               weight_bytes=_nbytes(folded.weight, folded.bias), detail=detail)
         self.rewrites.append(_Rewrite(record, pm, folded))
@@ -454,6 +455,10 @@ class _Fuser:
             return f"padding={conv.padding!r} is asymmetric, which the fused kernel cannot express"
         if conv.weight.dtype not in (torch.float32, torch.bfloat16):
             return f"oneDNN's fused convolution does not take {conv.weight.dtype} weights"
+        output_padding = getattr(conv, "output_padding", ())
+        if any(p >= s for p, s in zip(output_padding, conv.stride)):
+            return (f"output_padding {tuple(output_padding)} is not smaller than the stride "
+                    f"{tuple(conv.stride)}, which oneDNN's deconvolution cannot express")
         return None
 
     def _fuse_activation(self, node: fx.Node) -> None:
@@ -544,7 +549,7 @@ class _Fuser:
         self._replace_chain(pattern, conv_node, conv, chain, new, (conv_node.args[0], other))
 
     def _kernel(self, cls, conv, unary, rank, transposed) -> nn.Module:
-        key = (id(conv), cls.__name__, unary)
+        key = (conv, cls, unary)
         if key in self.copies:
             return self.copies[key]
         prepack = self.prepack and pack_problem(rank, transposed, conv.weight.dtype) is None
@@ -573,7 +578,8 @@ class _Fuser:
             new.pack(input_shape)
         detail = f"oneDNN {new.epilogue()}" + (", pre-packed weights" if new.prepack else "")
         if sites > 1:
-            detail += f"; the conv is called at {sites} sites: this one has its own kernel"
+            detail += (f"; the conv is called at {sites} sites, so the kernel is a copy "
+                       "(sites with the same epilogue share one)")
         record = FusionRecord(pattern, anchor, removed, target,
                               weight_bytes=_nbytes(new.weight, new.bias), detail=detail)
         self.rewrites.append(_Rewrite(record, conv, new))
@@ -835,7 +841,8 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> str | None:
     """Record every node's shape (ShapeProp), in eval mode so that no BatchNorm updates its
     statistics; returns why it failed, or None."""
     modes = {m: m.training for m in gm.modules()}
-    gm.eval()
+    for m in modes:  # not gm.eval(): torch.export's modules refuse it
+        m.training = False
     try:
         with torch.no_grad():
             ShapeProp(gm).propagate(*_clone_inputs(example_inputs))

@@ -266,13 +266,13 @@ class _ConvKernel(nn.Module):
         self.unary = unary
         self.prepack = bool(prepack)
         self.kernel_dtype = weight.dtype  # the dtype the kernel was checked for
-        self._packed: dict[tuple[int, ...], torch.Tensor] = {}
+        self._packed: dict[torch.Size, torch.Tensor] = {}
         self._packed_version = -1
 
     # packing ---------------------------------------------------------------------------
     def pack(self, input_shape) -> torch.Tensor:
         """The weight packed for inputs of ``input_shape`` (cached)."""
-        key = tuple(int(d) for d in input_shape)
+        key = torch.Size(int(d) for d in input_shape)
         if self.weight._version != self._packed_version:  # weights changed in place
             self._packed.clear()
             self._packed_version = self.weight._version
@@ -292,7 +292,12 @@ class _ConvKernel(nn.Module):
         return packed
 
     def _kernel_weight(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pack(x.shape) if self.prepack else self.weight
+        if not self.prepack:
+            return self.weight
+        packed = self._packed.get(x.shape)
+        if packed is None or self.weight._version != self._packed_version:
+            packed = self.pack(x.shape)
+        return packed
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         return (

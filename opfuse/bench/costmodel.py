@@ -1,0 +1,667 @@
+"""An accelerator cost model: roofline plus launch overhead per kernel, with buffer spills.
+
+These are **predictions of a model, not measurements**. A hardware profile
+(``opfuse/hardware/*.toml``, see :func:`load_profile`) gives DRAM bandwidth, on-chip buffer
+size, peak compute per dtype and per-kernel launch overhead; the model turns a
+configuration's graph into one latency per kernel:
+
+    bytes_k  = what the kernel reads and writes (the rule of :mod:`opfuse.bench.traffic`),
+               costed at the profile's ``execution_dtype`` when it sets one (an NPU runs a
+               float32 model in float16: every float tensor costs 2 bytes an element)
+    flops_k  = 2 * MACs for Conv / Gemm / MatMul, window x outputs for pooling, inputs for
+               global pooling, 2 per element for BatchNormalization, 1 per output element
+               otherwise, plus 1 per output element for each step of a fused epilogue
+    ws_k     = working set: one tile of every activation input + all weights (they stay
+               resident, so each is read once) + one output tile; a tile is ``tile_rows``
+               rows (axis 2 of an N,C,H,... tensor, axis 0 of a matrix) of one image,
+               and for a windowed op (Conv, pooling) the input rows its window needs
+    spill_k  = 0 when ws_k fits the on-chip buffer, otherwise
+                 (ws_k - buffer) x (tiles_k - 1)   the part that does not fit, fetched again
+                                                   for every further tile
+               + 2 x output bytes x epilogue steps a fused kernel that spills also loses what
+                                                   fusion was for: each intermediate goes
+                                                   to DRAM and back, as if unfused
+               Spilled bytes move at ``spill_efficiency`` x bandwidth (scattered evictions and
+               refills, not streaming bursts), which is why a fused kernel that spills can
+               be slower than the unfused sequence it replaced (the chapter's warning).
+    t_k      = max(flops_k / peak[dtype], bytes_k / bandwidth + spill_k / (spill_efficiency
+               x bandwidth)) + launch
+    latency  = sum of t_k (kernels run one after another); bandwidth = DRAM bytes / latency
+
+Every term is non-increasing in bandwidth, buffer size, spill efficiency and peak compute
+and non-decreasing in launch overhead, so a better chip is never predicted slower (tests check this).
+
+:func:`fusion_veto` is the hook of ``opfuse optimize --hardware PROFILE``: a fused kernel
+whose working set does not fit the buffer is declined, with the sizes as the reason.
+
+The chapter's "Conv+ReLU" row
+-----------------------------
+On ResNet-50 a BatchNormalization sits between every conv and its Relu, so opfuse's
+``conv-act`` (activation into the conv, BN left in place) fuses nothing there. The
+chapter's NPU compiler evidently still fused the activations: the row is modelled by
+:func:`fuse_activation_into_batchnorm` (each activation runs in the epilogue of the
+BatchNormalization kernel that produces its input; BN stays its own kernel, Relus after a
+residual Add stay separate). It is a model of what that compiler did, stated as such in
+the output, not a graph opfuse produces.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HardwareProfile",
+    "Kernel",
+    "KernelCost",
+    "Prediction",
+    "load_profile",
+    "list_profiles",
+    "kernels_of",
+    "predict",
+    "fuse_activation_into_batchnorm",
+    "working_set",
+    "fusion_veto",
+    "ACTIVATION_OPS",
+]
+
+import dataclasses
+import math
+import os
+import pathlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from opfuse.bench.traffic import MS_DOMAIN, TensorInfo, Traffic
+from opfuse.errors import BadInputError
+
+try:  # Python 3.11+
+    import tomllib as _toml
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli backport
+    try:
+        import tomli as _toml  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        _toml = None
+
+PROFILE_DIR = pathlib.Path(__file__).resolve().parent.parent / "hardware"
+FLOAT_DTYPES = {"float32": 32, "float16": 16, "bfloat16": 16, "float64": 64}
+EXECUTION_DTYPES = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8}
+ACTIVATION_OPS = frozenset({
+    "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu",
+    "Selu", "Softplus", "Gelu", "PRelu",
+})
+WINDOWED_OPS = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"})
+GLOBAL_OPS = frozenset({
+    "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "ReduceMean", "ReduceSum",
+    "ReduceMax", "ReduceMin", "ReduceL2", "ReduceProd",
+})
+MIB = 1024 * 1024
+
+
+# -- profiles --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator, as the cost model sees it (see ``opfuse/hardware/*.toml``)."""
+
+    name: str
+    dram_bandwidth_gbps: float  # GB/s, 1e9 bytes per second
+    onchip_buffer_kib: float
+    launch_overhead_us: float
+    peak_gflops: dict[str, float]  # dtype -> sustained GFLOP/s
+    tile_rows: int = 4
+    execution_dtype: str | None = None  # float tensors are costed at this width
+    spill_efficiency: float = 0.5  # spilled bytes move at this fraction of the bandwidth
+    description: str = ""
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def buffer_bytes(self) -> float:
+        return self.onchip_buffer_kib * 1024
+
+    @property
+    def bandwidth(self) -> float:
+        return self.dram_bandwidth_gbps * 1e9
+
+    @property
+    def launch_s(self) -> float:
+        return self.launch_overhead_us * 1e-6
+
+    def peak(self, dtype: str | None) -> float:
+        """FLOP/s for ``dtype`` (the execution dtype wins); float32's when the dtype is not listed."""
+        key = self.execution_dtype or dtype or "float32"
+        value = self.peak_gflops.get(key, self.peak_gflops.get("float32"))
+        return float(value) * 1e9
+
+    def bits(self, t: TensorInfo) -> int | None:
+        if self.execution_dtype and t.dtype in FLOAT_DTYPES:
+            return EXECUTION_DTYPES[self.execution_dtype]
+        return t.bits
+
+    def nbytes(self, t: TensorInfo | None) -> int:
+        if t is None or t.shape is None:
+            return 0
+        bits = self.bits(t)
+        return 0 if bits is None else (math.prod(t.shape) * bits + 7) // 8
+
+    def replace(self, **changes) -> HardwareProfile:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "dram_bandwidth_gbps": self.dram_bandwidth_gbps,
+            "onchip_buffer_kib": self.onchip_buffer_kib,
+            "launch_overhead_us": self.launch_overhead_us,
+            "peak_gflops": dict(self.peak_gflops),
+            "tile_rows": self.tile_rows,
+            "execution_dtype": self.execution_dtype,
+            "spill_efficiency": self.spill_efficiency,
+            "source": self.source,
+        }
+
+
+def list_profiles() -> list[str]:
+    """Names of the shipped profiles."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+    """A shipped profile by name (``npu-chapter``) or a TOML file by path.
+
+    Raises :class:`BadInputError` for an unknown name, an unreadable file or a bad field.
+    """
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    text = str(name_or_path)
+    path = pathlib.Path(text)
+    if not (text.endswith(".toml") or os.sep in text or "/" in text):
+        path = PROFILE_DIR / f"{text}.toml"
+        if not path.is_file():
+            raise BadInputError(
+                f"unknown hardware profile {text!r}; shipped profiles: {', '.join(list_profiles())} "
+                "(or give the path of a .toml file)"
+            )
+    if not path.is_file():
+        raise BadInputError(f"{path}: no such hardware profile file")
+    if _toml is None:  # pragma: no cover
+        raise BadInputError("reading hardware profiles on Python 3.10 needs the 'tomli' package")
+    try:
+        data = _toml.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, _toml.TOMLDecodeError) as e:
+        raise BadInputError(f"{path}: not a readable TOML profile ({e})") from None
+    return _profile_from(data, path)
+
+
+def _profile_from(data: dict[str, Any], path: pathlib.Path) -> HardwareProfile:
+    def number(key: str, minimum: float = 0.0, strict: bool = True) -> float:
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadInputError(f"{path}: '{key}' must be a number")
+        if value < minimum or (strict and value == minimum):
+            raise BadInputError(f"{path}: '{key}' must be {'>' if strict else '>='} {minimum:g}")
+        return float(value)
+
+    peaks = data.get("peak_gflops")
+    if not isinstance(peaks, dict) or not peaks or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in peaks.values()
+    ):
+        raise BadInputError(f"{path}: [peak_gflops] must map dtypes to positive numbers")
+    if "float32" not in peaks:
+        raise BadInputError(f"{path}: [peak_gflops] needs a float32 entry (the fallback)")
+    exec_dtype = data.get("execution_dtype")
+    if exec_dtype is not None and exec_dtype not in EXECUTION_DTYPES:
+        raise BadInputError(
+            f"{path}: execution_dtype must be one of {', '.join(EXECUTION_DTYPES)}, not {exec_dtype!r}"
+        )
+    if exec_dtype is not None and exec_dtype not in peaks:
+        raise BadInputError(f"{path}: [peak_gflops] has no entry for the execution dtype {exec_dtype}")
+    tile_rows = data.get("tile_rows", 4)
+    if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
+        raise BadInputError(f"{path}: 'tile_rows' must be a positive integer")
+    calibration = data.get("calibration", {})
+    spill_efficiency = number("spill_efficiency") if "spill_efficiency" in data else 0.5
+    if spill_efficiency > 1:
+        raise BadInputError(f"{path}: 'spill_efficiency' must be in (0, 1]")
+    known = {"name", "description", "dram_bandwidth_gbps", "onchip_buffer_kib", "launch_overhead_us",
+             "peak_gflops", "tile_rows", "execution_dtype", "spill_efficiency", "calibration"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise BadInputError(f"{path}: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    return HardwareProfile(
+        name=str(data.get("name") or path.stem),
+        description=str(data.get("description", "")),
+        dram_bandwidth_gbps=number("dram_bandwidth_gbps"),
+        onchip_buffer_kib=number("onchip_buffer_kib"),
+        launch_overhead_us=number("launch_overhead_us", strict=False),
+        peak_gflops={str(k): float(v) for k, v in peaks.items()},
+        tile_rows=tile_rows,
+        execution_dtype=exec_dtype,
+        spill_efficiency=spill_efficiency,
+        calibration=calibration if isinstance(calibration, dict) else {},
+        source=str(path),
+    )
+
+
+# -- kernels -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel launch: the main op and the epilogue steps it runs on chip."""
+
+    name: str
+    op: str  # the main op: "Conv" for a FusedConv, "BatchNormalization", ...
+    inputs: tuple[TensorInfo | None, ...]
+    outputs: tuple[TensorInfo, ...]
+    attributes: dict[str, Any]
+    epilogue: tuple[str, ...] = ()  # e.g. ("Add", "Relu")
+    layer: str = ""
+
+    @property
+    def label(self) -> str:
+        return "+".join((self.op, *self.epilogue))
+
+
+def kernels_of(traffic: Traffic) -> list[Kernel]:
+    """The kernels a configuration's graph launches (Constant nodes launch nothing)."""
+    out = []
+    for n in traffic.nodes:
+        if n.no_traffic:
+            continue
+        op, epilogue = n.op_type, ()
+        if n.domain == MS_DOMAIN and n.op_type in ("FusedConv", "FusedGemm", "FusedMatMul"):
+            op = n.op_type[len("Fused"):]
+            steps = []
+            if n.op_type == "FusedConv" and len(n.inputs) > 3 and n.inputs[3] is not None:
+                steps.append("Add")
+            act = n.attributes.get("activation")
+            if act:
+                steps.append(str(act))
+            epilogue = tuple(steps)
+        elif n.domain:
+            op = f"{n.domain}.{n.op_type}"
+        out.append(Kernel(n.name, op, n.inputs, n.outputs, n.attributes, epilogue, n.layer))
+    return out
+
+
+def fuse_activation_into_batchnorm(kernels: Sequence[Kernel], graph_outputs: Iterable[str] = ()) -> list[Kernel]:
+    """The chapter's "Conv+ReLU" as its NPU compiler would run it (a modelled configuration).
+
+    Each activation kernel whose input comes from a BatchNormalization kernel, and is that
+    kernel's only use (not a graph output), runs in the BN kernel's epilogue. Everything
+    else is unchanged. See the module docstring for why this models the chapter's row.
+    """
+    uses: dict[str, int] = {}
+    for k in kernels:
+        for t in k.inputs:
+            if t is not None:
+                uses[t.name] = uses.get(t.name, 0) + 1
+    outputs = set(graph_outputs)
+    producer = {k.outputs[0].name: i for i, k in enumerate(kernels) if k.outputs}
+    merged: list[Kernel | None] = list(kernels)
+    for i, k in enumerate(kernels):
+        if k.op not in ACTIVATION_OPS or k.epilogue or not k.inputs or k.inputs[0] is None:
+            continue
+        src = k.inputs[0].name
+        j = producer.get(src)
+        if j is None or merged[j] is None or merged[j].op != "BatchNormalization":
+            continue
+        if uses.get(src, 0) != 1 or src in outputs:
+            continue
+        bn = merged[j]
+        merged[j] = dataclasses.replace(
+            bn,
+            outputs=(k.outputs[0], *bn.outputs[1:]),
+            epilogue=(*bn.epilogue, k.op, *k.epilogue),
+        )
+        merged[i] = None
+    return [k for k in merged if k is not None]
+
+
+# -- the model ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """The prediction for one kernel."""
+
+    name: str
+    label: str
+    layer: str
+    flops: int
+    bytes: int  # DRAM bytes without spills
+    spill_bytes: int
+    working_set: int
+    tiles: int
+    compute_s: float
+    memory_s: float
+    launch_s: float
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.launch_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_bytes > 0
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A configuration's predicted latency on one profile (a model's prediction)."""
+
+    profile: str
+    kernels: list[KernelCost]
+    unknown: list[str] = dataclasses.field(default_factory=list)  # kernels with unknown sizes
+
+    @property
+    def latency_s(self) -> float:
+        return sum(k.time_s for k in self.kernels)
+
+    @property
+    def traffic_bytes(self) -> int:
+        """DRAM bytes including spills."""
+        return sum(k.bytes + k.spill_bytes for k in self.kernels)
+
+    @property
+    def spill_bytes(self) -> int:
+        return sum(k.spill_bytes for k in self.kernels)
+
+    @property
+    def spilling(self) -> list[KernelCost]:
+        return [k for k in self.kernels if k.spills]
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        lat = self.latency_s
+        return self.traffic_bytes / lat / 1e9 if lat > 0 else 0.0
+
+    @property
+    def launch_s(self) -> float:
+        return sum(k.launch_s for k in self.kernels)
+
+    def per_layer(self) -> OrderedDict[str, float]:
+        """layer -> predicted seconds."""
+        out: OrderedDict[str, float] = OrderedDict()
+        for k in self.kernels:
+            out[k.layer] = out.get(k.layer, 0.0) + k.time_s
+        return out
+
+    def to_dict(self, per_kernel: bool = False) -> dict[str, Any]:
+        data = {
+            "profile": self.profile,
+            "latency_ms": self.latency_s * 1e3,
+            "kernels": len(self.kernels),
+            "traffic_bytes": self.traffic_bytes,
+            "spill_bytes": self.spill_bytes,
+            "spilling_kernels": [k.name for k in self.spilling],
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "launch_ms": self.launch_s * 1e3,
+            "compute_bound_kernels": sum(k.bound == "compute" for k in self.kernels),
+            "unknown": list(self.unknown),
+        }
+        if per_kernel:
+            data["per_kernel"] = [
+                {**dataclasses.asdict(k), "time_s": k.time_s, "bound": k.bound} for k in self.kernels
+            ]
+        return data
+
+
+def predict(source: Traffic | Sequence[Kernel], profile: HardwareProfile | str) -> Prediction:
+    """Predicted latency of a configuration (its Traffic, or kernels) on ``profile``."""
+    profile = load_profile(profile)
+    kernels = kernels_of(source) if isinstance(source, Traffic) else list(source)
+    costs, unknown = [], []
+    for k in kernels:
+        if any(t is not None and (t.shape is None or t.bits is None) for t in (*k.inputs, *k.outputs)):
+            unknown.append(k.name)
+        costs.append(cost_kernel(k, profile))
+    return Prediction(profile.name, costs, unknown)
+
+
+def cost_kernel(k: Kernel, profile: HardwareProfile) -> KernelCost:
+    moved = sum(profile.nbytes(t) for t in k.inputs if t is not None)
+    moved += sum(profile.nbytes(t) for t in k.outputs)
+    ws, tiles, _ = working_set(k, profile)
+    spill = 0
+    if ws > profile.buffer_bytes:
+        spill = int(math.ceil((ws - profile.buffer_bytes) * (tiles - 1)))
+        if k.epilogue and k.outputs:
+            spill += 2 * profile.nbytes(k.outputs[0]) * len(k.epilogue)
+    dtype = k.outputs[0].dtype if k.outputs else None
+    flops = kernel_flops(k)
+    return KernelCost(
+        name=k.name,
+        label=k.label,
+        layer=k.layer,
+        flops=flops,
+        bytes=moved,
+        spill_bytes=spill,
+        working_set=int(ws),
+        tiles=tiles,
+        compute_s=flops / profile.peak(dtype),
+        memory_s=moved / profile.bandwidth + spill / (profile.bandwidth * profile.spill_efficiency),
+        launch_s=profile.launch_s,
+    )
+
+
+def kernel_flops(k: Kernel) -> int:
+    """Floating-point operations of one kernel (see the module docstring)."""
+    out = k.outputs[0] if k.outputs else None
+    out_elems = out.elements if out is not None and out.shape is not None else 0
+    x = k.inputs[0] if k.inputs else None
+    w = k.inputs[1] if len(k.inputs) > 1 else None
+    flops = 0
+    if k.op == "Conv" and w is not None and w.shape is not None:
+        flops = 2 * out_elems * math.prod(w.shape[1:])
+        if len(k.inputs) > 2 and k.inputs[2] is not None:
+            flops += out_elems
+    elif k.op == "ConvTranspose" and w is not None and w.shape is not None and x is not None and x.shape:
+        flops = 2 * math.prod(x.shape) * math.prod(w.shape[1:])
+    elif k.op == "Gemm" and x is not None and x.shape is not None and len(x.shape) == 2:
+        depth = x.shape[0] if k.attributes.get("transA", 0) else x.shape[1]
+        flops = 2 * out_elems * depth
+        if len(k.inputs) > 2 and k.inputs[2] is not None:
+            flops += out_elems
+    elif k.op == "MatMul" and x is not None and x.shape:
+        flops = 2 * out_elems * x.shape[-1]
+    elif k.op in WINDOWED_OPS:
+        flops = out_elems * math.prod(k.attributes.get("kernel_shape", [1]))
+    elif k.op in GLOBAL_OPS and x is not None and x.shape is not None:
+        flops = math.prod(x.shape)
+    elif k.op == "BatchNormalization":
+        flops = 2 * out_elems
+    else:
+        flops = out_elems
+    return int(flops + out_elems * len(k.epilogue))
+
+
+def working_set(k: Kernel, profile: HardwareProfile) -> tuple[float, int, dict[str, float]]:
+    """(bytes the kernel must hold on chip at once, number of tiles, the parts by name)."""
+    rows = profile.tile_rows
+    out = k.outputs[0] if k.outputs else None
+    tiles, out_tile, out_rows, out_h = 1, 0.0, 1, 1
+    if out is not None and out.shape is not None and len(out.shape) > 0:
+        if len(out.shape) >= 3:
+            n, out_h = max(out.shape[0], 1), max(out.shape[2], 1)
+        else:
+            n, out_h = 1, max(out.shape[0], 1)
+        out_rows = min(rows, out_h)
+        tiles = n * math.ceil(out_h / out_rows)
+        out_tile = profile.nbytes(out) / (n * out_h) * out_rows
+    parts = {"input tile": 0.0, "residual tile": 0.0, "weights": 0.0, "output tile": out_tile}
+    for out_extra in k.outputs[1:]:
+        parts["output tile"] += profile.nbytes(out_extra) / tiles
+    for i, t in enumerate(k.inputs):
+        if t is None:
+            continue
+        size = profile.nbytes(t)
+        if t.is_weight:
+            parts["weights"] += size
+            continue
+        key = "residual tile" if (k.op == "Conv" and i == 3) else "input tile"
+        parts[key] += _input_tile(k, t, size, out, out_rows, out_h, tiles)
+    return sum(parts.values()), tiles, parts
+
+
+def _input_tile(k: Kernel, t: TensorInfo, size: int, out, out_rows: int, out_h: int, tiles: int) -> float:
+    if t.shape is None or out is None or out.shape is None:
+        return float(size)
+    if len(t.shape) < 3 or len(out.shape) < 3:
+        return size / tiles
+    n_in, h_in = max(t.shape[0], 1), max(t.shape[2], 1)
+    per_row = size / (n_in * h_in)
+    if k.op in WINDOWED_OPS:
+        strides = k.attributes.get("strides") or [1]
+        dilations = k.attributes.get("dilations") or [1]
+        kernel_h = _kernel_height(k)
+        if k.op == "ConvTranspose":
+            rows_in = math.ceil(out_rows / strides[0]) + kernel_h - 1
+        else:
+            rows_in = (out_rows - 1) * strides[0] + (kernel_h - 1) * dilations[0] + 1
+    elif out_h == 1 and h_in > 1:
+        rows_in = h_in  # a global reduction needs the whole map per output row
+    else:
+        rows_in = math.ceil(out_rows * h_in / out_h)
+    return per_row * min(h_in, rows_in)
+
+
+def _kernel_height(k: Kernel) -> int:
+    shape = k.attributes.get("kernel_shape")
+    if shape:
+        return int(shape[0])
+    w = k.inputs[1] if len(k.inputs) > 1 else None
+    if w is not None and w.shape is not None and len(w.shape) >= 3:
+        return int(w.shape[2])
+    return 1
+
+
+# -- the --hardware hook -----------------------------------------------------------------
+
+def fusion_veto(profile: str | os.PathLike | HardwareProfile) -> Callable[[ir.Node, list[ir.Node]], str | None]:
+    """The check ``opfuse optimize --hardware PROFILE`` applies to each fusion.
+
+    The returned function takes the anchor (Conv or Gemm, shapes inferred) and the nodes it
+    would absorb, and returns None when the fused kernel's working set fits the profile's
+    on-chip buffer, else one sentence saying what does not fit. Unknown shapes: None (the
+    model cannot tell, so it does not object).
+    """
+    prof = load_profile(profile)
+
+    def veto(anchor: ir.Node, absorbed: list[ir.Node]) -> str | None:
+        kernel = _kernel_from_nodes(anchor, absorbed)
+        if kernel is None:
+            return None
+        ws, _, parts = working_set(kernel, prof)
+        if ws <= prof.buffer_bytes:
+            return None
+        shown = " + ".join(f"{name} {_mib(v)}" for name, v in parts.items() if v > 0)
+        alone, _, _ = working_set(dataclasses.replace(kernel, epilogue=(), inputs=kernel.inputs[:3]), prof)
+        tail = "" if alone <= prof.buffer_bytes else f" (the unfused {anchor.op_type} alone needs {_mib(alone)})"
+        dtype = f" at {prof.execution_dtype}" if prof.execution_dtype else ""
+        return (
+            f"the fused kernel's working set ({shown} = {_mib(ws)}{dtype}) exceeds "
+            f"{prof.name}'s {_mib(prof.buffer_bytes)} on-chip buffer; it would spill{tail}"
+        )
+
+    return veto
+
+
+def _mib(n: float) -> str:
+    if n >= MIB:
+        return f"{n / MIB:.1f} MiB"
+    return f"{n / 1024:.0f} KiB"
+
+
+def _tensor_info(value: ir.Value | None, is_weight: bool, shape: tuple[int, ...] | None = None) -> TensorInfo | None:
+    if value is None:
+        return None
+    dtype = value.dtype
+    if shape is None and value.shape is not None and all(isinstance(d, int) for d in value.shape):
+        shape = tuple(int(d) for d in value.shape)
+    if shape is None and value.const_value is not None:
+        shape = tuple(value.const_value.shape)
+    if dtype is None and value.const_value is not None:
+        dtype = value.const_value.dtype
+    name = None
+    bits = None
+    if dtype is not None and dtype != ir.DataType.UNDEFINED:
+        bits = dtype.bitwidth
+        try:
+            name = str(np.dtype(dtype.numpy()).name)
+        except (TypeError, ValueError):
+            name = dtype.name.lower()
+    return TensorInfo(value.name or "", shape, name, bits, is_weight)
+
+
+def _kernel_from_nodes(anchor: ir.Node, absorbed: list[ir.Node]) -> Kernel | None:
+    if anchor.op_type not in ("Conv", "Gemm", "MatMul") or not anchor.inputs:
+        return None
+    attrs = {k: a.value for k, a in anchor.attributes.items() if isinstance(a.value, (int, float, str, list, tuple))}
+    inputs = [
+        _tensor_info(v, i > 0 and v is not None and (v.is_initializer() or v.const_value is not None))
+        for i, v in enumerate(anchor.inputs)
+    ]
+    x = inputs[0]
+    if x is None or x.shape is None:
+        return None
+    out_value = (absorbed[-1] if absorbed else anchor).outputs[0]
+    out = _tensor_info(out_value, False)
+    if out is None or out.shape is None:
+        out = _tensor_info(anchor.outputs[0], False)
+    if (out is None or out.shape is None) and anchor.op_type == "Conv":
+        shape = _conv_output_shape(x, inputs[1], attrs)
+        if shape is None:
+            return None
+        out = dataclasses.replace(x, name=out_value.name or "", shape=shape)
+    if out is None or out.shape is None:
+        return None
+    if out.bits is None:
+        out = dataclasses.replace(out, dtype=x.dtype, bits=x.bits)
+    steps: list[str] = []
+    while len(inputs) < 3:
+        inputs.append(None)
+    for node in absorbed:
+        steps.append(node.op_type)
+        if node.op_type in ("Add", "Sum", "Mul", "Sub", "Div"):
+            chain = {anchor.outputs[0], *(n.outputs[0] for n in absorbed)}
+            for v in node.inputs:
+                if v is not None and v not in chain:
+                    is_w = v.is_initializer() or v.const_value is not None
+                    info = _tensor_info(v, is_w, None if is_w else out.shape)
+                    if info is not None and info.bits is None:
+                        info = dataclasses.replace(info, dtype=out.dtype, bits=out.bits)
+                    inputs.append(info)
+        else:
+            for v in node.inputs[1:]:
+                if v is not None and (v.is_initializer() or v.const_value is not None):
+                    inputs.append(_tensor_info(v, True))
+    return Kernel(anchor.name or anchor.op_type, anchor.op_type, tuple(inputs), (out,), attrs,
+                  tuple(steps), anchor.name or "")
+
+
+def _conv_output_shape(x: TensorInfo, w: TensorInfo | None, attrs: dict) -> tuple[int, ...] | None:
+    if w is None or w.shape is None or x.shape is None or len(x.shape) < 3:
+        return None
+    spatial = len(x.shape) - 2
+    kernel = list(attrs.get("kernel_shape") or w.shape[2:])
+    strides = list(attrs.get("strides") or [1] * spatial)
+    dilations = list(attrs.get("dilations") or [1] * spatial)
+    pads = list(attrs.get("pads") or [0] * (2 * spatial))
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    dims = []
+    for i in range(spatial):
+        size = x.shape[2 + i]
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            dims.append(math.ceil(size / strides[i]))
+            continue
+        eff = (kernel[i] - 1) * dilations[i] + 1
+        pad = 0 if auto_pad == "VALID" else pads[i] + pads[i + spatial]
+        dims.append((size + pad - eff) // strides[i] + 1)
+    return (x.shape[0], w.shape[0], *dims)

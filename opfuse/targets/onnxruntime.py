@@ -1,0 +1,222 @@
+"""What ONNX Runtime's CPU provider can execute in a convolution's epilogue, as data.
+
+Kernels (contrib ops, domain ``com.microsoft``):
+
+    FusedConv(X, W, B?, Z?)   Y = act(Conv(X, W, B) + Z)        float32, float16
+    FusedGemm(A, B, C?)       Y = act(alpha * A'B' + beta * C)   float32
+
+Activations each kernel accepts, and the parameters it needs (one row each; supporting
+one more activation is one more row):
+
+    op           FusedConv activation_params     FusedGemm activation_alpha/beta
+    Relu         -                               -
+    LeakyRelu    [alpha]                         alpha
+    Sigmoid      -                               -
+    Tanh         -                               -
+    HardSigmoid  [alpha, beta]                   alpha, beta
+    Clip         [min, max]                      (not supported by FusedGemm)
+
+Consecutive activations merge before fusing when the result is one activation:
+Relu then Clip(a, b) is Clip(max(a, 0), b); Clip(a, b) then Relu is Clip(max(a, 0),
+max(b, 0)); Relu then Relu is Relu.
+
+Interplay with the runtime's own optimiser: at ENABLE_ALL, ONNX Runtime on x86 rewrites
+convs into its blocked NCHWc layout and absorbs Add and activations itself. A FusedConv
+whose Z comes from outside that layout (a graph input, a Relu...) stays outside it, and
+so does its conv: :func:`layout_losses` runs the runtime on both graphs and names the
+fusions that would cost a conv its layout, so the pipeline can leave them to the runtime.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Activation",
+    "EpilogueKernel",
+    "ACTIVATIONS",
+    "KERNELS",
+    "read_activation",
+    "merge_activations",
+    "layout_losses",
+    "runtime_graph",
+    "has_layout_pass",
+    "RUNTIME_LEVELS",
+]
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from opfuse.analyse import describe, find_constant
+
+MS_DOMAIN = "com.microsoft"
+RUNTIME_LEVELS = ("disabled", "basic", "extended", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An activation in kernel terms: its name and its parameters."""
+
+    kind: str
+    params: tuple[float, ...] = ()
+
+    def __str__(self) -> str:
+        return self.kind + (f"({', '.join(f'{p:g}' for p in self.params)})" if self.params else "")
+
+
+def _attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return float(attr.value) if attr is not None else default
+
+
+def _clip_bounds(node: ir.Node, opset: int) -> Activation | str:
+    dtype = None
+    x = node.inputs[0]
+    if x is not None and x.dtype is not None:
+        dtype = x.dtype.numpy()
+    info = ml_dtypes.finfo(dtype or np.float32)
+    lo, hi = float(info.min), float(info.max)
+    if "min" in node.attributes or "max" in node.attributes or opset < 11:
+        return Activation("Clip", (_attr(node, "min", lo), _attr(node, "max", hi)))
+    bounds = [lo, hi]
+    for i in (1, 2):
+        if i < len(node.inputs) and node.inputs[i] is not None:
+            found = find_constant(node.inputs[i], "bound" if i == 1 else "upper bound")
+            if isinstance(found, str):
+                return f"its {'lower' if i == 1 else 'upper'} bound is not a constant: {found}"
+            bounds[i - 1] = float(found.array.reshape(-1)[0])
+    return Activation("Clip", tuple(bounds))
+
+
+# op type -> how to read it as an Activation (or a reason it cannot be one)
+ACTIVATIONS: dict[str, Callable[[ir.Node, int], Activation | str]] = {
+    "Relu": lambda n, opset: Activation("Relu"),
+    "Sigmoid": lambda n, opset: Activation("Sigmoid"),
+    "Tanh": lambda n, opset: Activation("Tanh"),
+    "LeakyRelu": lambda n, opset: Activation("LeakyRelu", (_attr(n, "alpha", 0.01),)),
+    "HardSigmoid": lambda n, opset: Activation("HardSigmoid", (_attr(n, "alpha", 0.2), _attr(n, "beta", 0.5))),
+    "Clip": _clip_bounds,
+}
+
+
+def read_activation(node: ir.Node, opset: int) -> Activation | str | None:
+    """The node as an Activation; a reason when it is one but unusable; None when it is not."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ACTIVATIONS:
+        return None
+    return ACTIVATIONS[node.op_type](node, opset)
+
+
+def merge_activations(first: Activation, then: Activation) -> Activation | None:
+    """One activation computing ``then(first(x))``, or None when there is none."""
+    if first.kind == "Relu" and then.kind == "Relu":
+        return first
+    if first.kind == "Relu" and then.kind == "Clip":
+        lo, hi = then.params
+        return Activation("Clip", (max(lo, 0.0), hi))
+    if first.kind == "Clip" and then.kind == "Relu":
+        lo, hi = first.params
+        return Activation("Clip", (max(lo, 0.0), max(hi, 0.0)))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueKernel:
+    """A fused kernel of the target: which op it replaces and what its epilogue runs."""
+
+    anchor: str  # the op whose epilogue it extends
+    op_type: str
+    residual: bool  # accepts Z, added before the activation
+    dtypes: frozenset[str]
+    activations: frozenset[str]  # Activation kinds it accepts
+
+    def emit(self, anchor: ir.Node, activation: Activation | None, z: ir.Value | None, name: str) -> ir.Node:
+        """The fused node: the anchor's inputs and attributes plus the epilogue."""
+        inputs = list(anchor.inputs)
+        attributes = [attr for attr in anchor.attributes.values()]
+        if self.op_type == "FusedConv":
+            if z is not None:
+                while len(inputs) < 3:
+                    inputs.append(None)
+                inputs.append(z)
+            if activation is not None:
+                attributes.append(ir.AttrString("activation", activation.kind))
+                if activation.params:
+                    attributes.append(ir.AttrFloat32s("activation_params", list(activation.params)))
+        else:  # FusedGemm
+            if activation is not None:
+                attributes.append(ir.AttrString("activation", activation.kind))
+                for key, value in zip(("activation_alpha", "activation_beta"), activation.params):
+                    attributes.append(ir.AttrFloat32(key, value))
+        return ir.Node(MS_DOMAIN, self.op_type, inputs, attributes=attributes, name=name, num_outputs=1)
+
+
+KERNELS: dict[str, EpilogueKernel] = {
+    "Conv": EpilogueKernel(
+        "Conv", "FusedConv", residual=True, dtypes=frozenset({"float32", "float16"}),
+        activations=frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "Clip"}),
+    ),
+    "Gemm": EpilogueKernel(
+        "Gemm", "FusedGemm", residual=False, dtypes=frozenset({"float32"}),
+        activations=frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid"}),
+    ),
+}
+
+
+# --- the runtime's own layout pass --------------------------------------------------------
+
+def runtime_graph(model: ir.Model) -> list[tuple[str, str, str]]:
+    """(domain, op_type, name) of the graph ONNX Runtime runs at ENABLE_ALL."""
+    import onnx
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory(prefix="opfuse-layout-") as tmp:
+        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        data = ir.serde.serialize_model(model).SerializeToString()
+        ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    return [(n.domain, n.op_type, n.name) for n in optimized.graph.node]
+
+
+def has_layout_pass(baseline_graph: list[tuple[str, str, str]]) -> bool:
+    return any(domain.endswith("nchwc") for domain, _, _ in baseline_graph)
+
+
+def layout_losses(
+    baseline_graph: list[tuple[str, str, str]], fused: ir.Model, emitted: dict[str, str]
+) -> dict[str, str]:
+    """Fusions that keep a conv out of ONNX Runtime's NCHWc layout at ENABLE_ALL.
+
+    ``baseline_graph`` is :func:`runtime_graph` of the unfused model; ``emitted`` maps each
+    fused node's name to a description of its epilogue. Returns {fused node name: reason}
+    for those the runtime leaves outside the layout although it converts the unfused conv.
+    Empty when the runtime has no NCHWc layout on this machine.
+    """
+    if not emitted or not has_layout_pass(baseline_graph):
+        return {}
+    outside = {name for domain, op, name in baseline_graph if "Conv" in op and not domain.endswith("nchwc")}
+    losses = {}
+    for domain, op, name in runtime_graph(fused):
+        if name in emitted and op in ("FusedConv", "Conv") and not domain.endswith("nchwc") and name not in outside:
+            losses[name] = (
+                f"ONNX Runtime at ENABLE_ALL keeps a FusedConv with {emitted[name]} out of its "
+                "NCHWc layout, which it gives the unfused conv (and then fuses the epilogue "
+                "itself); left to the runtime (--runtime-level below all fuses it anyway)"
+            )
+    return losses
+
+
+def describe_epilogue(activation: Activation | None, z: ir.Value | None) -> str:
+    parts = []
+    if z is not None:
+        source = z.producer()
+        parts.append(f"Z from {describe(source) if source is not None else 'graph input ' + repr(z.name)}")
+    if activation is not None:
+        parts.append(f"activation {activation}")
+    return " and ".join(parts) or "no epilogue"
