@@ -19,6 +19,7 @@ __all__ = [
 
 import dataclasses
 import json
+import re
 from collections import Counter
 from typing import Any
 
@@ -196,19 +197,25 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
     else:
         console.print("Applied: nothing")
 
-    if report.refusals:
+    if report.refusals and verbose:
         table = Table(title="Refused", title_justify="left")
-        table.add_column("pattern")
-        table.add_column("node")
-        table.add_column("into")
-        table.add_column("reason")
-        shown = report.refusals if verbose else report.refusals[:40]
-        for r in shown:
+        for col in ("pattern", "node", "into", "reason"):
+            table.add_column(col)
+        for r in report.refusals:
             node = r.node if r.graph == "main" else f"{r.node} ({r.graph})"
             table.add_row(r.pattern, node, r.anchor, r.reason)
         console.print(table)
-        if len(shown) < len(report.refusals):
-            console.print(f"... and {len(report.refusals) - len(shown)} more (see --report)")
+    elif report.refusals:
+        # Group refusals that say the same thing about different nodes.
+        groups: dict[tuple[str, str], list[Refusal]] = {}
+        for r in report.refusals:
+            groups.setdefault((r.pattern, _QUOTED.sub("'…'", r.reason)), []).append(r)
+        table = Table(title="Refused (grouped; -v or --report lists every node)", title_justify="left")
+        for col, justify in (("pattern", "left"), ("count", "right"), ("example", "left"), ("reason", "left")):
+            table.add_column(col, justify=justify)
+        for (pattern, _), rows in groups.items():
+            table.add_row(pattern, str(len(rows)), rows[0].node, rows[0].reason)
+        console.print(table)
 
     ops = sorted(set(report.ops_before) | set(report.ops_after))
     if ops:
@@ -244,6 +251,9 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
                 f"verification: {status} on {v.runtime}, {len(v.outputs)} output(s), "
                 f"inputs {v.inputs}{extra}"
             )
+
+
+_QUOTED = re.compile(r"'[^']*'")
 
 
 def _bytes(n: int) -> str:
