@@ -32,7 +32,9 @@ Every term is non-increasing in bandwidth, buffer size, spill efficiency and pea
 and non-decreasing in launch overhead, so a better chip is never predicted slower (tests check this).
 
 :func:`fusion_veto` is the hook of ``opfuse optimize --hardware PROFILE``: a fused kernel
-whose working set does not fit the buffer is declined, with the sizes as the reason.
+whose working set does not fit the buffer, and which the model therefore predicts slower
+than the unfused sequence it replaces, is declined, with the sizes and times as the reason.
+(A fusion that spills but still wins, because the unfused conv would spill anyway, stays.)
 
 The chapter's "Conv+ReLU" row
 -----------------------------
@@ -505,8 +507,11 @@ def working_set(k: Kernel, profile: HardwareProfile) -> tuple[float, int, dict[s
         if t.is_weight:
             parts["weights"] += size
             continue
-        key = "residual tile" if (k.op == "Conv" and i == 3) else "input tile"
-        parts[key] += _input_tile(k, t, size, out, out_rows, out_h, tiles)
+        if k.op == "Conv" and i == 3:  # Z: read row for row with the output, no window
+            parts["residual tile"] += _input_tile(dataclasses.replace(k, op="Add"), t, size, out,
+                                                  out_rows, out_h, tiles)
+        else:
+            parts["input tile"] += _input_tile(k, t, size, out, out_rows, out_h, tiles)
     return sum(parts.values()), tiles, parts
 
 
@@ -561,16 +566,36 @@ def fusion_veto(profile: str | os.PathLike | HardwareProfile) -> Callable[[ir.No
         ws, _, parts = working_set(kernel, prof)
         if ws <= prof.buffer_bytes:
             return None
+        # It spills; decline only if the model predicts the spilling fused kernel slower
+        # than the unfused sequence (conv alone, then each absorbed op as its own kernel).
+        fused_s = cost_kernel(kernel, prof).time_s
+        unfused_s = sum(cost_kernel(k, prof).time_s for k in _unfused_kernels(kernel, anchor, absorbed))
+        if fused_s <= unfused_s:
+            return None
         shown = " + ".join(f"{name} {_mib(v)}" for name, v in parts.items() if v > 0)
-        alone, _, _ = working_set(dataclasses.replace(kernel, epilogue=(), inputs=kernel.inputs[:3]), prof)
-        tail = "" if alone <= prof.buffer_bytes else f" (the unfused {anchor.op_type} alone needs {_mib(alone)})"
         dtype = f" at {prof.execution_dtype}" if prof.execution_dtype else ""
         return (
             f"the fused kernel's working set ({shown} = {_mib(ws)}{dtype}) exceeds "
-            f"{prof.name}'s {_mib(prof.buffer_bytes)} on-chip buffer; it would spill{tail}"
+            f"{prof.name}'s {_mib(prof.buffer_bytes)} on-chip buffer; it would spill, and "
+            f"{prof.name} is predicted slower fused ({fused_s * 1e6:.0f} us) than unfused "
+            f"({unfused_s * 1e6:.0f} us)"
         )
 
     return veto
+
+
+def _unfused_kernels(fused: Kernel, anchor: ir.Node, absorbed: list[ir.Node]) -> list[Kernel]:
+    """The kernels the same work takes unfused: the anchor alone, then one per absorbed op."""
+    out = fused.outputs[0]
+    alone = dataclasses.replace(fused, inputs=fused.inputs[:3], epilogue=())
+    kernels = [alone]
+    extra = list(fused.inputs[3:])  # residual operands, in absorption order
+    for node in absorbed:
+        inputs: tuple = (out,)
+        if node.op_type in ("Add", "Sum", "Mul", "Sub", "Div") and extra:
+            inputs = (out, extra.pop(0))
+        kernels.append(Kernel(node.name or node.op_type, node.op_type, inputs, (out,), {}, (), fused.layer))
+    return kernels
 
 
 def _mib(n: float) -> str:

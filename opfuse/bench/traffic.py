@@ -28,7 +28,10 @@ The ideal lower bound
   with the same shape (for a binary op, the first such input). Everything else (Conv, Gemm,
   pooling, Flatten, ...) creates new activations. A graph input is an activation that is
   read but never written; a graph output one that is written but (unless consumed) not read.
-- ideal = every weight read once + every activation written once and read once.
+- an activation counts as read when a node other than the element-wise op continuing it
+  reads it (a layer, or an Add taking it as its second operand); continuing it happens on
+  chip, in the producing layer's epilogue.
+- ideal = every weight read once + every activation written once and, if read, read once.
 
 It is the traffic of a layer-by-layer executor that runs every element-wise op in the
 epilogue of the layer producing its input and never re-reads a feature map. Fusion cannot
@@ -489,17 +492,19 @@ def _ideal_and_layers(
         for v, t in zip(node.inputs, info.inputs):
             if v is not None and t is not None and t.is_weight and not info.metadata_only:
                 weight_bytes[t.name] = t.nbytes or 0
-        if not info.metadata_only:
-            for v, _ in acts:
-                read.add(root.get(v.name, v.name))
-        joined = None
+        joined, carrier = None, None
         if (node.op_type in ELEMENTWISE_OPS and node.domain in ("", "ai.onnx")
                 and len(info.outputs) >= 1 and info.outputs[0].shape is not None):
             out = info.outputs[0]
-            for v, t in acts:
+            for k, (v, t) in enumerate(acts):
                 if t.shape == out.shape and t.dtype == out.dtype and v.name in root:
-                    joined = root[v.name]
+                    joined, carrier = root[v.name], k
                     break
+        if not info.metadata_only:
+            # an element-wise op continuing an activation works on it on chip: not a read
+            for k, (v, _) in enumerate(acts):
+                if k != carrier:
+                    read.add(root.get(v.name, v.name))
         if joined is not None:
             info.layer = layer_of_root[joined]
             root[info.outputs[0].name] = joined

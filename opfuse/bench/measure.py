@@ -1,0 +1,403 @@
+"""Measured latency on ONNX Runtime's CPU provider, done so that small differences show.
+
+- Every variant gets its own session: opfuse's configurations with the runtime's graph
+  optimisations **disabled** (so only opfuse's rewrites differ), the runtime's own levels
+  (basic / extended / all) on the original model, and an **A/A control**: a second,
+  separate session of the unfused model, whose ratio to the first is the noise floor.
+- ``intra_op_num_threads`` is configurable (default 2), one inter-op thread, sequential
+  execution, and thread spinning off (``session.intra_op.allow_spinning = 0``) so idle
+  sessions do not steal the cores the measured one needs.
+- Warm-up runs first; then rounds: each round runs every session once, in an order that
+  rotates from round to round, so slow drifts of a shared machine hit every variant alike.
+- Statistics per variant: median, min and max in ms, and the **paired ratio**: the median
+  over rounds of (this variant / the baseline in the same round), which cancels what the
+  machine was doing during that round.
+- The warm-up outputs are compared with the baseline's (``opfuse.verify`` tolerances), so a
+  row that computes something else is flagged rather than celebrated.
+- Node counts: the graph's own for disabled optimisations; for the runtime's levels, the
+  nodes left after its optimiser (``optimized_model_filepath``), by ``domain.op_type``.
+- Optional per-op-type profile (``enable_profiling``): kernel time summed per op type, per
+  run, e.g. how much BatchNormalization, Relu and Add cost before fusion and after.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RUNTIME_LEVELS",
+    "Variant",
+    "Timing",
+    "Measurement",
+    "session_options",
+    "create_session",
+    "measure",
+    "runtime_op_counts",
+    "runtime_graph_proto",
+    "profile_op_types",
+    "serialize",
+]
+
+import bisect
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from opfuse.save import needs_external_data
+from opfuse.verify import compare_outputs
+
+RUNTIME_LEVELS = {
+    "disabled": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+@dataclasses.dataclass
+class Variant:
+    """One session to measure: a model and the runtime level it runs at."""
+
+    name: str  # row key: "none", "conv-bn", "ort-all", "none (A/A)"...
+    label: str  # what the table shows
+    model: ir.Model | bytes | str  # an onnx-ir model, serialized bytes, or a path
+    level: str = "disabled"
+    kind: str = "config"  # "config" | "control" | "runtime" | "peer"
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Timing:
+    """Latency samples of one variant, in milliseconds, and its paired ratio to the baseline."""
+
+    samples_ms: list[float]
+    ratios: list[float] = dataclasses.field(default_factory=list)  # per round, / baseline
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples_ms)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples_ms)
+
+    @property
+    def ratio(self) -> float:
+        """Median over rounds of this variant's time / the baseline's in the same round."""
+        return statistics.median(self.ratios) if self.ratios else float("nan")
+
+    @property
+    def ratio_spread(self) -> tuple[float, float]:
+        """The 25th and 75th percentiles of the per-round ratios."""
+        if len(self.ratios) < 2:
+            return (self.ratio, self.ratio)
+        q = np.percentile(self.ratios, [25, 75])
+        return float(q[0]), float(q[1])
+
+    def to_dict(self) -> dict[str, Any]:
+        lo, hi = self.ratio_spread
+        return {
+            "median_ms": self.median,
+            "min_ms": self.min,
+            "max_ms": self.max,
+            "ratio_to_baseline": self.ratio,
+            "ratio_iqr": [lo, hi],
+            "samples_ms": list(self.samples_ms),
+        }
+
+
+@dataclasses.dataclass
+class Measurement:
+    """Everything :func:`measure` found."""
+
+    timings: dict[str, Timing]
+    baseline: str
+    threads: int
+    warmup: int
+    rounds: int
+    op_counts: dict[str, Counter]  # variant -> node counts by domain.op_type as the runtime runs it
+    mismatches: dict[str, str]  # variant -> why its outputs differ from the baseline's
+    errors: dict[str, str]  # variant -> why it could not run
+
+    def nodes(self, name: str) -> int | None:
+        counts = self.op_counts.get(name)
+        return None if counts is None else sum(counts.values())
+
+
+def session_options(
+    level: str = "disabled",
+    threads: int = 2,
+    *,
+    profile_prefix: str | None = None,
+    optimized_path: str | None = None,
+):
+    """SessionOptions for a measurement: level, threads, no spinning, sequential."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, RUNTIME_LEVELS[level])
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    if optimized_path is not None:
+        options.optimized_model_filepath = optimized_path
+    return options
+
+
+def serialize(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) -> bytes | str:
+    """What ``InferenceSession`` accepts: bytes, or a path for models with external data."""
+    if isinstance(model, (bytes, str)):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return model.SerializeToString()
+    if not needs_external_data(model):
+        return ir.serde.serialize_model(model).SerializeToString()
+    path = tempfile.mkstemp(suffix=".onnx", dir=workdir)[1]
+    ir.save(model, path, external_data=os.path.basename(path) + ".data")
+    return path
+
+
+def create_session(model, level: str = "disabled", threads: int = 2, **kwargs):
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
+        source = serialize(model, tmp)
+        return ort.InferenceSession(source, session_options(level, threads, **kwargs),
+                                    providers=["CPUExecutionProvider"])
+
+
+def runtime_graph_proto(model, level: str, threads: int = 2) -> onnx.ModelProto:
+    """The graph ONNX Runtime runs at ``level`` (its optimiser's output, weights included)."""
+    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
+        out = os.path.join(tmp, "optimized.onnx")
+        create_session(model, level, threads, optimized_path=out)
+        return onnx.load(out)
+
+
+def runtime_op_counts(model, level: str, threads: int = 2) -> Counter:
+    """Node counts (by ``domain.op_type``) after the runtime's optimiser at ``level``."""
+    if level == "disabled":
+        return _model_op_counts(model)
+    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
+        out = os.path.join(tmp, "optimized.onnx")
+        create_session(model, level, threads, optimized_path=out)
+        return _graph_op_counts(onnx.load(out, load_external_data=False))
+
+
+def _graph_op_counts(proto: onnx.ModelProto) -> Counter:
+    return Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in proto.graph.node)
+
+
+def _model_op_counts(model) -> Counter:
+    if isinstance(model, ir.Model):
+        return Counter(
+            f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+            for n in model.graph
+            if not (n.op_type == "Constant" and n.domain in ("", "ai.onnx"))
+        )
+    if isinstance(model, bytes):
+        proto = onnx.ModelProto()
+        proto.ParseFromString(model)
+    elif isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        proto = onnx.load(model, load_external_data=False)
+    return Counter(
+        f"{n.domain}.{n.op_type}" if n.domain else n.op_type
+        for n in proto.graph.node
+        if n.op_type != "Constant"
+    )
+
+
+def measure(
+    variants: Sequence[Variant],
+    feeds: Mapping[str, np.ndarray],
+    *,
+    threads: int = 2,
+    warmup: int = 3,
+    rounds: int = 20,
+    baseline: str | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Measurement:
+    """Interleaved latency measurement of ``variants`` on the same ``feeds``.
+
+    ``progress(stage, done, total)`` is called as sessions are created and rounds complete.
+    ``baseline`` (default: the first variant) is what paired ratios and output checks use.
+    """
+    import onnxruntime as ort
+
+    baseline = baseline or variants[0].name
+    sessions: dict[str, Any] = {}
+    op_counts: dict[str, Counter] = {}
+    errors: dict[str, str] = {}
+    total_steps = len(variants) + warmup + rounds
+    step = 0
+
+    def tick(stage: str) -> None:
+        nonlocal step
+        step += 1
+        if progress is not None:
+            progress(stage, step, total_steps)
+
+    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
+        for i, v in enumerate(variants):
+            optimized = os.path.join(tmp, f"opt{i}.onnx") if v.level != "disabled" else None
+            try:
+                source = serialize(v.model, tmp)
+                sessions[v.name] = ort.InferenceSession(
+                    source, session_options(v.level, threads, optimized_path=optimized),
+                    providers=["CPUExecutionProvider"],
+                )
+                if optimized is not None:
+                    op_counts[v.name] = _graph_op_counts(onnx.load(optimized, load_external_data=False))
+                else:
+                    op_counts[v.name] = _model_op_counts(v.model)
+            except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
+                errors[v.name] = _first_line(e)
+            tick(f"session {v.label}")
+
+    names = [v.name for v in variants if v.name in sessions]
+    feeds = dict(feeds)
+    outputs: dict[str, dict[str, np.ndarray]] = {}
+    for w in range(warmup):
+        for name in names:
+            try:
+                result = sessions[name].run(None, feeds)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = _first_line(e)
+                continue
+            if w == 0:
+                out_names = [o.name for o in sessions[name].get_outputs()]
+                outputs[name] = dict(zip(out_names, result))
+        names = [n for n in names if n not in errors]
+        tick("warm-up")
+
+    mismatches: dict[str, str] = {}
+    if baseline in outputs:
+        for name in names:
+            if name == baseline or name not in outputs:
+                continue
+            bad = [c for c in compare_outputs(outputs[baseline], outputs[name]) if not c.ok]
+            if bad:
+                mismatches[name] = f"output '{bad[0].name}': {bad[0].problem}"
+
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names) if names else 0
+        order = names[shift:] + names[:shift]
+        this_round: dict[str, float] = {}
+        for name in order:
+            start = time.perf_counter()
+            sessions[name].run(None, feeds)
+            this_round[name] = (time.perf_counter() - start) * 1e3
+        for name, ms in this_round.items():
+            samples[name].append(ms)
+            if baseline in this_round:
+                ratios[name].append(ms / this_round[baseline])
+        tick("measuring")
+
+    return Measurement(
+        timings={n: Timing(samples[n], ratios[n]) for n in names if samples[n]},
+        baseline=baseline,
+        threads=threads,
+        warmup=warmup,
+        rounds=rounds,
+        op_counts=op_counts,
+        mismatches=mismatches,
+        errors=errors,
+    )
+
+
+def profile_op_types(
+    models: Mapping[str, Any],
+    feeds: Mapping[str, np.ndarray],
+    *,
+    level: str = "disabled",
+    threads: int = 2,
+    runs: int = 5,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Kernel time per op type (ms per run) for each model, from ONNX Runtime's profiler.
+
+    One profiling session per model; one unprofiled-in-effect first run each (dropped),
+    then ``runs`` rounds over the sessions in turn, like :func:`measure`. For every run the
+    profiler's node events (``cat`` "Node", name ending in ``_kernel_time``) are summed
+    by ``args.op_name``; the result is the median over runs, so one disturbed run does not
+    move it. Returns {model name: {op type: ms per run}}, op types by decreasing time.
+    """
+    import onnxruntime as ort
+
+    feeds = dict(feeds)
+    with tempfile.TemporaryDirectory(prefix="opfuse-profile-") as tmp:
+        sessions = {}
+        for i, (name, model) in enumerate(models.items()):
+            source = serialize(model, tmp)
+            options = session_options(level, threads, profile_prefix=os.path.join(tmp, f"profile{i}"))
+            sessions[name] = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+            sessions[name].run(None, feeds)  # first run: arena growth, dropped below
+        names = list(sessions)
+        for r in range(runs):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                sessions[name].run(None, feeds)
+            if progress is not None:
+                progress("profiling op types", r + 1, runs)
+        result = {}
+        for name, session in sessions.items():
+            path = session.end_profiling()
+            with open(path, encoding="utf-8") as f:
+                result[name] = summarise_profile(json.load(f), skip_runs=1)
+    return result
+
+
+def summarise_profile(events: list[dict], *, skip_runs: int = 0) -> dict[str, float]:
+    """Median over runs of the kernel ms per op type, from a profiler event list.
+
+    A run is a ``model_run`` session event; node events are assigned to the run whose time
+    span holds them. The first ``skip_runs`` runs are dropped.
+    """
+    spans = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in events
+        if e.get("cat") == "Session" and e.get("name") == "model_run"
+    )[skip_runs:]
+    if not spans:
+        return {}
+    starts = [s for s, _ in spans]
+    per_run: list[dict[str, float]] = [{} for _ in spans]
+    for e in events:
+        if e.get("cat") != "Node" or not str(e.get("name", "")).endswith("_kernel_time"):
+            continue
+        ts = e.get("ts", 0)
+        i = bisect.bisect_right(starts, ts) - 1
+        if i < 0 or ts > spans[i][1]:
+            continue
+        op = (e.get("args") or {}).get("op_name", "?")
+        per_run[i][op] = per_run[i].get(op, 0.0) + float(e.get("dur", 0)) / 1e3
+    ops = {op for run in per_run for op in run}
+    medians = {op: statistics.median(run.get(op, 0.0) for run in per_run) for op in ops}
+    return dict(sorted(medians.items(), key=lambda kv: -kv[1]))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
