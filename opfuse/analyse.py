@@ -29,14 +29,19 @@ __all__ = [
     "epsilon_census",
     "opset_of",
     "NameTable",
+    "infer_shapes",
 ]
 
 import dataclasses
+import logging
 from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common  # noqa: F401 - ShapeInferencePass
+
+logger = logging.getLogger(__name__)
 
 BN_DEFAULT_EPSILON = 1e-5  # the ONNX spec's default, used only when the attribute is absent
 
@@ -219,3 +224,15 @@ class NameTable:
             name = f"{base}_{n}"
         self._taken.add(name)
         return name
+
+
+def infer_shapes(model: ir.Model) -> None:
+    """Attach inferred shapes to values (onnx's inference); the graph is not changed.
+
+    Best effort: a model onnx cannot infer keeps the shapes it had, and the rewrites that
+    need a shape refuse with a reason.
+    """
+    try:
+        ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
+    except Exception as e:  # noqa: BLE001 - onnx raises many kinds here
+        logger.info("shape inference failed: %s", e)

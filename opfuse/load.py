@@ -36,7 +36,9 @@ def load_model(source: ModelSource, *, check: bool = True) -> tuple[ir.Model, st
         return source.clone(), source.graph.name or "<model>"
     if isinstance(source, onnx.ModelProto):
         _check_proto(source, "<ModelProto>", check=check, path=None)
-        return ir.serde.deserialize_model(source), source.graph.name or "<ModelProto>"
+        private = onnx.ModelProto()
+        private.CopyFrom(source)  # onnx-ir's tensors view the proto: never touch the caller's
+        return ir.serde.deserialize_model(private), source.graph.name or "<ModelProto>"
     if isinstance(source, (bytes, bytearray)):
         proto = _parse(bytes(source), "<bytes>")
         _check_proto(proto, "<bytes>", check=check, path=None)

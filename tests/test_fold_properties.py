@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx
 import pytest
-from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from hypothesis import strategies as st
 from onnx import helper
 
@@ -61,7 +61,10 @@ FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 SETTINGS = dict(
     deadline=None,
-    derandomize=True,
+    derandomize=True,  # deterministic in CI
+    # no "explain" phase: on a failure it re-runs hundreds of variants, and the minimal
+    # example plus the notes (graph, expectations, report) already say what went wrong
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
@@ -489,6 +492,10 @@ def draw_case(data, dtype, producer_kind: str, huge: bool = False) -> Case:
         # Gemm-9 requires C; C became optional in Gemm-11
         opset = data.draw(st.sampled_from([9, 13, 15, 17] if len(inputs) == 3 else [13, 15, 17]))
         attrs.pop("_c_kind")
+    if dtype == np.float16:
+        # float16 rounds each intermediate of the ORIGINAL chain to 11 bits; on a tensor of
+        # a few elements that cancel (y - c ~ 0) the scale is no measure of that error
+        assume(math.prod(prod.out_shape) >= 12)
     consumers, final, final_shape = build_chain(data, rng, b, "y", prod.out_shape, opset, huge)
     b.output(final, final_shape)
 
@@ -563,6 +570,7 @@ def check_case(case: Case) -> None:
         if not case.consumers[0].divides_by_y:
             assert np.all(np.isfinite(value)), f"generator made a non-finite output {name}"
 
+    before = case.model.SerializeToString()
     result, report = opfuse.optimize(case.model, verify=False)
     note(report.to_json())
     onnx.checker.check_model(to_proto(result))
@@ -619,24 +627,25 @@ def check_case(case: Case) -> None:
 
     actual = ort_run(result, case.feeds)
     assert_outputs_close(expected, actual, rtol, atol, exact=case.exact_outputs)
+    assert case.model.SerializeToString() == before, "optimize mutated the caller's ModelProto"
 
 
 # -- the properties ----------------------------------------------------------------------
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=600, **SETTINGS)
 @given(data=st.data())
 def test_conv_chains_fold_exactly_the_legal_consumers(data):
     check_case(draw_case(data, np.float32, "conv"))
 
 
-@settings(max_examples=120, **SETTINGS)
+@settings(max_examples=300, **SETTINGS)
 @given(data=st.data())
 def test_gemm_chains_fold_exactly_the_legal_consumers(data):
     check_case(draw_case(data, np.float32, "gemm"))
 
 
-@settings(max_examples=120, **SETTINGS)
+@settings(max_examples=400, **SETTINGS)
 @given(data=st.data())
 def test_float16_chains_refuse_folds_that_overflow(data):
     kind = data.draw(st.sampled_from(["conv", "conv", "gemm"]))

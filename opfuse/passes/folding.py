@@ -44,6 +44,7 @@ from opfuse.analyse import (
     Scope,
     describe,
     find_constant,
+    infer_shapes,
     iter_scopes,
     sole_use_problem,
     trace_producer,
@@ -176,6 +177,7 @@ class FoldPass(ir.passes.InPlacePass):
     # -- the pass ------------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._names = NameTable(model)
+        self._model, self._shapes_inferred = model, False
         modified = False
         for scope in list(iter_scopes(model)):
             for node in list(scope.graph):
@@ -243,6 +245,10 @@ class FoldPass(ir.passes.InPlacePass):
         if str(weight.array.dtype) not in FLOAT_DTYPES:
             return f"the weight of {describe(producer)} is {weight.array.dtype}, not floating point"
         out = kind.output(producer, weight.array)
+        if not isinstance(out, str) and out.rank is None and not self._shapes_inferred:
+            infer_shapes(self._model)  # once per pass, only when a rank is needed and unknown
+            self._shapes_inferred = True
+            out = kind.output(producer, weight.array)
         if isinstance(out, str):
             return out
         affine = self.affine(cand, out)
@@ -341,17 +347,17 @@ class FoldPass(ir.passes.InPlacePass):
         if was_output:
             result.name = tail_name
 
-        extra, still_shared = 0, []
+        extra, still_shared, dropped = 0, [], []
         for old, new, array in ((old_w, new_w, w_arr), (old_b, new_b, b_arr)):
             if old is None or new is None:
                 continue
-            if _drop_if_unused(old) is False:
+            if _drop_if_unused(old, dropped) is False:
                 extra += int(array.nbytes)  # the original is shared: both copies stay
                 still_shared.append(old)
-            else:
-                self._settle_shared(old)
         for value in former_inputs:
-            _drop_if_unused(value)
+            _drop_if_unused(value, dropped)
+        for value in dropped:  # an original that is gone costs the earlier copies nothing
+            self._settle_shared(value)
 
         for old in still_shared:
             self.report.shared_originals.setdefault(old, []).append(len(self.report.records))
@@ -403,20 +409,28 @@ def _base(value: ir.Value | None, producer: ir.Node) -> str:
     return _FOLDED_SUFFIX.sub("", name)  # a second fold into the same weight reuses the stem
 
 
-def _drop_if_unused(value: ir.Value) -> bool | None:
-    """Remove a constant nobody uses any more; False if it is still used, None if not ours."""
+def _drop_if_unused(value: ir.Value, dropped: list[ir.Value] | None = None) -> bool | None:
+    """Remove a constant nobody uses any more (and the Identity/Constant chain behind it).
+
+    Returns False if it is still used, None if it is not a constant of ours; every value
+    removed is appended to ``dropped``.
+    """
     if value.uses() or value.is_graph_output() or value.is_graph_input():
         return False
     if value.is_initializer():
         graph = value.graph
         if graph is not None and value.name in graph.initializers:
             graph.initializers.pop(value.name)
+        if dropped is not None:
+            dropped.append(value)
         return True
     producer = value.producer()
     if producer is not None and producer.op_type in ("Constant", "Identity") and producer.graph is not None:
         sources = [v for v in producer.inputs if v is not None]
         producer.graph.remove(producer, safe=True)
+        if dropped is not None:
+            dropped.append(value)
         for source in sources:
-            _drop_if_unused(source)
+            _drop_if_unused(source, dropped)
         return True
     return None

@@ -40,9 +40,16 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
-import onnx_ir.passes.common  # noqa: F401 - ShapeInferencePass
 
-from opfuse.analyse import NameTable, Scope, describe, find_constant, iter_scopes, sole_use_problem
+from opfuse.analyse import (
+    NameTable,
+    Scope,
+    describe,
+    find_constant,
+    infer_shapes,
+    iter_scopes,
+    sole_use_problem,
+)
 from opfuse.passes.folding import add_constant
 from opfuse.report import FusionRecord, FusionReport, Refusal
 from opfuse.targets.onnxruntime import (
@@ -104,7 +111,7 @@ class EpilogueFusionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._names = NameTable(model)
         if self.residual:
-            _infer_shapes(model)
+            infer_shapes(model)
         modified = False
         explained: set[ir.Node] = set()
         for scope in list(iter_scopes(model)):
@@ -346,9 +353,3 @@ def _out_channels(conv: ir.Node) -> int | None:
     return shape[1] if shape is not None and len(shape) > 1 and isinstance(shape[1], int) else None
 
 
-def _infer_shapes(model: ir.Model) -> None:
-    """Attach shapes to values (onnx's inference); the model's structure is not changed."""
-    try:
-        ir.passes.common.ShapeInferencePass(strict_mode=False)(model)
-    except Exception as e:  # noqa: BLE001 - inference is best effort; fusions needing shapes refuse
-        logger.info("shape inference failed: %s", e)

@@ -4,13 +4,14 @@
 and the :class:`opfuse.report.FusionReport` that says what was rewritten and what was
 refused, with the same pattern vocabulary as the ONNX side. The pipeline is
 
-    capture  torch.fx.symbolic_trace; where fx cannot trace (data-dependent control flow)
-             and example inputs are given, torch.export, whose aten convolution, linear
-             and batch_norm calls are lifted back to modules so one matcher serves both
+    capture  torch.fx.symbolic_trace; where fx cannot trace (control flow on shapes or
+             Python values) and example inputs are given, torch.export (specialised to
+             their shapes), whose aten conv, linear and batch_norm calls on constant weights
+             are lifted back to modules, so that one matcher serves both
     shapes   with example inputs, torch.fx's ShapeProp records every tensor's shape
     fold     BatchNorm into the Conv/ConvTranspose/Linear before it   (FOLD_PATTERNS)
     fuse     a conv's epilogue (activation, or residual add + ReLU) into one oneDNN kernel
-             with pre-packed weights                                   (EPILOGUE_RULES)
+             with pre-packed weights                              (ACTIVATIONS, ADDS)
     verify   with example inputs, both models run and every output is compared
 
 Every rule is pattern (which nodes), check (a sentence when it is illegal here), rewrite.
@@ -38,8 +39,8 @@ The caller's model is deep-copied first unless ``inplace=True``, in which case t
 shares the modules it did not rewrite with the caller's model (which is still not changed).
 
 Legality of fusing an epilogue E into a convolution C (oneDNN: kernels.py):
-  1. C is a Conv or ConvTranspose module called with a single input, zero padding mode
-     and numeric (or symmetric "same") padding; E is an activation in ACTIVATIONS whose
+  1. C is a Conv or ConvTranspose module called with a single input, zero padding mode,
+     numeric (or symmetric "same") padding and output_padding < stride; E is an activation in ACTIVATIONS whose
      parameters are constants, or an add of C's output and another tensor (alpha = 1; an
      in-place add must write into C's output, not into the other tensor), optionally
      followed by a ReLU.
@@ -206,8 +207,14 @@ def _module(gm: fx.GraphModule, node: Any) -> nn.Module | None:
 
 
 def _name(node: fx.Node) -> str:
-    """A name a user recognises: the module path for module calls, else the node name."""
-    return str(node.target) if node.op == "call_module" else node.name
+    """A name a user recognises: the module path for module calls ("layer1.0.relu", with
+    "(call 2 of 3)" when the module is called at several sites), else the node name."""
+    if node.op != "call_module":
+        return node.name
+    calls = [n for n in node.graph.nodes if n.op == "call_module" and n.target == node.target]
+    if len(calls) == 1:
+        return str(node.target)
+    return f"{node.target} (call {calls.index(node) + 1} of {len(calls)})"
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
@@ -757,7 +764,8 @@ def _lift_aten(gm: fx.GraphModule) -> None:
                 else:
                     names = ("stride", "padding", "dilation", "groups")
                     defaults = (1, 0, 1, 1)
-                values = {n: _arg(node, 3 + i, n, d) for i, (n, d) in enumerate(zip(names, defaults))}
+                values = {n: _arg(node, 3 + i, n, d)
+                          for i, (n, d) in enumerate(zip(names, defaults))}
                 hp = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                   for k, v in values.items()))
                 if any(isinstance(v, fx.Node) for v in values.values()):

@@ -255,7 +255,8 @@ class _ConvKernel(nn.Module):
     ):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (None if bias is None
+                     else nn.Parameter(bias.detach().clone(), requires_grad=False))
         self.rank = weight.dim() - 2
         self.stride = list(stride)
         self.padding = list(padding)
