@@ -94,11 +94,10 @@ def scale_output_channels(
     weight: np.ndarray, scale: np.ndarray, layout: WeightLayout, group: int = 1
 ) -> np.ndarray:
     """Return W' (a new float64 array) with output channel o's weights times scale[o]."""
-    w = np.array(weight, dtype=np.float64)  # always a private copy, scaled in place
-    view_shape, s = _channel_broadcast(scale, w.shape, layout, group)
-    view = w.reshape(view_shape)
-    view *= s
-    return w
+    weight = np.asarray(weight)
+    view_shape, s = _channel_broadcast(scale, weight.shape, layout, group)
+    # One pass: read the weight in its dtype, multiply and write in float64.
+    return np.multiply(weight.reshape(view_shape), s, dtype=np.float64).reshape(weight.shape)
 
 
 def fold_affine(

@@ -283,7 +283,8 @@ EPILOGUES = [
 ]
 
 
-@pytest.mark.parametrize("act,pattern", EPILOGUES, ids=[p + str(i) for i, (_, p) in enumerate(EPILOGUES)])
+@pytest.mark.parametrize("act,pattern", EPILOGUES,
+                         ids=[f"{p}-{i}" for i, (_, p) in enumerate(EPILOGUES)])
 def test_activation_epilogues(act, pattern):
     torch.manual_seed(0)
     model = randomize(ConvAct(act))
@@ -359,6 +360,22 @@ def test_float64_model_folds_but_keeps_plain_convs_with_a_reason():
     assert len(report.applied("Conv+BatchNormalization")) == 1
     assert "float64" in report.reason_for("act")
     assert count(fused, nn.Conv2d) == 1 and count(fused, nn.ReLU) == 1
+
+
+def test_bfloat16_uses_what_the_probe_accepts():
+    torch.manual_seed(0)
+    model = randomize(Residual(operator.add, nn.ReLU())).to(torch.bfloat16).eval()
+    x = torch.randn(2, 6, 8, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = model(x)
+    fused, report = fuse(model, (x,))
+    with torch.no_grad():
+        assert_close(ref, fused(x), tol=2e-2)
+    assert report.verification.ok
+    assert len(report.applied("Conv+BatchNormalization")) == 2
+    if KERNELS:  # whatever oneDNN rejects in bfloat16 is refused with its own message
+        for refusal in report.refusals:
+            assert "bfloat16" in refusal.reason
 
 
 # -- module reuse --------------------------------------------------------------------------------
