@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:
     defaults = "; ".join(f"{t}: {','.join(ps)}" for t, ps in TARGET_DEFAULT_PASSES.items())
+    from opfuse.ablation import CONFIGS
+
+    p.add_argument("--config", choices=sorted(CONFIGS),
+                   help="an ablation row of the chapter's table by name (sets --passes and --target): "
+                        + "; ".join(f"{c.name} = {c.label}" for c in CONFIGS.values()))
     p.add_argument("--target", choices=TARGETS, default="onnx",
                    help="onnx: portable folding only (default); onnxruntime: also fuse epilogues "
                         "into com.microsoft.FusedConv/FusedGemm")
@@ -116,10 +121,23 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, soft_wrap=False)
 
 
+def _apply_config(args) -> None:
+    """--config NAME stands for that ablation row's passes and target."""
+    if getattr(args, "config", None) is None:
+        return
+    from opfuse.ablation import CONFIGS
+
+    if args.passes is not None:
+        raise BadInputError("give either --config or --passes, not both")
+    config = CONFIGS[args.config]
+    args.passes, args.target = list(config.passes), config.target
+
+
 def _optimize(args) -> int:
     from opfuse.pipeline import optimize
     from opfuse.report import print_report
 
+    _apply_config(args)
     start = time.perf_counter()
     _, report = optimize(
         args.input,
@@ -150,6 +168,7 @@ def _inspect(args) -> int:
 
     from opfuse.pipeline import inspect_model
 
+    _apply_config(args)
     result = inspect_model(args.input, passes=args.passes, target=args.target,
                            runtime_level=args.runtime_level, hardware=args.hardware)
     report = result.report
@@ -194,6 +213,7 @@ def _demo(args) -> int:
 
     if args.model not in BUILTIN_MODELS:
         raise BadInputError(f"unknown built-in model {args.model!r}; choose from {', '.join(BUILTIN_MODELS)}")
+    _apply_config(args)
     console = _console()
     start = time.perf_counter()
     proto = build(args.model)

@@ -225,3 +225,20 @@ def test_large_models_switch_to_external_data(tmp_path, monkeypatch):
 def test_demo_command_help():
     rc, stdout, _ = run_cli("--help")
     assert rc == 0 and "optimize" in stdout and "inspect" in stdout
+
+
+def test_config_names_select_the_chapters_ablation_rows(tmp_path):
+    from opfuse.models import build
+
+    path = tmp_path / "r18.onnx"
+    onnx.save(build("resnet18", batch=1, image_size=64), path)
+    counts = {}
+    for config in ("none", "conv-bn", "conv-act", "conv-bn-act", "all"):
+        out = tmp_path / f"{config}.onnx"
+        assert main(["optimize", str(path), "-o", str(out), "--config", config, "-q", "--no-verify"]) == 0
+        counts[config] = len(onnx.load(out).graph.node)
+    # ResNet-18: 69 nodes; BN folded: 49; + activations after convs: 40; everything: 20 convs
+    # (each with its epilogue) + MaxPool, GlobalAveragePool, Flatten, Gemm = 24
+    assert counts == {"none": 69, "conv-bn": 49, "conv-act": 69, "conv-bn-act": 40, "all": 24}
+    rc = main(["optimize", str(path), "-o", str(tmp_path / "x.onnx"), "--config", "all", "--passes", "fold-batchnorm"])
+    assert rc == 2
