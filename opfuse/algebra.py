@@ -40,6 +40,8 @@ __all__ = [
     "batchnorm_affine",
     "scale_output_channels",
     "fold_affine",
+    "fold_bias",
+    "fold_weight",
     "cast_back",
     "output_channels",
     "channel_major",
@@ -56,6 +58,7 @@ WeightLayout = Literal["oihw", "iohw", "kn", "nk"]
 # fold is refused (a whole output channel flushing to zero is refused regardless).
 UNDERFLOW_TOLERANCE = 0.01
 MIN_SAFE_SCALE = 2.0**-20
+CHUNK_ELEMENTS = 1 << 16  # float64 working block of the fused multiply-and-cast (512 KiB)
 
 
 def batchnorm_affine(
@@ -91,13 +94,45 @@ def _channel_broadcast(scale: np.ndarray, shape: tuple[int, ...], layout: Weight
 
 
 def scale_output_channels(
-    weight: np.ndarray, scale: np.ndarray, layout: WeightLayout, group: int = 1
+    weight: np.ndarray,
+    scale: np.ndarray,
+    layout: WeightLayout,
+    group: int = 1,
+    out_dtype: np.dtype | None = None,
 ) -> np.ndarray:
-    """Return W' (a new float64 array) with output channel o's weights times scale[o]."""
+    """W' with output channel o's weights times scale[o], computed in float64.
+
+    Returned in float64, or, with ``out_dtype``, cast to it chunk by chunk as numpy's
+    buffered loop produces it (the same values, without a float64 copy of the weight).
+    """
     weight = np.asarray(weight)
     view_shape, s = _channel_broadcast(scale, weight.shape, layout, group)
-    # One pass: read the weight in its dtype, multiply and write in float64.
-    return np.multiply(weight.reshape(view_shape), s, dtype=np.float64).reshape(weight.shape)
+    if out_dtype is None:
+        return np.multiply(weight.reshape(view_shape), s, dtype=np.float64).reshape(weight.shape)
+    out = np.empty(weight.shape, dtype=out_dtype)
+    w_view, o_view = weight.reshape(view_shape), out.reshape(view_shape)
+    # Blocks along the first axis keep each float64 intermediate in cache.
+    rows = max(1, CHUNK_ELEMENTS // max(1, w_view[0].size)) if w_view.shape[0] else 1
+    s_rows = s.shape[0] > 1
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(0, w_view.shape[0], rows):
+            block = w_view[i:i + rows].astype(np.float64)
+            block *= s[i:i + rows] if s_rows else s
+            o_view[i:i + rows] = block
+    return out
+
+
+def fold_bias(
+    bias: np.ndarray | None, scale: np.ndarray | None, shift: np.ndarray | None, channels: int
+) -> np.ndarray | None:
+    """b' = scale * b + shift per output channel, in float64 (None: no bias results)."""
+    b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), (channels,))
+    if scale is not None and b is not None:
+        b = b * np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (channels,))
+    if shift is not None:
+        t = np.broadcast_to(np.asarray(shift, np.float64).reshape(-1), (channels,))
+        b = t.copy() if b is None else b + t
+    return None if b is None else np.array(b, dtype=np.float64)
 
 
 def fold_affine(
@@ -114,18 +149,33 @@ def fold_affine(
     none. b' is None only when there was no bias and nothing creates one.
     """
     channels = output_channels(np.shape(weight), layout, group)
-    w = weight
-    b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), (channels,))
-    if scale is not None:
-        s = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (channels,))
-        w = scale_output_channels(w, s, layout, group)
-        b = None if b is None else b * s
-    if shift is not None:
-        t = np.broadcast_to(np.asarray(shift, np.float64).reshape(-1), (channels,))
-        b = t.copy() if b is None else b + t
     if scale is None:
         w = np.array(weight, dtype=np.float64)
-    return w, (None if b is None else np.array(b, dtype=np.float64))
+    else:
+        s = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (channels,))
+        w = scale_output_channels(weight, s, layout, group)
+    return w, fold_bias(bias, scale, shift, channels)
+
+
+def fold_weight(
+    weight: np.ndarray, scale: np.ndarray, layout: WeightLayout, group: int = 1
+) -> tuple[np.ndarray, str | None]:
+    """W' = scale (.) W computed in float64 and cast back to W's dtype; (W', problem).
+
+    The same values and checks as ``cast_back(scale_output_channels(...))``; float32 and
+    float64 weights under scales >= MIN_SAFE_SCALE take one pass with no float64 copy.
+    """
+    weight = np.asarray(weight)
+    dtype = weight.dtype
+    channels = output_channels(weight.shape, layout, group)
+    s = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (channels,))
+    min_abs_scale = float(np.min(np.abs(s))) if s.size else 1.0
+    if dtype in (np.float32, np.float64) and min_abs_scale >= MIN_SAFE_SCALE:
+        out = scale_output_channels(weight, s, layout, group, out_dtype=dtype)
+        if np.isfinite(out).all():
+            return out, None
+    folded = scale_output_channels(weight, s, layout, group)
+    return cast_back(folded, dtype, "weight", layout, group, min_abs_scale)
 
 
 def channel_major(array: np.ndarray, layout: WeightLayout, group: int = 1) -> np.ndarray:

@@ -155,13 +155,13 @@ def test_input_is_never_overwritten_unless_asked(good):
 
 
 def test_verification_failure_exits_1_and_writes_nothing(good, tmp_path, monkeypatch, capsys):
-    real = opfuse.algebra.fold_affine
+    real = opfuse.algebra.fold_weight
 
     def broken(*args, **kw):
-        w, b = real(*args, **kw)
-        return w * 1.01, b
+        w, problem = real(*args, **kw)
+        return w * np.float32(1.01), problem
 
-    monkeypatch.setattr(opfuse.algebra, "fold_affine", broken)
+    monkeypatch.setattr(opfuse.algebra, "fold_weight", broken)
     out, rep = tmp_path / "o.onnx", tmp_path / "r.json"
     rc = main(["optimize", str(good), "-o", str(out), "--report", str(rep)])
     err = capsys.readouterr().err

@@ -290,13 +290,14 @@ class FoldPass(ir.passes.InPlacePass):
                         "which varies along the batch axis"
                     )
                 b = b.reshape(-1)
-        w_new, b_new = algebra.fold_affine(weight.array, b, scale, affine.shift, layout, group)
         dtype = weight.array.dtype
-        min_abs_scale = 1.0 if scale is None else float(np.min(np.abs(scale)))
-        w_arr, problem = algebra.cast_back(w_new, dtype, "weight", layout, group, min_abs_scale)
-        if problem:
-            return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
+        w_arr = None  # a pure shift leaves the weight as it is
+        if scale is not None:
+            w_arr, problem = algebra.fold_weight(weight.array, scale, layout, group)
+            if problem:
+                return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
         b_arr = None
+        b_new = algebra.fold_bias(b, scale, affine.shift, out.channels)
         if b_new is not None:
             b_arr, problem = algebra.cast_back(b_new, dtype, "bias")
             if problem:
@@ -305,7 +306,9 @@ class FoldPass(ir.passes.InPlacePass):
         scope = cand.scope
         old_w = _input(producer, kind.weight_index)
         old_b = _input(producer, kind.bias_index) if kind.bias_index is not None else None
-        new_w = self._new_constant(scope, producer, w_arr, f"{_base(old_w, producer)}_folded")
+        new_w = old_w
+        if w_arr is not None:
+            new_w = self._new_constant(scope, producer, w_arr, f"{_base(old_w, producer)}_folded")
         new_b = None
         if b_arr is not None:
             base = _base(old_b, producer) if old_b is not None else f"{producer.name or 'producer'}.bias"
@@ -324,7 +327,8 @@ class FoldPass(ir.passes.InPlacePass):
             scope.container.insert_before(producer, anchor)
             removed.append(producer)
         else:
-            producer.replace_input_with(kind.weight_index, new_w)
+            if new_w is not old_w:
+                producer.replace_input_with(kind.weight_index, new_w)
             if new_b is not None:
                 if len(producer.inputs) <= kind.bias_index:
                     producer.resize_inputs(kind.bias_index + 1)
@@ -349,7 +353,7 @@ class FoldPass(ir.passes.InPlacePass):
 
         extra, still_shared, dropped = 0, [], []
         for old, new, array in ((old_w, new_w, w_arr), (old_b, new_b, b_arr)):
-            if old is None or new is None:
+            if old is None or new is None or old is new:
                 continue
             if _drop_if_unused(old, dropped) is False:
                 extra += int(array.nbytes)  # the original is shared: both copies stay
@@ -368,7 +372,7 @@ class FoldPass(ir.passes.InPlacePass):
                 removed=tuple(n.name or n.op_type for n in removed),
                 produced=anchor.name or "",
                 graph=scope.label,
-                weight_bytes=int(w_arr.nbytes + (0 if b_arr is None else b_arr.nbytes)),
+                weight_bytes=int((0 if w_arr is None else w_arr.nbytes) + (0 if b_arr is None else b_arr.nbytes)),
                 extra_bytes=extra,
                 detail=affine.detail,
             )
