@@ -25,10 +25,7 @@ from torch import nn
 
 import opfuse
 
-try:  # pytest's default import mode puts tests/ on sys.path
-    from _graphs import ort_run, to_proto
-except ImportError:  # pragma: no cover - when tests/ is imported as a package
-    from tests._graphs import ort_run, to_proto
+from _graphs import ort_run, to_proto  # tests/ is on sys.path under pytest's default import mode
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -29,32 +29,18 @@ from onnx import helper
 
 import opfuse
 
-try:  # pytest's default import mode puts tests/ on sys.path
-    from _graphs import (
-        assert_outputs_close,
-        constant_node,
-        dead_nodes,
-        initializer,
-        make_model,
-        node_names,
-        ort_run,
-        to_proto,
-        unused_initializers,
-        value_info,
-    )
-except ImportError:  # pragma: no cover - when tests/ is imported as a package
-    from tests._graphs import (
-        assert_outputs_close,
-        constant_node,
-        dead_nodes,
-        initializer,
-        make_model,
-        node_names,
-        ort_run,
-        to_proto,
-        unused_initializers,
-        value_info,
-    )
+from _graphs import (  # tests/ is on sys.path under pytest's default import mode
+    assert_outputs_close,
+    constant_node,
+    dead_nodes,
+    initializer,
+    make_model,
+    node_names,
+    ort_run,
+    to_proto,
+    unused_initializers,
+    value_info,
+)
 
 TOLERANCE = {np.float32: (1e-4, 1e-5), np.float16: (1e-2, 2e-3)}  # rtol, atol x scale
 FLOAT16_MAX = float(np.finfo(np.float16).max)
