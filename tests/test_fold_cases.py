@@ -672,3 +672,26 @@ def test_refusals_describe_the_final_graph():
     m = model(nodes, [vinfo("x", [1, 4, 5, 5])], [vinfo("z", [1, 6, 3, 3])], inits)
     _, report = optimize(m, passes=["fold-batchnorm", "fold-arithmetic"])
     assert report.refusals == []
+
+
+def test_loop_body_is_folded_with_outer_scope_weights():
+    # Loop(trip_count, cond, x): body = Conv(x, W) -> BN -> carried x (W, BN params outer scope)
+    r = rng(12)
+    body_nodes = [helper.make_node("Conv", ["x_in", "W"], ["y"], name="body_conv", pads=[1, 1, 1, 1]),
+                  bn_node("bn", "y", "x_out", epsilon=1e-3),
+                  helper.make_node("Identity", ["cond_in"], ["cond_out"], name="cond_pass")]
+    body = helper.make_graph(
+        body_nodes, "body",
+        [vinfo("i", [], TensorProto.INT64), vinfo("cond_in", [], TensorProto.BOOL), vinfo("x_in", [1, 4, 5, 5])],
+        [vinfo("cond_out", [], TensorProto.BOOL), vinfo("x_out", [1, 4, 5, 5])],
+    )
+    inits = [tensor("W", r.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32)), tensor("n", np.int64(3)),
+             tensor("c", np.array(True))] + bn_params("bn", 4)
+    nodes = [helper.make_node("Loop", ["n", "c", "x"], ["z"], name="loop", body=body)]
+    m = model(nodes, [vinfo("x", [1, 4, 5, 5])], [vinfo("z", [1, 4, 5, 5])], inits)
+    out, report = optimize(m)
+    assert report.pattern_counts() == {"Conv+BatchNormalization": 1}
+    assert report.records[0].graph == "main/loop/body"
+    body_ops = [n.op_type for n in out.graph.node("loop").attributes["body"].value]
+    assert "BatchNormalization" not in body_ops
+    assert_same(m, out)
