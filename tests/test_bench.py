@@ -460,3 +460,22 @@ def test_bench_bad_input_exits_2_with_one_line(args, message, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_optimize_with_hardware_declines_the_spilling_fusion_end_to_end():
+    import opfuse
+
+    r = rng(6)
+    c, h, w = 32, 64, 800
+    inits = [tensor("W", (r.normal(size=(c, c, 1, 1)) * 0.1).astype(np.float32)),
+             tensor("B", r.normal(size=c).astype(np.float32))]
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+             helper.make_node("Add", ["c", "z"], ["a"], name="add"),
+             helper.make_node("Relu", ["a"], ["y"], name="relu")]
+    m = model(nodes, [vinfo("x", [1, c, h, w]), vinfo("z", [1, c, h, w])], [vinfo("y", [1, c, h, w])], inits)
+    small, report = opfuse.optimize(m, target="onnxruntime", runtime_level="disabled", hardware="npu-small")
+    assert [n.op_type for n in small.graph] == ["Conv", "Add", "Relu"]
+    assert "npu-small's 512 KiB on-chip buffer; it would spill" in report.reason_for("add")
+    assert report.verification.ok
+    big, report = opfuse.optimize(m, target="onnxruntime", runtime_level="disabled", hardware="npu-chapter")
+    assert [n.op_type for n in big.graph] == ["FusedConv"]
