@@ -125,12 +125,20 @@ def scale_output_channels(
 def fold_bias(
     bias: np.ndarray | None, scale: np.ndarray | None, shift: np.ndarray | None, channels: int
 ) -> np.ndarray | None:
-    """b' = scale * b + shift per output channel, in float64 (None: no bias results)."""
-    b = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), (channels,))
+    """b' = scale * b + shift per output channel, in float64 (None: no bias results).
+
+    A bias is one value per channel (a scalar broadcasts), or, for Gemm's C, a matrix
+    [M, 1] or [M, channels] whose rows each get the same per-channel map.
+    """
+    b = None
+    if bias is not None:
+        b = np.asarray(bias, np.float64)
+        b = np.broadcast_to(b, (b.shape[0], channels) if b.ndim == 2 else (channels,))
+    per_channel = (lambda v: np.broadcast_to(np.asarray(v, np.float64).reshape(-1), (channels,)))
     if scale is not None and b is not None:
-        b = b * np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (channels,))
+        b = b * per_channel(scale)
     if shift is not None:
-        t = np.broadcast_to(np.asarray(shift, np.float64).reshape(-1), (channels,))
+        t = per_channel(shift)
         b = t.copy() if b is None else b + t
     return None if b is None else np.array(b, dtype=np.float64)
 

@@ -326,7 +326,7 @@ def test_conv_transpose_bn_folds(group, bias, spatial, strides, out_pad):
 
 
 @pytest.mark.parametrize("trans_b", [0, 1])
-@pytest.mark.parametrize("c_shape", [None, (5,), (1, 5), ()])
+@pytest.mark.parametrize("c_shape", [None, (5,), (1, 5), (), (3, 1), (3, 5)])
 def test_gemm_bn_folds(trans_b, c_shape):
     r = rng(3)
     b = r.normal(size=(5, 7) if trans_b else (7, 5)).astype(np.float32)
@@ -436,6 +436,8 @@ def test_constant_not_along_channels_is_refused(case, op):
 
 
 def test_gemm_constant_per_row_is_refused():
+    # A constant Add of shape [M, 1] varies per row: not a per-channel map, even though
+    # Gemm's own C may have that shape (and folds, see test_gemm_bn_folds).
     m = arith_model("Add", (3, 1), producer="Gemm")
     out, report = optimize(m)
     assert "batch axis 0" in report.reason_for("arith")

@@ -284,12 +284,12 @@ class FoldPass(ir.passes.InPlacePass):
                 scale = np.full(out.channels, alpha) if scale is None else scale * alpha
             if b is not None:
                 b = b * (_float_attr(producer, "beta", 1.0) / alpha)
-                if b.size != 1 and b.size != out.channels or (b.ndim == 2 and b.shape[0] != 1):
-                    return (
-                        f"the C input of {describe(producer)} has shape {list(b.shape)}, "
-                        "which varies along the batch axis"
-                    )
-                b = b.reshape(-1)
+                if b.ndim == 2 and b.shape[0] != 1:
+                    pass  # C per row ([M, 1] or [M, N]): the folded C stays [M, N]
+                elif b.size not in (1, out.channels):
+                    return f"the C input of {describe(producer)} has shape {list(b.shape)}"
+                else:
+                    b = b.reshape(-1)
         dtype = weight.array.dtype
         w_arr = None  # a pure shift leaves the weight as it is
         if scale is not None:
