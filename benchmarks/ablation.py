@@ -40,7 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 from opfuse.ablation import CONFIGS, apply_config
-from opfuse.bench.measure import Variant, measure, runtime_graph_proto
+from opfuse.bench.measure import Variant, measure
+from opfuse.runtime import optimized_graph
 from opfuse.bench.traffic import analyse_traffic
 from opfuse.models import build
 from opfuse.verify import make_inputs
@@ -72,7 +73,7 @@ def variants_for(name: str, proto: onnx.ModelProto, console: Console) -> tuple[l
             traffic["none-aa"] = traffic["none"]
     for level in ("basic", "extended", "all"):
         variants.append(Variant(f"ort-{level}", f"ORT {level.upper()}", original, level, "runtime"))
-        graph = runtime_graph_proto(original, level)
+        graph = optimized_graph(original, level)
         traffic[f"ort-{level}"] = analyse_traffic(graph, batch=1)
     start = time.perf_counter()
     import onnxslim
@@ -90,7 +91,7 @@ def variants_for(name: str, proto: onnx.ModelProto, console: Console) -> tuple[l
     traffic["onnxscript"] = analyse_traffic(osc, batch=1)
     fused_all, report = apply_config(proto, "all", runtime_level="all")
     variants.append(Variant("opfuse-all@ALL", "opfuse all @ ALL", fused_all, "all", "opfuse"))
-    traffic["opfuse-all@ALL"] = analyse_traffic(runtime_graph_proto(ir.serde.serialize_model(fused_all).SerializeToString(), "all"), batch=1)
+    traffic["opfuse-all@ALL"] = analyse_traffic(optimized_graph(ir.serde.serialize_model(fused_all).SerializeToString(), "all"), batch=1)
     if report.refusals:
         console.print(f"  opfuse all for runtime level 'all': {report.summary()}")
     return variants, same, traffic

@@ -17,7 +17,6 @@ __all__ = ["TOLERANCES", "make_inputs", "run_model", "verify_models", "compare_o
 
 import os
 import pathlib
-import tempfile
 from collections.abc import Mapping
 
 import numpy as np
@@ -25,7 +24,7 @@ import onnx_ir as ir
 
 from opfuse.errors import BadInputError
 from opfuse.report import OutputCheck, Verification
-from opfuse.save import needs_external_data
+from opfuse.runtime import create_session
 
 # dtype -> (rtol, atol relative to the output's scale)
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -35,23 +34,6 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (5e-2, 1e-2),
 }
 DEFAULT_DIM = 1
-
-
-def _session(model: ir.Model, threads: int | None = None):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    if not needs_external_data(model):
-        data = ir.serde.serialize_model(model).SerializeToString()
-        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-    with tempfile.TemporaryDirectory(prefix="opfuse-verify-") as tmp:
-        path = os.path.join(tmp, "model.onnx")
-        ir.save(model, path, external_data="model.onnx.data")
-        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
 def _runtime_inputs(model: ir.Model) -> list[ir.Value]:
@@ -119,7 +101,7 @@ def load_inputs(model: ir.Model, path: str | os.PathLike) -> dict[str, np.ndarra
 
 def run_model(model: ir.Model, feeds: Mapping[str, np.ndarray], threads: int | None = None):
     """Run on ONNX Runtime CPU with graph optimisations disabled; returns {name: array}."""
-    session = _session(model, threads)
+    session = create_session(model, "disabled", threads)
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feeds))))
 

@@ -150,7 +150,7 @@ def options_from_args(args) -> BenchOptions:
     """Validate the command line; every problem is a one-line BadInputError."""
     from opfuse.ablation import CONFIGS
     from opfuse.bench.costmodel import load_profile
-    from opfuse.bench.measure import RUNTIME_LEVELS
+    from opfuse.runtime import RUNTIME_LEVELS
     from opfuse.models import BUILTIN_MODELS
 
     if args.model and args.builtin:

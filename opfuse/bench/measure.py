@@ -27,13 +27,9 @@ __all__ = [
     "Variant",
     "Timing",
     "Measurement",
-    "session_options",
-    "create_session",
     "measure",
     "runtime_op_counts",
-    "runtime_graph_proto",
     "profile_op_types",
-    "serialize",
 ]
 
 import bisect
@@ -51,15 +47,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from opfuse.save import needs_external_data
+from opfuse.runtime import RUNTIME_LEVELS, optimized_graph, session_options
+from opfuse.runtime import model_source as serialize
 from opfuse.verify import compare_outputs
 
-RUNTIME_LEVELS = {
-    "disabled": "ORT_DISABLE_ALL",
-    "basic": "ORT_ENABLE_BASIC",
-    "extended": "ORT_ENABLE_EXTENDED",
-    "all": "ORT_ENABLE_ALL",
-}
 
 
 @dataclasses.dataclass
@@ -136,70 +127,11 @@ class Measurement:
         return None if counts is None else sum(counts.values())
 
 
-def session_options(
-    level: str = "disabled",
-    threads: int = 2,
-    *,
-    profile_prefix: str | None = None,
-    optimized_path: str | None = None,
-):
-    """SessionOptions for a measurement: level, threads, no spinning, sequential."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, RUNTIME_LEVELS[level])
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    options.log_severity_level = 3
-    if profile_prefix is not None:
-        options.enable_profiling = True
-        options.profile_file_prefix = profile_prefix
-    if optimized_path is not None:
-        options.optimized_model_filepath = optimized_path
-    return options
-
-
-def serialize(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) -> bytes | str:
-    """What ``InferenceSession`` accepts: bytes, or a path for models with external data."""
-    if isinstance(model, (bytes, str)):
-        return model
-    if isinstance(model, onnx.ModelProto):
-        return model.SerializeToString()
-    if not needs_external_data(model):
-        return ir.serde.serialize_model(model).SerializeToString()
-    path = tempfile.mkstemp(suffix=".onnx", dir=workdir)[1]
-    ir.save(model, path, external_data=os.path.basename(path) + ".data")
-    return path
-
-
-def create_session(model, level: str = "disabled", threads: int = 2, **kwargs):
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
-        source = serialize(model, tmp)
-        return ort.InferenceSession(source, session_options(level, threads, **kwargs),
-                                    providers=["CPUExecutionProvider"])
-
-
-def runtime_graph_proto(model, level: str, threads: int = 2) -> onnx.ModelProto:
-    """The graph ONNX Runtime runs at ``level`` (its optimiser's output, weights included)."""
-    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
-        out = os.path.join(tmp, "optimized.onnx")
-        create_session(model, level, threads, optimized_path=out)
-        return onnx.load(out)
-
-
 def runtime_op_counts(model, level: str, threads: int = 2) -> Counter:
     """Node counts (by ``domain.op_type``) after the runtime's optimiser at ``level``."""
     if level == "disabled":
         return _model_op_counts(model)
-    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
-        out = os.path.join(tmp, "optimized.onnx")
-        create_session(model, level, threads, optimized_path=out)
-        return _graph_op_counts(onnx.load(out, load_external_data=False))
+    return _graph_op_counts(optimized_graph(model, level, threads))
 
 
 def _graph_op_counts(proto: onnx.ModelProto) -> Counter:

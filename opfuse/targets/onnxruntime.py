@@ -43,8 +43,6 @@ __all__ = [
 ]
 
 import dataclasses
-import os
-import tempfile
 from collections.abc import Callable
 
 import ml_dtypes
@@ -52,9 +50,11 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.analyse import describe, find_constant
+from opfuse.runtime import RUNTIME_LEVELS as LEVELS
+from opfuse.runtime import optimized_graph
 
 MS_DOMAIN = "com.microsoft"
-RUNTIME_LEVELS = ("disabled", "basic", "extended", "all")
+RUNTIME_LEVELS = tuple(LEVELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,18 +170,7 @@ KERNELS: dict[str, EpilogueKernel] = {
 
 def runtime_graph(model: ir.Model) -> list[tuple[str, str, str]]:
     """(domain, op_type, name) of the graph ONNX Runtime runs at ENABLE_ALL."""
-    import onnx
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    with tempfile.TemporaryDirectory(prefix="opfuse-layout-") as tmp:
-        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
-        data = ir.serde.serialize_model(model).SerializeToString()
-        ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
-    return [(n.domain, n.op_type, n.name) for n in optimized.graph.node]
+    return [(n.domain, n.op_type, n.name) for n in optimized_graph(model, "all").graph.node]
 
 
 def has_layout_pass(baseline_graph: list[tuple[str, str, str]]) -> bool:

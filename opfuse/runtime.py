@@ -1,0 +1,93 @@
+"""Running models on ONNX Runtime's CPU provider: sessions, levels, the runtime's own graph.
+
+One place for what verification (:mod:`opfuse.verify`), the layout check
+(:mod:`opfuse.targets.onnxruntime`) and the benchmarks (:mod:`opfuse.bench.measure`)
+all need:
+
+- :data:`RUNTIME_LEVELS` - graph-optimisation levels by the names the CLI uses;
+- :func:`create_session` - a session for an ``onnx_ir.Model``, ``ModelProto`` or bytes;
+  a model too large for one protobuf (or with external data) goes through a temporary
+  file with external data;
+- :func:`optimized_graph` - the graph the runtime actually runs at a level (its own
+  fusions and layout changes applied), as a ``ModelProto`` without weights loaded.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "optimized_graph"]
+
+import os
+import tempfile
+
+import onnx
+import onnx_ir as ir
+
+from opfuse.save import needs_external_data
+
+RUNTIME_LEVELS = {
+    "disabled": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+def session_options(
+    level: str = "disabled",
+    threads: int | None = None,
+    *,
+    profile_prefix: str | None = None,
+    optimized_path: str | None = None,
+):
+    """SessionOptions: the level, threads (None: the runtime's default), no spinning,
+    sequential execution, quiet logs; optionally profiling or dumping the optimised graph."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, RUNTIME_LEVELS[level])
+    if threads:
+        options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    if optimized_path is not None:
+        options.optimized_model_filepath = optimized_path
+    return options
+
+
+def model_source(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) -> bytes | str:
+    """What ``InferenceSession`` accepts: bytes, or a path for models with external data."""
+    if isinstance(model, (bytes, str)):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return model.SerializeToString()
+    if not needs_external_data(model):
+        return ir.serde.serialize_model(model).SerializeToString()
+    path = tempfile.mkstemp(suffix=".onnx", dir=workdir)[1]
+    ir.save(model, path, external_data=os.path.basename(path) + ".data")
+    return path
+
+
+def create_session(model, level: str = "disabled", threads: int | None = None, **options):
+    """An InferenceSession on the CPU provider (the runtime keeps the weights it loaded)."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="opfuse-ort-") as tmp:
+        return ort.InferenceSession(
+            model_source(model, tmp),
+            session_options(level, threads, **options),
+            providers=["CPUExecutionProvider"],
+        )
+
+
+def optimized_graph(model, level: str = "all", threads: int | None = None) -> onnx.ModelProto:
+    """The graph ONNX Runtime runs at ``level``, as it dumps it (weights not loaded)."""
+    with tempfile.TemporaryDirectory(prefix="opfuse-ort-") as tmp:
+        path = os.path.join(tmp, "optimized.onnx")
+        create_session(model, level, threads, optimized_path=path)
+        return onnx.load(path, load_external_data=False)
