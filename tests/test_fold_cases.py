@@ -697,3 +697,30 @@ def test_loop_body_is_folded_with_outer_scope_weights():
     body_ops = [n.op_type for n in out.graph.node("loop").attributes["body"].value]
     assert "BatchNormalization" not in body_ops
     assert_same(m, out)
+
+
+def test_a_chain_of_folds_rounds_the_weight_once():
+    # Conv -> BN -> Mul -> Add -> Mul in float16: the folded weight equals the float64
+    # composition rounded once, not a float16 rounding after every fold.
+    r = rng(13)
+    w = r.normal(0, 0.5, (6, 4, 3, 3)).astype(np.float16)
+    params = bn_params("bn", 6, 4, np.float16)
+    k1 = r.uniform(0.3, 3, (6, 1, 1)).astype(np.float16)
+    k2 = r.normal(size=(6, 1, 1)).astype(np.float16)
+    k3 = r.uniform(0.3, 3, (1, 6, 1, 1)).astype(np.float16)
+    inits = [tensor("W", w), tensor("k1", k1), tensor("k2", k2), tensor("k3", k3)] + params
+    nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+             bn_node("bn", "y", "z0", epsilon=1e-3), helper.make_node("Mul", ["z0", "k1"], ["z1"], name="mul1"),
+             helper.make_node("Add", ["z1", "k2"], ["z2"], name="add"),
+             helper.make_node("Mul", ["k3", "z2"], ["z"], name="mul2")]
+    m = model(nodes, [vinfo("x", [1, 4, 5, 5], F16)], [vinfo("z", [1, 6, 5, 5], F16)], inits)
+    out, report = optimize(m)
+    assert ops(out) == ["Conv"] and len(report.records) == 4
+    g, b, mu, var = (onnx.numpy_helper.to_array(t).astype(np.float64) for t in params)
+    s = g / np.sqrt(var + np.float32(1e-3)) * k1.astype(np.float64).reshape(-1) * k3.astype(np.float64).reshape(-1)
+    want_w = (w.astype(np.float64) * s[:, None, None, None]).astype(np.float16)
+    conv = next(iter(out.graph))
+    np.testing.assert_array_equal(conv.inputs[1].const_value.numpy(), want_w)
+    t = ((b - mu * g / np.sqrt(var + np.float32(1e-3))) * k1.reshape(-1) + k2.reshape(-1)) * k3.reshape(-1)
+    np.testing.assert_array_equal(conv.inputs[2].const_value.numpy(), t.astype(np.float16))
+    assert_same(m, out, rtol=1e-2, atol=2e-3)

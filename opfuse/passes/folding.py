@@ -54,6 +54,10 @@ from opfuse.report import FusionRecord, FusionReport, Refusal
 logger = logging.getLogger(__name__)
 
 ONNX_DOMAINS = ("", "ai.onnx")
+# Transient metadata on the values a fold creates (never serialised): the float64 bias, and
+# the weight's source array with the product of the scales applied to it so far.
+FOLDED_WEIGHT = "opfuse.folded_weight"
+FOLDED_BIAS = "opfuse.folded_bias"
 _FOLDED_SUFFIX = re.compile(r"_folded(_\d+)?$")
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
@@ -274,7 +278,7 @@ class FoldPass(ir.passes.InPlacePass):
         producer, kind, node = cand.producer, cand.kind, cand.consumer
         layout, group = kind.layout(producer), kind.group(producer)
         scale = affine.scale
-        b = None if bias is None else bias.array.astype(np.float64)
+        b = None if bias is None else bias.value.meta.get(FOLDED_BIAS, bias.array.astype(np.float64))
         if kind.op_type == "Gemm":
             # y = alpha * (A.B + (beta / alpha) * C): alpha joins the scale (one pass over B)
             alpha = _float_attr(producer, "alpha", 1.0)
@@ -293,7 +297,13 @@ class FoldPass(ir.passes.InPlacePass):
         dtype = weight.array.dtype
         w_arr = None  # a pure shift leaves the weight as it is
         if scale is not None:
-            w_arr, problem = algebra.fold_weight(weight.array, scale, layout, group)
+            # A weight an earlier fold produced is recomputed from its source with the
+            # product of the scales, so a chain of folds rounds once, not once per fold.
+            source, prior = weight.value.meta.get(FOLDED_WEIGHT, (weight.array, None))
+            total = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (out.channels,))
+            if prior is not None:
+                total = prior * total
+            w_arr, problem = algebra.fold_weight(source, total, layout, group)
             if problem:
                 return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
         b_arr = None
@@ -309,10 +319,12 @@ class FoldPass(ir.passes.InPlacePass):
         new_w = old_w
         if w_arr is not None:
             new_w = self._new_constant(scope, producer, w_arr, f"{_base(old_w, producer)}_folded")
+            new_w.meta[FOLDED_WEIGHT] = (source, total)
         new_b = None
         if b_arr is not None:
             base = _base(old_b, producer) if old_b is not None else f"{producer.name or 'producer'}.bias"
             new_b = self._new_constant(scope, producer, b_arr, f"{base}_folded")
+            new_b.meta[FOLDED_BIAS] = b_new
 
         anchor = producer
         removed = [node, *cand.through]
