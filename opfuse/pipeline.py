@@ -45,6 +45,9 @@ def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **fu
             modified = p(model).modified or modified
         if not modified:
             break
+    for p in passes:
+        if hasattr(p, "release"):
+            p.release()
     return passes
 
 

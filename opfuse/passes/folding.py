@@ -160,6 +160,14 @@ class FoldPass(ir.passes.InPlacePass):
         super().__init__()
         self.report = report if report is not None else FusionReport()
         self._names: NameTable | None = None
+        self._annotated: list[ir.Value] = []  # values carrying FOLDED_* metadata
+
+    def release(self) -> None:
+        """Drop the chain metadata (it holds the source weights, possibly memory-mapped)."""
+        for value in self._annotated:
+            value.meta.pop(FOLDED_WEIGHT, None)
+            value.meta.pop(FOLDED_BIAS, None)
+        self._annotated.clear()
 
     # -- hooks for subclasses -----------------------------------------------------------
     def producer_sides(self, node: ir.Node) -> Sequence[int]:
@@ -320,11 +328,13 @@ class FoldPass(ir.passes.InPlacePass):
         if w_arr is not None:
             new_w = self._new_constant(scope, producer, w_arr, f"{_base(old_w, producer)}_folded")
             new_w.meta[FOLDED_WEIGHT] = (source, total)
+            self._annotated.append(new_w)
         new_b = None
         if b_arr is not None:
             base = _base(old_b, producer) if old_b is not None else f"{producer.name or 'producer'}.bias"
             new_b = self._new_constant(scope, producer, b_arr, f"{base}_folded")
             new_b.meta[FOLDED_BIAS] = b_new
+            self._annotated.append(new_b)
 
         anchor = producer
         removed = [node, *cand.through]
