@@ -190,7 +190,6 @@ def test_broadcasting_residual_is_refused():
 
 
 def test_add_after_the_activation_is_not_fused_into_z():
-    r = rng(4)
     m = conv_then([helper.make_node("Relu", ["y"], ["r"], name="act"),
                    helper.make_node("Add", ["r", "z"], ["out"], name="add")],
                   inputs=[vinfo("x", ["N", 4, 6, 6]), vinfo("z", ["N", 8, 6, 6])])

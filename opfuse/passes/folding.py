@@ -30,7 +30,6 @@ from __future__ import annotations
 __all__ = ["ChannelAffine", "Producer", "PRODUCERS", "FoldPass", "add_constant"]
 
 import dataclasses
-import logging
 import re
 from collections.abc import Sequence
 
@@ -50,8 +49,6 @@ from opfuse.analyse import (
     trace_producer,
 )
 from opfuse.report import FusionRecord, FusionReport, Refusal
-
-logger = logging.getLogger(__name__)
 
 ONNX_DOMAINS = ("", "ai.onnx")
 # Transient metadata on the values a fold creates (never serialised): the float64 bias, and

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 __all__ = ["EpilogueFusionPass", "ActivationFusionPass"]
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -60,8 +59,6 @@ from opfuse.targets.onnxruntime import (
     merge_activations,
     read_activation,
 )
-
-logger = logging.getLogger(__name__)
 
 ONNX_DOMAINS = ("", "ai.onnx")
 Veto = Callable[[ir.Node, list], "str | None"]
