@@ -222,9 +222,16 @@ def test_large_models_switch_to_external_data(tmp_path, monkeypatch):
     assert (tmp_path / "o.onnx.data").exists()
 
 
-def test_demo_command_help():
+def test_help_lists_the_commands():
     rc, stdout, _ = run_cli("--help")
-    assert rc == 0 and "optimize" in stdout and "inspect" in stdout
+    assert rc == 0 and all(c in stdout for c in ("optimize", "inspect", "demo", "bench"))
+
+
+def test_demo_prints_the_fusion_log_and_the_verification(capsys):
+    assert main(["demo", "--model", "resnet18", "--target", "onnxruntime", "--runtime-level", "disabled"]) == 0
+    out = capsys.readouterr().out
+    assert "Conv+BatchNormalization" in out and "Conv+Add+Relu" in out
+    assert "verification: passed" in out and "nodes 69 -> 24" in out
 
 
 def test_config_names_select_the_chapters_ablation_rows(tmp_path):
