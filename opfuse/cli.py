@@ -21,7 +21,7 @@ import time
 from opfuse import __version__
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.passes import PASSES, TARGET_DEFAULT_PASSES, TARGETS
-from opfuse.targets.onnxruntime import RUNTIME_LEVELS
+from opfuse.targets import RUNTIME_LEVELS
 
 
 def _dim(text: str) -> tuple[str, int]:

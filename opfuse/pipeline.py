@@ -22,7 +22,8 @@ from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
 from opfuse.passes import FUSION_PASSES, TARGET_DEFAULT_PASSES, TARGETS, make_passes
 from opfuse.report import FusionReport
-from opfuse.targets.onnxruntime import RUNTIME_LEVELS, has_layout_pass, layout_losses, runtime_graph
+from opfuse.targets import RUNTIME_LEVELS
+from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph
 from opfuse.save import needs_external_data, save_model, write_text_atomic
 from opfuse.verify import verify_models
 

@@ -4,7 +4,8 @@ One place for what verification (:mod:`opfuse.verify`), the layout check
 (:mod:`opfuse.targets.onnxruntime`) and the benchmarks (:mod:`opfuse.bench.measure`)
 all need:
 
-- :data:`RUNTIME_LEVELS` - graph-optimisation levels by the names the CLI uses;
+- :data:`RUNTIME_LEVELS` - graph-optimisation levels by the names the CLI uses (defined in
+  :mod:`opfuse.targets`);
 - :func:`create_session` - a session for an ``onnx_ir.Model``, ``ModelProto`` or bytes;
   a model too large for one protobuf (or with external data) goes through a temporary
   file with external data;
@@ -23,13 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from opfuse.save import needs_external_data
-
-RUNTIME_LEVELS = {
-    "disabled": "ORT_DISABLE_ALL",
-    "basic": "ORT_ENABLE_BASIC",
-    "extended": "ORT_ENABLE_EXTENDED",
-    "all": "ORT_ENABLE_ALL",
-}
+from opfuse.targets import RUNTIME_LEVELS
 
 
 def session_options(

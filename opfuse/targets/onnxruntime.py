@@ -16,6 +16,11 @@ one more activation is one more row):
     HardSigmoid  [alpha, beta]                   alpha, beta
     Clip         [min, max]                      (not supported by FusedGemm)
 
+Read back (:func:`read_fused`): what a fused node computes, from its encoding: the
+standard op it extends, how many of its inputs are that op's, and its epilogue steps. The
+memory-traffic rule and the accelerator model read kernels through it, never by
+re-parsing attributes themselves.
+
 Consecutive activations merge before fusing when the result is one activation:
 Relu then Clip(a, b) is Clip(max(a, 0), b); Clip(a, b) then Relu is Clip(max(a, 0),
 max(b, 0)); Relu then Relu is Relu.
@@ -39,22 +44,22 @@ __all__ = [
     "layout_losses",
     "runtime_graph",
     "has_layout_pass",
-    "RUNTIME_LEVELS",
+    "FusedView",
+    "read_fused",
+    "EPILOGUE_ATTRIBUTES",
 ]
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
 from opfuse.analyse import describe, find_constant
-from opfuse.runtime import RUNTIME_LEVELS as LEVELS
 from opfuse.runtime import optimized_graph
-
-MS_DOMAIN = "com.microsoft"
-RUNTIME_LEVELS = tuple(LEVELS)
+from opfuse.vocabulary import MS_DOMAIN, ONNX_DOMAINS, float_attr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +73,6 @@ class Activation:
         return self.kind + (f"({', '.join(f'{p:g}' for p in self.params)})" if self.params else "")
 
 
-def _attr(node: ir.Node, name: str, default: float) -> float:
-    attr = node.attributes.get(name)
-    return float(attr.value) if attr is not None else default
-
-
 def _clip_bounds(node: ir.Node, opset: int) -> Activation | str:
     dtype = None
     x = node.inputs[0]
@@ -81,7 +81,7 @@ def _clip_bounds(node: ir.Node, opset: int) -> Activation | str:
     info = ml_dtypes.finfo(dtype or np.float32)
     lo, hi = float(info.min), float(info.max)
     if "min" in node.attributes or "max" in node.attributes or opset < 11:
-        return Activation("Clip", (_attr(node, "min", lo), _attr(node, "max", hi)))
+        return Activation("Clip", (float_attr(node, "min", lo), float_attr(node, "max", hi)))
     bounds = [lo, hi]
     for i in (1, 2):
         if i < len(node.inputs) and node.inputs[i] is not None:
@@ -97,15 +97,15 @@ ACTIVATIONS: dict[str, Callable[[ir.Node, int], Activation | str]] = {
     "Relu": lambda n, opset: Activation("Relu"),
     "Sigmoid": lambda n, opset: Activation("Sigmoid"),
     "Tanh": lambda n, opset: Activation("Tanh"),
-    "LeakyRelu": lambda n, opset: Activation("LeakyRelu", (_attr(n, "alpha", 0.01),)),
-    "HardSigmoid": lambda n, opset: Activation("HardSigmoid", (_attr(n, "alpha", 0.2), _attr(n, "beta", 0.5))),
+    "LeakyRelu": lambda n, opset: Activation("LeakyRelu", (float_attr(n, "alpha", 0.01),)),
+    "HardSigmoid": lambda n, opset: Activation("HardSigmoid", (float_attr(n, "alpha", 0.2), float_attr(n, "beta", 0.5))),
     "Clip": _clip_bounds,
 }
 
 
 def read_activation(node: ir.Node, opset: int) -> Activation | str | None:
     """The node as an Activation; a reason when it is one but unusable; None when it is not."""
-    if node.domain not in ("", "ai.onnx") or node.op_type not in ACTIVATIONS:
+    if node.domain not in ONNX_DOMAINS or node.op_type not in ACTIVATIONS:
         return None
     return ACTIVATIONS[node.op_type](node, opset)
 
@@ -164,6 +164,51 @@ KERNELS: dict[str, EpilogueKernel] = {
         activations=frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid"}),
     ),
 }
+
+
+
+# --- reading fused kernels back -------------------------------------------------------------
+
+# attributes a fused kernel adds to the op it extends
+EPILOGUE_ATTRIBUTES = frozenset({
+    "activation", "activation_params", "activation_alpha", "activation_beta", "activation_gamma",
+})
+# fused op -> (the standard op it extends, how many leading inputs are that op's). FusedMatMul
+# is ONNX Runtime's own (opfuse does not emit it) and appears in the runtime's graphs.
+_FUSED_BASE = {"FusedConv": ("Conv", 3), "FusedGemm": ("Gemm", 3), "FusedMatMul": ("MatMul", 2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedView:
+    """What a fused node computes, read back from its encoding."""
+
+    base_op: str  # the standard op it extends: "Conv" for FusedConv
+    base_inputs: int  # its leading inputs that are the standard op's (X, W, B)
+    epilogue: tuple[str, ...]  # steps after the base op, in order: ("Add", "Relu")
+
+    def base_attributes(self, attributes: Mapping[str, Any]) -> dict[str, Any]:
+        """The standard op's attributes: the epilogue's removed (FusedMatMul's all)."""
+        if self.base_op == "MatMul":
+            return {}
+        return {k: v for k, v in attributes.items() if k not in EPILOGUE_ATTRIBUTES}
+
+
+def read_fused(domain: str, op_type: str, inputs: Sequence[Any], attributes: Mapping[str, Any]) -> FusedView | None:
+    """The :class:`FusedView` of a ``com.microsoft`` fused node; None for any other node.
+
+    ``inputs`` is the node's input list (None or absent = no input); ``attributes`` maps
+    names to plain values or to onnx-ir attributes.
+    """
+    if domain != MS_DOMAIN or op_type not in _FUSED_BASE:
+        return None
+    base, n_inputs = _FUSED_BASE[op_type]
+    steps = []
+    if op_type == "FusedConv" and len(inputs) > 3 and inputs[3] is not None:
+        steps.append("Add")  # Z, added before the activation
+    act = attributes.get("activation")
+    if act is not None:
+        steps.append(str(getattr(act, "value", act)))
+    return FusedView(base, n_inputs, tuple(steps))
 
 
 # --- the runtime's own layout pass --------------------------------------------------------
