@@ -36,6 +36,9 @@ class FusionRecord:
     weight_bytes: int = 0  # bytes of weights and biases rewritten
     extra_bytes: int = 0  # bytes of private copies kept because the originals are shared
     detail: str = ""
+    # the tensor the rewritten node now computes; a rewrite's output keeps the name of the
+    # tensor it replaces, so the name means the same values in the original model
+    output: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

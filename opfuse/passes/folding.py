@@ -22,7 +22,7 @@ Legality, checked in this order; every failure is a :class:`~opfuse.report.Refus
 Rewrite: the producer gets new, private weight and bias tensors (an original still used
 elsewhere is kept, and the report counts the extra bytes); the consumer and the Identity
 nodes between are removed; the producer's output takes over the consumer's output, and
-its name when that is a graph output. Inputs, outputs and unrelated nodes are untouched.
+its name (so a tensor name means the same values before and after). Inputs, outputs and unrelated nodes are untouched.
 """
 
 from __future__ import annotations
@@ -363,11 +363,10 @@ class FoldPass(ir.passes.InPlacePass):
         result.type = tail.type if tail.type is not None else result.type
         if tail.shape is not None:
             result.shape = tail.shape
-        was_output = tail.is_graph_output()
         tail.replace_all_uses_with(result, replace_graph_outputs=True)
         former_inputs = [v for n in removed for v in n.inputs if v is not None]
         scope.container.remove(removed, safe=True)
-        if was_output:
+        if tail_name:  # the result is the consumer's tensor, under its name
             result.name = tail_name
 
         extra, still_shared, dropped = 0, [], []
@@ -394,6 +393,7 @@ class FoldPass(ir.passes.InPlacePass):
                 weight_bytes=int((0 if w_arr is None else w_arr.nbytes) + (0 if b_arr is None else b_arr.nbytes)),
                 extra_bytes=extra,
                 detail=affine.detail,
+                output=result.name or "",
             )
         )
         return None

@@ -279,6 +279,7 @@ class EpilogueFusionPass(ir.passes.InPlacePass):
             produced=f"{MS_DOMAIN}.{kernel.op_type} '{fused.name}'",
             graph=scope.label,
             detail="; ".join(p for p in (epilogue, detail) if p),
+            output=fused.outputs[0].name or "",
         ))
 
     def _explain_leftovers(self, scope: Scope, explained: set) -> None:
