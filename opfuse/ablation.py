@@ -23,8 +23,12 @@ from __future__ import annotations
 __all__ = ["AblationConfig", "CONFIGS", "apply_config"]
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from opfuse.load import ModelSource
+from opfuse.passes import pass_class
+
+if TYPE_CHECKING:  # the type only: loading opfuse.load would load onnx at start-up
+    from opfuse.load import ModelSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +39,8 @@ class AblationConfig:
 
     @property
     def target(self) -> str:
-        return "onnxruntime" if any(p.startswith("fuse-") for p in self.passes) else "onnx"
+        """onnxruntime when a pass emits its contrib ops, else portable onnx."""
+        return "onnxruntime" if any(pass_class(p).emits_contrib_ops for p in self.passes) else "onnx"
 
 
 CONFIGS: dict[str, AblationConfig] = {
@@ -51,7 +56,7 @@ CONFIGS: dict[str, AblationConfig] = {
 
 
 def apply_config(
-    model: ModelSource,
+    model: "ModelSource",
     name: str,
     *,
     runtime_level: str = "disabled",
@@ -63,7 +68,7 @@ def apply_config(
     ``runtime_level`` defaults to "disabled" here because the ablation measures opfuse's
     own fusions with the runtime's optimisations off.
     """
-    from opfuse.pipeline import optimize
+    from opfuse.pipeline import optimize  # loads onnx; this module is read at CLI start-up
 
     config = CONFIGS[name]
     return optimize(

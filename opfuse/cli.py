@@ -20,8 +20,9 @@ import time
 
 from opfuse import __version__
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
-from opfuse.passes import PASSES, TARGET_DEFAULT_PASSES, TARGETS
-from opfuse.targets import RUNTIME_LEVELS
+from opfuse.ablation import CONFIGS
+from opfuse.passes import PASS_NAMES
+from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 
 
 def _dim(text: str) -> tuple[str, int]:
@@ -76,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:
     defaults = "; ".join(f"{t}: {','.join(ps)}" for t, ps in TARGET_DEFAULT_PASSES.items())
-    from opfuse.ablation import CONFIGS
 
     p.add_argument("--config", choices=sorted(CONFIGS),
                    help="an ablation row of the chapter's table by name (sets --passes and --target): "
@@ -85,7 +85,7 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="onnx: portable folding only (default); onnxruntime: also fuse epilogues "
                         "into com.microsoft.FusedConv/FusedGemm")
     p.add_argument("--passes", default=None,
-                   help=f"comma-separated passes (known: {', '.join(PASSES)}; defaults per target: {defaults})")
+                   help=f"comma-separated passes (known: {', '.join(PASS_NAMES)}; defaults per target: {defaults})")
     p.add_argument("--runtime-level", choices=RUNTIME_LEVELS, default="all",
                    help="ONNX Runtime graph-optimisation level the result will run at: at 'all' a fusion "
                         "that would cost a conv the runtime's NCHWc layout is left to the runtime; "
@@ -125,8 +125,6 @@ def _apply_config(args) -> None:
     """--config NAME stands for that ablation row's passes and target."""
     if getattr(args, "config", None) is None:
         return
-    from opfuse.ablation import CONFIGS
-
     if args.passes is not None:
         raise BadInputError("give either --config or --passes, not both")
     config = CONFIGS[args.config]

@@ -18,11 +18,11 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.analyse import epsilon_census, op_counts
-from opfuse.errors import BadInputError, VerificationError
+from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.load import ModelSource, load_model
-from opfuse.passes import FUSION_PASSES, TARGET_DEFAULT_PASSES, TARGETS, make_passes
+from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.report import FusionReport
-from opfuse.targets import RUNTIME_LEVELS
+from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph
 from opfuse.save import needs_external_data, save_model, write_text_atomic
 from opfuse.verify import verify_models
@@ -31,24 +31,27 @@ MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two ro
 LAYOUT_ATTEMPTS = 3  # fusion redone at most this often to keep the runtime's layout
 
 
-def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **fusion_options) -> list:
+def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **options) -> list:
     """Run the named passes in order, repeatedly, until a round changes nothing.
 
-    Refusals are those of the last round, so they describe the final graph. Returns the
-    pass objects (the fusion passes know what they emitted).
+    onnx-ir's PassManager drives the rounds. Records accumulate in ``report``; the
+    refusals are those of the last round, so they describe the final graph. Returns the
+    pass objects (a fusion pass's ``emitted`` says what it wrote).
     """
-    passes = make_passes(list(names), report, **fusion_options)
-    earlier = len(report.refusals)  # refusals of passes run before these stay
-    for _ in range(MAX_ROUNDS):
-        del report.refusals[earlier:]
-        modified = False
-        for p in passes:
-            modified = p(model).modified or modified
-        if not modified:
-            break
+    passes = make_passes(list(names), report, **options)
+    if passes:
+        try:
+            ir.passes.PassManager(passes, steps=MAX_ROUNDS, early_stop=True)(model)
+        except ir.passes.PassError as e:  # the manager wraps what a pass raised
+            cause = e.__cause__
+            while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise cause if isinstance(cause, OpfuseError) else e
+        finally:
+            for p in passes:
+                p.release()
     for p in passes:
-        if hasattr(p, "release"):
-            p.release()
+        report.refusals.extend(p.refusals)
     return passes
 
 
@@ -78,7 +81,7 @@ def run_fusion(
     for _ in range(LAYOUT_ATTEMPTS):
         trial, attempt = model.clone(), FusionReport()
         passes = run_passes(trial, names, attempt, exclude=exclude, veto=veto)
-        emitted = {k: v for p in passes for k, v in getattr(p, "emitted", {}).items()}
+        emitted = {k: v for p in passes for k, v in p.emitted.items()}
         losses = layout_losses(baseline_graph, trial, emitted)
         if not losses:
             break
@@ -145,16 +148,14 @@ def optimize(
     :class:`VerificationError` before anything is written. ``output`` writes the model
     (atomically); ``report_path`` writes the report as JSON.
     """
-    if isinstance(passes, str):
-        passes = [p.strip() for p in passes.split(",") if p.strip()]
     if target not in TARGETS:
         raise BadInputError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     if runtime_level not in RUNTIME_LEVELS:
         raise BadInputError(
             f"unknown runtime level {runtime_level!r}; choose from {', '.join(RUNTIME_LEVELS)}"
         )
-    names = list(passes) if passes is not None else list(TARGET_DEFAULT_PASSES[target])
-    fusion = [n for n in names if n in FUSION_PASSES]
+    names = parse_pass_names(passes if passes is not None else TARGET_DEFAULT_PASSES[target])
+    fusion = [n for n in names if pass_class(n).emits_contrib_ops]
     if fusion and target == "onnx":
         raise BadInputError(
             f"pass {fusion[0]} emits com.microsoft.FusedConv, which portable ONNX cannot run; "
@@ -171,7 +172,6 @@ def optimize(
                 f"{output}: refusing to overwrite the input model; choose another output "
                 "or pass --overwrite"
             )
-    make_passes(names, FusionReport())  # reject unknown names before any work
 
     work, display = load_model(model)
     original = work.clone() if verify else None
@@ -180,7 +180,7 @@ def optimize(
     report.notes.extend(epsilon_notes(work))
     input_was_external = needs_external_data(work)  # before the folds replace its tensors
 
-    run_passes(work, [n for n in names if n not in FUSION_PASSES], report)
+    run_passes(work, [n for n in names if n not in fusion], report)
     if fusion:
         work = run_fusion(work, fusion, report, runtime_level=runtime_level, veto=veto)
     report.ops_after = op_counts(work)

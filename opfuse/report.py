@@ -96,9 +96,6 @@ class FusionReport:
     ops_after: Counter = dataclasses.field(default_factory=Counter)
     notes: list[str] = dataclasses.field(default_factory=list)
     verification: Verification | None = None
-    # originals kept alive because another node still uses them -> indices of the records
-    # that reported their extra bytes (a later fold of the last user settles them)
-    shared_originals: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     # -- queries ---------------------------------------------------------------------
     def applied(self, pattern: str | None = None) -> list[FusionRecord]:

@@ -7,47 +7,61 @@
 ``fuse-epilogue``      Conv + residual Add + activation -> FusedConv (onnxruntime)
 =====================  ==========================================================
 
-The ``fold-*`` passes emit standard ONNX; the ``fuse-*`` passes emit the target's fused
-kernels (:mod:`opfuse.targets`) and so need ``--target onnxruntime``.
+Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
+whether it emits contrib ops (the ``fuse-*`` passes write the target's fused kernels,
+:mod:`opfuse.targets`, and so need ``--target onnxruntime``) and the options it takes,
+and records each refusal one way.
 
-Each pass appends what it did, and every candidate it refused with the reason, to the
-:class:`~opfuse.report.FusionReport` it is given.
+This module is the registry, and it is data: the command line lists the passes without
+loading onnx. :func:`pass_class` imports a pass's module when a pipeline runs it.
 """
 
 from __future__ import annotations
 
-__all__ = ["PASSES", "DEFAULT_PASSES", "TARGET_DEFAULT_PASSES", "TARGETS", "FUSION_PASSES", "make_passes"]
+__all__ = ["REGISTRY", "PASS_NAMES", "DEFAULT_PASSES", "parse_pass_names", "pass_class", "make_passes"]
+
+import importlib
 
 from opfuse.errors import BadInputError
-from opfuse.passes.fold_arithmetic import FoldArithmeticPass
-from opfuse.passes.fold_batchnorm import FoldBatchNormPass
-from opfuse.passes.fuse_epilogue import ActivationFusionPass, EpilogueFusionPass
-from opfuse.report import FusionReport
+from opfuse.targets import TARGET_DEFAULT_PASSES
 
-PASSES = {
-    cls.name: cls
-    for cls in (FoldBatchNormPass, FoldArithmeticPass, ActivationFusionPass, EpilogueFusionPass)
+# pass name -> "module:class"; adding a pass is adding a row (its class declares the name too)
+REGISTRY: dict[str, str] = {
+    "fold-batchnorm": "opfuse.passes.fold_batchnorm:FoldBatchNormPass",
+    "fold-arithmetic": "opfuse.passes.fold_arithmetic:FoldArithmeticPass",
+    "fuse-activation": "opfuse.passes.fuse_epilogue:ActivationFusionPass",
+    "fuse-epilogue": "opfuse.passes.fuse_epilogue:EpilogueFusionPass",
 }
-FUSION_PASSES = frozenset({"fuse-activation", "fuse-epilogue"})
-
-DEFAULT_PASSES = ("fold-batchnorm", "fold-arithmetic")
-TARGET_DEFAULT_PASSES = {
-    "onnx": DEFAULT_PASSES,
-    "onnxruntime": DEFAULT_PASSES + ("fuse-epilogue",),
-}
-TARGETS = tuple(TARGET_DEFAULT_PASSES)
+PASS_NAMES = tuple(REGISTRY)
+DEFAULT_PASSES = TARGET_DEFAULT_PASSES["onnx"]
 
 
-def make_passes(names, report: FusionReport, **fusion_options) -> list:
-    """Instantiate the named passes, in order, all writing to ``report``.
-
-    ``fusion_options`` (exclude, veto) go to the fuse-* passes.
-    """
+def parse_pass_names(names) -> list[str]:
+    """A list of known pass names from a list or a comma-separated string."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PASSES]
+    names = list(names)
+    unknown = [n for n in names if n not in REGISTRY]
     if unknown:
-        raise BadInputError(
-            f"unknown pass {unknown[0]!r}; known passes: {', '.join(sorted(PASSES))}"
-        )
-    return [PASSES[n](report, **fusion_options) if n in FUSION_PASSES else PASSES[n](report) for n in names]
+        raise BadInputError(f"unknown pass {unknown[0]!r}; known passes: {', '.join(sorted(REGISTRY))}")
+    return names
+
+
+def pass_class(name: str):
+    """The pass class registered as ``name`` (its module is imported on first use)."""
+    module, _, cls = REGISTRY[parse_pass_names([name])[0]].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_passes(names, report, **options) -> list:
+    """Instantiate the named passes, in order, all writing to ``report``.
+
+    Each pass receives the ``options`` it declares (``exclude`` and ``veto`` go to the
+    fusion passes); options no pass declares are an error.
+    """
+    classes = [pass_class(n) for n in parse_pass_names(names)]
+    declared = set().union(*(c.options for c in classes)) if classes else set()
+    stray = sorted(k for k, v in options.items() if v is not None and k not in declared)
+    if stray:
+        raise TypeError(f"no pass among {names} takes the option {stray[0]!r}")
+    return [c(report, **{k: v for k, v in options.items() if k in c.options}) for c in classes]

@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from opfuse.analyse import describe, find_constant, trace_producer
 from opfuse.passes.folding import ChannelAffine, FoldPass, ProducerShape
+from opfuse.vocabulary import is_op
 
 AXIS_NAMES = {0: "batch", 1: "channel"}
 
@@ -51,7 +52,7 @@ class FoldArithmeticPass(FoldPass):
         if other is None:
             return False
         source, _ = trace_producer(other)
-        return source is None or (source.op_type == "Constant" and source.domain in ("", "ai.onnx"))
+        return source is None or is_op(source, "Constant")
 
     def affine(self, cand, out: ProducerShape) -> ChannelAffine | str:
         node, side = cand.consumer, cand.side

@@ -48,15 +48,18 @@ from opfuse.analyse import (
     sole_use_problem,
     trace_producer,
 )
-from opfuse.report import FusionRecord, FusionReport, Refusal
+from opfuse.passes.base import OpfusePass
+from opfuse.report import FusionRecord
+from opfuse.vocabulary import FLOAT_DTYPES, ONNX_DOMAINS, float_attr, int_attr
 
-ONNX_DOMAINS = ("", "ai.onnx")
-# Transient metadata on the values a fold creates (never serialised): the float64 bias, and
-# the weight's source array with the product of the scales applied to it so far.
+# Transient metadata on values (never serialised; dropped by ``release``): on the values a
+# fold creates, the float64 bias and the weight's source array with the product of the
+# scales applied to it so far; on an original kept because another node still uses it, the
+# indices of the records that counted a private copy of it (settled when the last user folds).
 FOLDED_WEIGHT = "opfuse.folded_weight"
 FOLDED_BIAS = "opfuse.folded_bias"
+SHARED_BY = "opfuse.shared_by_records"
 _FOLDED_SUFFIX = re.compile(r"_folded(_\d+)?$")
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +94,11 @@ class Producer:
         if self.op_type == "ConvTranspose":
             return "iohw"
         if self.op_type == "Gemm":
-            return "nk" if _int_attr(node, "transB", 0) else "kn"
+            return "nk" if int_attr(node, "transB", 0) else "kn"
         return "kn"  # MatMul
 
     def group(self, node: ir.Node) -> int:
-        return _int_attr(node, "group", 1) if self.op_type.startswith("Conv") else 1
+        return int_attr(node, "group", 1) if self.op_type.startswith("Conv") else 1
 
     def output(self, node: ir.Node, weight: np.ndarray) -> ProducerShape | str:
         layout, group = self.layout(node), self.group(node)
@@ -113,16 +116,6 @@ class Producer:
         a = node.inputs[0]
         rank = len(a.shape) if a is not None and a.shape is not None else None
         return ProducerShape(int(weight.shape[1]), rank, -1 if rank is None else rank - 1)
-
-
-def _int_attr(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return int(attr.value) if attr is not None else default
-
-
-def _float_attr(node: ir.Node, name: str, default: float) -> float:
-    attr = node.attributes.get(name)
-    return float(attr.value) if attr is not None else default
 
 
 PRODUCERS: dict[str, Producer] = {
@@ -143,27 +136,24 @@ class _Candidate:
     kind: Producer
 
 
-class FoldPass(ir.passes.InPlacePass):
+class FoldPass(OpfusePass):
     """Base class of the fold passes; subclasses give the consumer rule."""
 
-    #: name used by ``--passes``
-    name: str = ""
     #: consumer op types this pass matches
     consumer_ops: frozenset[str] = frozenset()
     #: producer op types it folds into
     producer_ops: frozenset[str] = frozenset(PRODUCERS)
 
-    def __init__(self, report: FusionReport | None = None):
-        super().__init__()
-        self.report = report if report is not None else FusionReport()
+    def __init__(self, report=None, **options):
+        super().__init__(report, **options)
         self._names: NameTable | None = None
-        self._annotated: list[ir.Value] = []  # values carrying FOLDED_* metadata
+        self._annotated: list[ir.Value] = []  # values carrying transient metadata
 
     def release(self) -> None:
         """Drop the chain metadata (it holds the source weights, possibly memory-mapped)."""
         for value in self._annotated:
-            value.meta.pop(FOLDED_WEIGHT, None)
-            value.meta.pop(FOLDED_BIAS, None)
+            for key in (FOLDED_WEIGHT, FOLDED_BIAS, SHARED_BY):
+                value.meta.pop(key, None)
         self._annotated.clear()
 
     # -- hooks for subclasses -----------------------------------------------------------
@@ -198,9 +188,7 @@ class FoldPass(ir.passes.InPlacePass):
 
     def _refuse(self, node: ir.Node, scope: Scope, reason: str, anchor: ir.Node | None) -> None:
         pattern = f"{anchor.op_type}+{node.op_type}" if anchor is not None else node.op_type
-        self.report.refusals.append(
-            Refusal(pattern, node.name or "", reason, anchor.name or "" if anchor else "", scope.label)
-        )
+        self.refuse(pattern, node, reason, anchor=anchor, scope=scope)
 
     def _fold_one(self, node: ir.Node, scope: Scope) -> bool:
         candidates = []
@@ -286,13 +274,13 @@ class FoldPass(ir.passes.InPlacePass):
         b = None if bias is None else bias.value.meta.get(FOLDED_BIAS, bias.array.astype(np.float64))
         if kind.op_type == "Gemm":
             # y = alpha * (A.B + (beta / alpha) * C): alpha joins the scale (one pass over B)
-            alpha = _float_attr(producer, "alpha", 1.0)
+            alpha = float_attr(producer, "alpha", 1.0)
             if alpha == 0.0:
                 return f"{describe(producer)} has alpha=0, so its weight does not matter"
             if alpha != 1.0:
                 scale = np.full(out.channels, alpha) if scale is None else scale * alpha
             if b is not None:
-                b = b * (_float_attr(producer, "beta", 1.0) / alpha)
+                b = b * (float_attr(producer, "beta", 1.0) / alpha)
                 if b.ndim == 2 and b.shape[0] != 1:
                     pass  # C per row ([M, 1] or [M, N]): the folded C stays [M, N]
                 elif b.size not in (1, out.channels):
@@ -382,7 +370,10 @@ class FoldPass(ir.passes.InPlacePass):
             self._settle_shared(value)
 
         for old in still_shared:
-            self.report.shared_originals.setdefault(old, []).append(len(self.report.records))
+            if SHARED_BY not in old.meta:
+                old.meta[SHARED_BY] = []
+                self._annotated.append(old)
+            old.meta[SHARED_BY].append(len(self.report.records))
         self.report.records.append(
             FusionRecord(
                 pattern=f"{producer.op_type}+{node.op_type}",
@@ -400,7 +391,7 @@ class FoldPass(ir.passes.InPlacePass):
 
     def _settle_shared(self, original: ir.Value) -> None:
         """The last user of a shared original folded too: earlier copies cost nothing now."""
-        for index in self.report.shared_originals.pop(original, ()):
+        for index in original.meta.pop(SHARED_BY, ()):
             self.report.records[index] = dataclasses.replace(self.report.records[index], extra_bytes=0)
 
     def _new_constant(self, scope: Scope, before: ir.Node, array: np.ndarray, base: str) -> ir.Value:

@@ -49,23 +49,20 @@ from opfuse.analyse import (
     iter_scopes,
     sole_use_problem,
 )
+from opfuse.passes.base import OpfusePass
 from opfuse.passes.folding import add_constant
-from opfuse.report import FusionRecord, FusionReport, Refusal
+from opfuse.report import FusionRecord
 from opfuse.targets.onnxruntime import (
     KERNELS,
-    MS_DOMAIN,
     Activation,
     describe_epilogue,
     merge_activations,
     read_activation,
 )
+from opfuse.vocabulary import MS_DOMAIN, ONNX_DOMAINS, OpKind, op_kind
+from opfuse.vocabulary import is_op as _is_op
 
-ONNX_DOMAINS = ("", "ai.onnx")
 Veto = Callable[[ir.Node, list], "str | None"]
-
-
-def _is_op(node: ir.Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain in ONNX_DOMAINS
 
 
 def _follow(value: ir.Value, owner: ir.Node) -> tuple[ir.Node | None, list[ir.Node], str | None]:
@@ -85,24 +82,18 @@ def _follow(value: ir.Value, owner: ir.Node) -> tuple[ir.Node | None, list[ir.No
         owner, value = nxt, nxt.outputs[0]
 
 
-class EpilogueFusionPass(ir.passes.InPlacePass):
+class EpilogueFusionPass(OpfusePass):
     """Fuse residual Add and activations into FusedConv / FusedGemm."""
 
     name = "fuse-epilogue"
+    emits_contrib_ops = True
+    options = frozenset({"exclude", "veto"})
     residual = True
 
-    def __init__(
-        self,
-        report: FusionReport | None = None,
-        *,
-        exclude: dict[str, str] | None = None,
-        veto: Veto | None = None,
-    ):
-        super().__init__()
-        self.report = report if report is not None else FusionReport()
-        self.exclude = dict(exclude or {})
-        self.veto = veto
-        self.emitted: dict[str, str] = {}  # fused node name -> its epilogue, for the layout check
+    def __init__(self, report=None, *, exclude: dict[str, str] | None = None, veto: Veto | None = None):
+        super().__init__(report)
+        self.exclude = dict(exclude or {})  # anchor name -> the caller's reason to leave it
+        self.veto = veto  # (anchor, absorbed) -> a reason to decline, or None
 
     # -- the pass ----------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -114,7 +105,9 @@ class EpilogueFusionPass(ir.passes.InPlacePass):
         for scope in list(iter_scopes(model)):
             order = {node: i for i, node in enumerate(scope.graph)}
             for node in list(scope.graph):
-                if node.graph is None or node.domain not in ONNX_DOMAINS or node.op_type not in KERNELS:
+                if node.graph is None or op_kind(node) is not OpKind.OUT_ELEMWISE_FUSABLE:
+                    continue
+                if node.op_type not in KERNELS:
                     continue
                 if self._fuse(node, scope, order, explained):
                     modified = True
@@ -128,9 +121,7 @@ class EpilogueFusionPass(ir.passes.InPlacePass):
     def _refuse(self, scope: Scope, node: ir.Node, anchor: ir.Node | None, pattern: str, reason: str,
                 explained: set) -> None:
         explained.add(node)
-        self.report.refusals.append(
-            Refusal(pattern, node.name or "", reason, (anchor.name or "") if anchor else "", scope.label)
-        )
+        self.refuse(pattern, node, reason, anchor=anchor, scope=scope)
 
     def _fuse(self, anchor: ir.Node, scope: Scope, order: dict, explained: set) -> bool:
         kernel = KERNELS[anchor.op_type]

@@ -1,0 +1,66 @@
+"""The one base every opfuse pass stands on (an onnx-ir ``InPlacePass`` with a small surface).
+
+A pass declares, as class attributes:
+
+- ``name`` - how ``--passes`` and the registry (:mod:`opfuse.passes`) call it;
+- ``emits_contrib_ops`` - whether it writes a target's own kernels (``com.microsoft``),
+  which portable ONNX cannot run;
+- ``options`` - the keyword options it accepts beyond the report (the fusion passes take
+  ``exclude`` and ``veto``), so the pipeline hands each pass only what it declares.
+
+and gets from the base:
+
+- :meth:`refuse` - the one way to record a refusal (pattern, node, reason, anchor, scope);
+- :attr:`refusals` - those of its latest run: the pipeline runs the passes to a fixpoint
+  and reports the refusals of the final round, which describe the final graph;
+- :attr:`emitted` - the fused nodes it wrote over all its rounds, by name, with their
+  epilogue (empty for folds);
+- :meth:`release` - drop transient state (values annotated during the run) when the
+  passes are done. The pipeline calls it once, after the last round.
+
+Records (what a pass did) go to the shared :class:`~opfuse.report.FusionReport` as they
+happen, because every round's rewrites are real.
+"""
+
+from __future__ import annotations
+
+__all__ = ["OpfusePass"]
+
+from typing import Any, ClassVar
+
+import onnx_ir as ir
+
+from opfuse.analyse import Scope
+from opfuse.report import FusionReport, Refusal
+
+
+class OpfusePass(ir.passes.InPlacePass):
+    """Base class of opfuse's passes: a name, a report, refusals, transient state."""
+
+    name: ClassVar[str] = ""
+    emits_contrib_ops: ClassVar[bool] = False
+    options: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, report: FusionReport | None = None, **options: Any):
+        super().__init__()
+        unknown = sorted(set(options) - self.options)
+        if unknown:
+            raise TypeError(f"pass {self.name} takes no option {unknown[0]!r}")
+        self.report = report if report is not None else FusionReport()
+        self.refusals: list[Refusal] = []
+        self.emitted: dict[str, str] = {}
+
+    def __call__(self, model: ir.Model) -> ir.passes.PassResult:
+        self.refusals = []  # a new round describes the graph anew
+        return super().__call__(model)
+
+    def refuse(self, pattern: str, node: ir.Node, reason: str, *, anchor: ir.Node | None = None,
+               scope: Scope | None = None) -> None:
+        """Record that ``node`` was not rewritten (into ``anchor``), and why."""
+        self.refusals.append(Refusal(
+            pattern, node.name or "", reason, (anchor.name or "") if anchor is not None else "",
+            scope.label if scope is not None else "main",
+        ))
+
+    def release(self) -> None:
+        """Drop transient state; the default pass keeps none."""
