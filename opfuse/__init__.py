@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+from opfuse.passes import PASS_NAMES, pass_class
+
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
@@ -38,8 +40,6 @@ __all__ = [*_EXPORTS, "PASSES", "__version__"]
 
 def __getattr__(name: str):
     if name == "PASSES":  # name -> pass class; importing every pass
-        from opfuse.passes import PASS_NAMES, pass_class
-
         return {n: pass_class(n) for n in PASS_NAMES}
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -41,6 +41,8 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common  # noqa: F401 - ShapeInferencePass
 
+from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_op, op_label
+
 logger = logging.getLogger(__name__)
 
 BN_DEFAULT_EPSILON = 1e-5  # the ONNX spec's default, used only when the attribute is absent
@@ -69,7 +71,7 @@ class Constant:
 
 
 def opset_of(opset_imports: dict[str, int]) -> int:
-    return opset_imports.get("", opset_imports.get("ai.onnx", 0))
+    return next((opset_imports[d] for d in ONNX_DOMAINS if d in opset_imports), 0)
 
 
 def iter_scopes(model: ir.Model) -> Iterator[Scope]:
@@ -103,12 +105,12 @@ def describe(node: ir.Node | None) -> str:
     """How a node is named in a sentence: ``Conv 'layer1.0.conv1'``."""
     if node is None:
         return "nothing"
-    op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+    op = op_label(node.domain, node.op_type)
     return f"{op} '{node.name}'" if node.name else op
 
 
 def _is_identity(node: ir.Node | None) -> bool:
-    return node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx")
+    return is_op(node, "Identity")
 
 
 def find_constant(value: ir.Value | None, role: str = "operand") -> Constant | str:
@@ -134,7 +136,7 @@ def find_constant(value: ir.Value | None, role: str = "operand") -> Constant | s
             if seen is None:
                 return f"the {role} '{value.name}' is not a constant"
             continue
-        if producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+        if is_op(producer, "Constant"):
             try:
                 tensor = ir.convenience.get_const_tensor(seen)
             except ValueError:
@@ -180,9 +182,7 @@ def op_counts(model: ir.Model) -> Counter:
     """Node count per operator (domain-qualified outside the ONNX domain), all scopes."""
     counts: Counter = Counter()
     for scope in iter_scopes(model):
-        for node in scope.graph:
-            op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
-            counts[op] += 1
+        counts.update(count_ops(scope.graph))
     return counts
 
 
@@ -191,7 +191,7 @@ def epsilon_census(model: ir.Model) -> list[tuple[str, float, str]]:
     found = []
     for scope in iter_scopes(model):
         for node in scope.graph:
-            if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            if is_op(node, "BatchNormalization"):
                 found.append((node.name or "", batchnorm_epsilon(node), scope.label))
     return found
 

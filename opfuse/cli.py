@@ -18,10 +18,14 @@ import json
 import sys
 import time
 
+from rich.console import Console
+from rich.table import Table
+
 from opfuse import __version__
-from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.ablation import CONFIGS
+from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.passes import PASS_NAMES
+from opfuse.report import print_report
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 
 
@@ -102,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except VerificationError as e:
         if e.report is not None and not getattr(args, "quiet", False):
-            from opfuse.report import print_report
-
             print_report(e.report, _console(stderr=True))
         print(f"opfuse: {e}", file=sys.stderr)
         return e.exit_code
@@ -116,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _console(stderr: bool = False):
-    from rich.console import Console
-
     return Console(stderr=stderr, soft_wrap=False)
 
 
@@ -132,8 +132,7 @@ def _apply_config(args) -> None:
 
 
 def _optimize(args) -> int:
-    from opfuse.pipeline import optimize
-    from opfuse.report import print_report
+    from opfuse.pipeline import optimize  # the pipeline loads onnx and ONNX Runtime: per command
 
     _apply_config(args)
     start = time.perf_counter()
@@ -162,9 +161,7 @@ def _optimize(args) -> int:
 
 
 def _inspect(args) -> int:
-    from rich.table import Table
-
-    from opfuse.pipeline import inspect_model
+    from opfuse.pipeline import inspect_model  # the pipeline loads onnx: per command
 
     _apply_config(args)
     result = inspect_model(args.input, passes=args.passes, target=args.target,
@@ -205,9 +202,8 @@ def _inspect(args) -> int:
 
 
 def _demo(args) -> int:
-    from opfuse.models import BUILTIN_MODELS, build
-    from opfuse.pipeline import optimize
-    from opfuse.report import print_report
+    from opfuse.models import BUILTIN_MODELS, build  # the model zoo loads onnx: per command
+    from opfuse.pipeline import optimize  # the pipeline loads onnx and ONNX Runtime: per command
 
     if args.model not in BUILTIN_MODELS:
         raise BadInputError(f"unknown built-in model {args.model!r}; choose from {', '.join(BUILTIN_MODELS)}")

@@ -23,6 +23,9 @@ import re
 from collections import Counter
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 
 @dataclasses.dataclass(frozen=True)
 class FusionRecord:
@@ -164,9 +167,6 @@ def _json_default(obj: Any) -> Any:
 
 def print_report(report: FusionReport, console=None, *, verbose: bool = False) -> None:
     """Render the report as rich tables: applied, refused, op counts, verification."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console(stderr=False)
     title = f"opfuse: {report.model}" if report.model else "opfuse"
     console.print(f"[bold]{title}[/bold]  target={report.target}  passes={','.join(report.passes)}")

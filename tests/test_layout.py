@@ -1,0 +1,106 @@
+"""The codebase's own structure: who may import whom, one place per fact, start-up cost.
+
+These read the source with ``ast`` (nothing is executed but the start-up check), so a
+rule broken anywhere in ``opfuse/`` fails here with the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import opfuse
+from opfuse.passes import REGISTRY, pass_class
+from opfuse.passes.base import OpfusePass
+from opfuse.vocabulary import ACTIVATION_OPS, ELEMENTWISE_KINDS, OP_KINDS, OpKind
+
+PACKAGE = pathlib.Path(opfuse.__file__).resolve().parent
+MODULES = sorted(PACKAGE.rglob("*.py"))
+# the optimiser: everything `opfuse optimize` runs
+OPTIMISER = ("pipeline", "passes", "targets", "analyse", "algebra", "report", "load", "save", "vocabulary")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_optimiser_never_imports_the_benchmarks_the_torch_wing_or_the_cli():
+    broken = []
+    for path in MODULES:
+        name = _module_name(path)
+        if not _in(name, *(f"opfuse.{m}" for m in OPTIMISER)):
+            continue
+        for line, imported in _imports(path):
+            if _in(imported, "opfuse.bench"):
+                broken.append(f"{path.relative_to(PACKAGE)}:{line} imports {imported}")
+            if _in(name, "opfuse.passes") and _in(imported, "opfuse.torch", "opfuse.cli"):
+                broken.append(f"{path.relative_to(PACKAGE)}:{line} imports {imported}")
+    assert not broken, "\n".join(broken)
+
+
+def test_no_module_is_over_600_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 600}
+    assert not long
+
+
+def _string_constants(path: pathlib.Path, text: str) -> list[int]:
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+    }
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and n.value == text and id(n) not in docstrings]
+
+
+@pytest.mark.parametrize("literal, most", [("ai.onnx", 2), ("com.microsoft", 1)])
+def test_each_domain_is_spelled_out_once(literal, most):
+    places = [f"{p.relative_to(PACKAGE)}:{line}" for p in MODULES for line in _string_constants(p, literal)]
+    assert len(places) <= most, places
+
+
+def test_start_up_loads_nothing_heavy():
+    code = (
+        "import sys, opfuse.cli; opfuse.cli.build_parser();"
+        "print(sorted(m for m in ('onnx', 'onnx_ir', 'numpy', 'onnxruntime', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_registry_and_the_pass_classes_agree():
+    for name in REGISTRY:
+        cls = pass_class(name)
+        assert issubclass(cls, OpfusePass) and cls.name == name
+    assert {n for n in REGISTRY if pass_class(n).emits_contrib_ops} == {"fuse-activation", "fuse-epilogue"}
+
+
+def test_the_target_tables_read_the_op_kinds():
+    from opfuse.targets.onnxruntime import ACTIVATIONS, KERNELS
+
+    assert all(OP_KINDS[k.anchor] is OpKind.OUT_ELEMWISE_FUSABLE for k in KERNELS.values())
+    assert set(ACTIVATIONS) <= ACTIVATION_OPS
+    assert all(OP_KINDS[op] in ELEMENTWISE_KINDS for op in ACTIVATION_OPS)
