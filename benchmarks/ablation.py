@@ -42,7 +42,7 @@ from rich.table import Table
 from opfuse.ablation import CONFIGS, apply_config
 from opfuse.bench.measure import Variant, measure
 from opfuse.runtime import optimized_graph
-from opfuse.bench.traffic import analyse_traffic
+from opfuse.targets.traffic import analyse_traffic
 from opfuse.models import build
 from opfuse.verify import make_inputs
 

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from opfuse import __version__
 from opfuse.ablation import CONFIGS
+from opfuse.bench import options as bench_options
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.passes import PASS_NAMES
 from opfuse.report import print_report
@@ -69,9 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_options(ins)
     ins.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
-    from opfuse.bench import command as bench_command  # light: heavy imports happen in run()
-
-    bench_command.add_parser(sub)
+    bench_options.add_parser(sub)
 
     demo = sub.add_parser("demo", help="optimise a built-in model (no files needed) and report")
     demo.add_argument("--model", default="resnet50", help="built-in model (default: %(default)s)")
@@ -222,9 +221,9 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from opfuse.bench import command as bench_command
+    from opfuse.bench.run import run  # heavy (onnx, ONNX Runtime): only for this command
 
-    return bench_command.run(args)
+    return run(args)
 
 
 COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench}

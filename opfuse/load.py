@@ -21,6 +21,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from opfuse.errors import BadInputError
+from opfuse.vocabulary import ONNX_DOMAINS, first_line
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model]
 
@@ -77,7 +78,7 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
     except (DecodeError, RuntimeError, ValueError) as e:
         raise BadInputError(
             f"{where}: not an ONNX model (the protobuf does not parse: truncated or another "
-            f"format; {_first_line(e)})"
+            f"format; {first_line(e, limit=None)})"
         ) from None
     # Random bytes sometimes parse as a protobuf full of unknown fields.
     if not proto.HasField("graph") or proto.ir_version <= 0:
@@ -94,7 +95,7 @@ def _check_proto(
             f"this installation understands (onnx {onnx.__version__})"
         )
     for opset in proto.opset_import:
-        if opset.domain in ("", "ai.onnx") and opset.version not in SUPPORTED_OPSETS:
+        if opset.domain in ONNX_DOMAINS and opset.version not in SUPPORTED_OPSETS:
             raise BadInputError(
                 f"{where}: ONNX opset {opset.version} is outside the supported range "
                 f"{SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1}"
@@ -105,11 +106,6 @@ def _check_proto(
         # Checking the file lets the checker resolve external data and >2 GB models.
         onnx.checker.check_model(str(path) if path is not None else proto)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as e:
-        raise BadInputError(f"{where}: invalid ONNX model: {_first_line(e)}") from None
+        raise BadInputError(f"{where}: invalid ONNX model: {first_line(e, limit=None)}") from None
     except (ValueError, OSError, RuntimeError) as e:
-        raise BadInputError(f"{where}: invalid ONNX model: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise BadInputError(f"{where}: invalid ONNX model: {first_line(e, limit=None)}") from None

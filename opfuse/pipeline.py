@@ -23,6 +23,7 @@ from opfuse.load import ModelSource, load_model
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
+from opfuse.targets.accelerator import fusion_veto
 from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph
 from opfuse.save import needs_external_data, save_model, write_text_atomic
 from opfuse.verify import verify_models
@@ -163,8 +164,6 @@ def optimize(
         )
     veto = None
     if hardware is not None:
-        from opfuse.bench.costmodel import fusion_veto
-
         veto = fusion_veto(hardware)
     if output is not None and isinstance(model, (str, os.PathLike)) and not overwrite:
         if pathlib.Path(output).resolve() == pathlib.Path(model).resolve():

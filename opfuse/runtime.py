@@ -22,6 +22,7 @@ import tempfile
 
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 
 from opfuse.save import needs_external_data
 from opfuse.targets import RUNTIME_LEVELS
@@ -36,8 +37,6 @@ def session_options(
 ):
     """SessionOptions: the level, threads (None: the runtime's default), no spinning,
     sequential execution, quiet logs; optionally profiling or dumping the optimised graph."""
-    import onnxruntime as ort
-
     options = ort.SessionOptions()
     options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, RUNTIME_LEVELS[level])
     if threads:
@@ -70,8 +69,6 @@ def model_source(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) 
 
 def create_session(model, level: str = "disabled", threads: int | None = None, **options):
     """An InferenceSession on the CPU provider (the runtime keeps the weights it loaded)."""
-    import onnxruntime as ort
-
     with tempfile.TemporaryDirectory(prefix="opfuse-ort-") as tmp:
         return ort.InferenceSession(
             model_source(model, tmp),

@@ -21,10 +21,12 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
+import onnxruntime as ort
 
 from opfuse.errors import BadInputError
 from opfuse.report import OutputCheck, Verification
 from opfuse.runtime import create_session
+from opfuse.vocabulary import first_line
 
 # dtype -> (rtol, atol relative to the output's scale)
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -174,25 +176,19 @@ def verify_models(
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
         raise BadInputError(
             "cannot verify: ONNX Runtime cannot run the input model "
-            f"({_first_line(e)}); pass --no-verify to skip verification"
+            f"({first_line(e)}); pass --no-verify to skip verification"
         ) from None
     result = Verification(runtime=_runtime_name(), inputs=described)
     try:
         actual = run_model(optimised, feeds)
     except Exception as e:  # noqa: BLE001
         result.outputs.append(OutputCheck("<model>", "", (), np.inf, np.inf, 0.0, False,
-                                          f"ONNX Runtime cannot run the optimised model: {_first_line(e)}"))
+                                          f"ONNX Runtime cannot run the optimised model: {first_line(e)}"))
         return result
     result.outputs.extend(compare_outputs(expected, actual))
     return result
 
 
 def _runtime_name() -> str:
-    import onnxruntime as ort
-
     return f"onnxruntime {ort.__version__} CPU (graph optimisations disabled)"
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__

@@ -186,7 +186,7 @@ def dtype_name(dtype: Any) -> str | None:
         return dtype.name.lower()
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message (its type when it has none)."""
+def first_line(exc: BaseException, limit: int | None = 300) -> str:
+    """The first line of an exception's message (its type when it has none), cut at ``limit``."""
     text = str(exc).strip()
     return text.splitlines()[0][:limit] if text else type(exc).__name__

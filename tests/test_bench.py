@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from conftest import bn_node, bn_params, model, rng, tensor, vinfo
-from opfuse.bench import costmodel, traffic
-from opfuse.bench.costmodel import HardwareProfile, Kernel, fusion_veto, load_profile, predict
+from opfuse.bench.chapter import fuse_activation_into_batchnorm
 from opfuse.bench.measure import summarise_profile
-from opfuse.bench.traffic import TensorInfo, analyse_traffic
+from opfuse.targets import accelerator as costmodel
+from opfuse.targets import traffic
+from opfuse.targets.accelerator import HardwareProfile, Kernel, fusion_veto, load_profile, predict
+from opfuse.targets.traffic import TensorInfo, analyse_traffic
 from opfuse.cli import main
 from opfuse.errors import BadInputError
 
@@ -285,14 +287,14 @@ def test_profiles_load_and_bad_ones_are_refused(tmp_path):
 def test_fusing_activation_into_batchnorm_models_the_chapters_conv_relu():
     t_ = analyse_traffic(conv_bn_relu())
     kernels = costmodel.kernels_of(t_)
-    merged = costmodel.fuse_activation_into_batchnorm(kernels, t_.graph_outputs)
+    merged = fuse_activation_into_batchnorm(kernels, t_.graph_outputs)
     assert [k.label for k in merged] == ["Conv", "BatchNormalization+Relu"]
     assert merged[1].outputs[0].name == "y"
     # a BN output that something else also reads stays unfused
     m = conv_bn_relu()
     m.graph.output.append(vinfo("n", [1, 4, 8, 8]))
     t2 = analyse_traffic(m)
-    assert len(costmodel.fuse_activation_into_batchnorm(costmodel.kernels_of(t2), t2.graph_outputs)) == 3
+    assert len(fuse_activation_into_batchnorm(costmodel.kernels_of(t2), t2.graph_outputs)) == 3
 
 
 # -- the --hardware hook -----------------------------------------------------------------
@@ -365,7 +367,7 @@ def test_npu_chapter_reproduces_the_chapters_resnet50_table_within_15_percent():
     rows = {
         "none": predict(none, prof),
         "conv-bn": predict(analyse_traffic(apply_config(proto, "conv-bn")[0], batch=1), prof),
-        "conv-relu": predict(costmodel.fuse_activation_into_batchnorm(costmodel.kernels_of(none),
+        "conv-relu": predict(fuse_activation_into_batchnorm(costmodel.kernels_of(none),
                                                                       none.graph_outputs), prof),
         "conv-bn-act": predict(analyse_traffic(apply_config(proto, "conv-bn-act")[0], batch=1), prof),
     }

@@ -1,17 +1,17 @@
-"""Measuring what fusion buys: latency on ONNX Runtime, memory traffic, and an accelerator cost model.
+"""Measuring what fusion buys: ``opfuse bench``, which measures and presents.
 
 ``opfuse bench`` reproduces the chapter's ResNet-50 table (section 4 of the source notes)
-for any model, in three independent parts, one module each:
+for any model. This package measures and presents; what it counts and predicts comes from
+the optimiser's side (:mod:`opfuse.targets.traffic`, the memory-traffic rule;
+:mod:`opfuse.targets.accelerator`, the cost model with its hardware profiles).
 
-    traffic.py    exact bytes each node reads and writes, from shape inference; the ideal
-                  lower bound; traffic per layer                       (analysis, no running)
-    measure.py    ONNX Runtime CPU latency: one session per variant, interleaved rounds,
-                  an A/A control, node counts, kernel time per op type       (measurements)
-    costmodel.py  roofline + launch overhead per kernel with on-chip buffer spills, from a
-                  hardware profile (../hardware/*.toml); the ``--hardware`` fusion veto
-                                                                     (a model's predictions)
-    command.py    the ``opfuse bench`` command and :func:`run_bench`; table.py and plot.py
-                  render its result
+    options.py   the command's parser, defaults and validation       (light: read at start-up)
+    run.py       :func:`run_bench`: every configuration applied, measured, counted, predicted
+    measure.py   ONNX Runtime CPU latency: one session per variant, interleaved rounds,
+                 an A/A control, node counts, kernel time per op type        (measurements)
+    result.py    the result rows and their JSON schema
+    chapter.py   the chapter's own table and its modelled Conv+ReLU row
+    table.py     the tables (rich); plot.py the figures (matplotlib, an optional extra)
 
 Measured and predicted numbers are kept apart everywhere, and predictions say so.
 """

@@ -46,10 +46,12 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 
 from opfuse.runtime import RUNTIME_LEVELS, optimized_graph, session_options
 from opfuse.runtime import model_source as serialize
 from opfuse.verify import compare_outputs
+from opfuse.vocabulary import count_ops, first_line, is_op
 
 
 
@@ -135,16 +137,12 @@ def runtime_op_counts(model, level: str, threads: int = 2) -> Counter:
 
 
 def _graph_op_counts(proto: onnx.ModelProto) -> Counter:
-    return Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in proto.graph.node)
+    return count_ops(proto.graph.node)
 
 
 def _model_op_counts(model) -> Counter:
     if isinstance(model, ir.Model):
-        return Counter(
-            f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
-            for n in model.graph
-            if not (n.op_type == "Constant" and n.domain in ("", "ai.onnx"))
-        )
+        return count_ops(n for n in model.graph if not is_op(n, "Constant"))
     if isinstance(model, bytes):
         proto = onnx.ModelProto()
         proto.ParseFromString(model)
@@ -152,11 +150,7 @@ def _model_op_counts(model) -> Counter:
         proto = model
     else:
         proto = onnx.load(model, load_external_data=False)
-    return Counter(
-        f"{n.domain}.{n.op_type}" if n.domain else n.op_type
-        for n in proto.graph.node
-        if n.op_type != "Constant"
-    )
+    return count_ops(n for n in proto.graph.node if not is_op(n, "Constant"))
 
 
 def measure(
@@ -174,8 +168,6 @@ def measure(
     ``progress(stage, done, total)`` is called as sessions are created and rounds complete.
     ``baseline`` (default: the first variant) is what paired ratios and output checks use.
     """
-    import onnxruntime as ort
-
     baseline = baseline or variants[0].name
     sessions: dict[str, Any] = {}
     op_counts: dict[str, Counter] = {}
@@ -203,7 +195,7 @@ def measure(
                 else:
                     op_counts[v.name] = _model_op_counts(v.model)
             except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
-                errors[v.name] = _first_line(e)
+                errors[v.name] = first_line(e)
             tick(f"session {v.label}")
 
     names = [v.name for v in variants if v.name in sessions]
@@ -214,7 +206,7 @@ def measure(
             try:
                 result = sessions[name].run(None, feeds)
             except Exception as e:  # noqa: BLE001
-                errors[name] = _first_line(e)
+                errors[name] = first_line(e)
                 continue
             if w == 0:
                 out_names = [o.name for o in sessions[name].get_outputs()]
@@ -276,8 +268,6 @@ def profile_op_types(
     by ``args.op_name``; the result is the median over runs, so one disturbed run does not
     move it. Returns {model name: {op type: ms per run}}, op types by decreasing time.
     """
-    import onnxruntime as ort
-
     feeds = dict(feeds)
     with tempfile.TemporaryDirectory(prefix="opfuse-profile-") as tmp:
         sessions = {}
@@ -329,7 +319,3 @@ def summarise_profile(events: list[dict], *, skip_runs: int = 0) -> dict[str, fl
     medians = {op: statistics.median(run.get(op, 0.0) for run in per_run) for op in ops}
     return dict(sorted(medians.items(), key=lambda kv: -kv[1]))
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__

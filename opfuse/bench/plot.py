@@ -17,7 +17,7 @@ import os
 
 
 def plot_result(result, path: str | os.PathLike) -> None:
-    """Write the figure for a :class:`~opfuse.bench.command.BenchResult` to ``path`` (PNG)."""
+    """Write the figure for a :class:`~opfuse.bench.result.BenchResult` to ``path`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)

@@ -20,7 +20,7 @@ WATCHED_OPS = ("BatchNormalization", "Relu", "Clip", "Add")  # the ops fusion re
 
 
 def print_result(result, console: Console | None = None, *, layers: int = 0) -> None:
-    """Print every table of a :class:`~opfuse.bench.command.BenchResult`, then the notes."""
+    """Print every table of a :class:`~opfuse.bench.result.BenchResult`, then the notes."""
     console = console or Console()
     console.print(f"[bold]opfuse bench[/bold]: {result.model}, {result.dtype or 'unknown dtype'}")
     if result.measurement is not None:
@@ -187,7 +187,7 @@ def footnotes(result) -> list[str]:
     if result.profiles:
         lines.append("- predicted rows: roofline (max of compute and DRAM time) + launch overhead per "
                      "kernel, plus spills; a model of an accelerator, not a measurement "
-                     "(opfuse/bench/costmodel.py)")
+                     "(opfuse/targets/accelerator.py)")
     if result.chapter_applies and "npu-chapter" in result.profiles:
         lines.append("- the chapter's GB/s column is one byte count (~227 MB) over each latency, as if "
                      "fusion moved no fewer bytes; the model's is each configuration's own traffic")

@@ -23,7 +23,8 @@ The ideal lower bound
 "Each activation written once and read once, each weight read once":
 
 - an **activation** is a feature map as a layer produces it. Element-wise ops
-  (:data:`ELEMENTWISE_OPS`: BatchNormalization in inference, the activations, Add/Mul/...)
+  (the ELEMWISE and BROADCAST kinds of :mod:`opfuse.vocabulary`: BatchNormalization in
+  inference, the activations, Add/Mul/...)
   do not create a new activation: their output belongs to the activation of their input
   with the same shape (for a binary op, the first such input). Everything else (Conv, Gemm,
   pooling, Flatten, ...) creates new activations. A graph input is an activation that is
@@ -48,8 +49,6 @@ gives traffic per layer, comparable across configurations (see :func:`align_laye
 from __future__ import annotations
 
 __all__ = [
-    "ELEMENTWISE_OPS",
-    "FUSED_AS",
     "TensorInfo",
     "NodeTraffic",
     "Traffic",
@@ -68,20 +67,11 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from opfuse.targets.onnxruntime import read_fused
+from opfuse.vocabulary import ELEMENTWISE_KINDS, dtype_name, is_onnx, is_op, op_kind, plain_attributes
+
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
-
-# Ops whose output is (for an input of the same shape) the same activation, element by element.
-ELEMENTWISE_OPS = frozenset({
-    "BatchNormalization", "Relu", "LeakyRelu", "PRelu", "Clip", "Sigmoid", "HardSigmoid",
-    "HardSwish", "Tanh", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Gelu", "Mish", "Erf",
-    "Exp", "Log", "Neg", "Abs", "Sqrt", "Reciprocal", "Floor", "Ceil", "Round", "Sign",
-    "Identity", "Dropout", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum",
-    "ThresholdedRelu", "Shrink",
-})
-# Fused contrib ops and the standard op whose shape rule (and first inputs) they share.
-FUSED_AS = {"FusedConv": ("Conv", 3), "FusedGemm": ("Gemm", 3), "FusedMatMul": ("MatMul", 2)}
 # Ops that read only their input's metadata, and ops that move no data at run time.
 METADATA_ONLY_OPS = frozenset({"Shape", "Size"})
 NO_TRAFFIC_OPS = frozenset({"Constant"})
@@ -276,14 +266,14 @@ def analyse_traffic(
         nodes.append(NodeTraffic(
             name=op_name,
             op_type=node.op_type,
-            domain=node.domain if node.domain not in ("", "ai.onnx") else "",
+            domain="" if is_onnx(node) else node.domain,
             inputs=tuple(
                 None if v is None else _info(v, shapes, v in weights) for v in node.inputs
             ),
             outputs=tuple(_info(v, shapes, False) for v in node.outputs),
-            attributes=_plain_attributes(node),
-            metadata_only=node.op_type in METADATA_ONLY_OPS and node.domain in ("", "ai.onnx"),
-            no_traffic=node.op_type in NO_TRAFFIC_OPS and node.domain in ("", "ai.onnx"),
+            attributes=plain_attributes(node),
+            metadata_only=is_op(node, *METADATA_ONLY_OPS),
+            no_traffic=is_op(node, *NO_TRAFFIC_OPS),
         ))
     act_bytes, weight_bytes, count = _ideal_and_layers(graph, nodes, weights, shapes)
     return Traffic(
@@ -352,15 +342,14 @@ def _infer_shapes(
                 bound.append(dim)
         value.shape = ir.Shape(bound)
     for node in graph:
-        if node.domain == MS_DOMAIN and node.op_type in FUSED_AS:
-            op, n_inputs = FUSED_AS[node.op_type]
-            node.op_type, node.domain = op, ""
-            if len(node.inputs) > n_inputs:
-                node.resize_inputs(n_inputs)
-            for attr in ("activation", "activation_params"):
-                node.attributes.pop(attr, None)
-            if op == "MatMul":
-                node.attributes.clear()
+        view = read_fused(node.domain, node.op_type, node.inputs, node.attributes)
+        if view is not None:  # shape inference knows the standard op it extends
+            node.op_type, node.domain = view.base_op, ""
+            if len(node.inputs) > view.base_inputs:
+                node.resize_inputs(view.base_inputs)
+            kept = view.base_attributes(node.attributes)
+            for attr in [a for a in node.attributes if a not in kept]:
+                node.attributes.pop(attr)
     # Initializers become typed inputs without data: shape inference needs only their shapes.
     for value in list(graph.initializers.values()):
         tensor = value.const_value
@@ -433,34 +422,17 @@ def _info(value: ir.Value, shapes, is_weight: bool) -> TensorInfo:
         dtype = value.dtype
     if dtype is None or dtype == ir.DataType.UNDEFINED:
         return TensorInfo(value.name, shape, None, None, is_weight)
-    return TensorInfo(value.name, shape, _dtype_name(dtype), dtype.bitwidth, is_weight)
-
-
-def _dtype_name(dtype: ir.DataType) -> str:
-    try:
-        return str(dtype.numpy().name)
-    except (TypeError, ValueError, AttributeError):
-        return dtype.name.lower()
+    return TensorInfo(value.name, shape, dtype_name(dtype), dtype.bitwidth, is_weight)
 
 
 def _weight_values(graph: ir.Graph) -> set[ir.Value]:
     """Initializers that are not also graph inputs, and Constant-node outputs."""
     weights = {v for v in graph.initializers.values() if not v.is_graph_input()}
     for node in graph:
-        if node.op_type in NO_TRAFFIC_OPS and node.domain in ("", "ai.onnx"):
+        if is_op(node, *NO_TRAFFIC_OPS):
             weights.update(node.outputs)
     return weights
 
-
-def _plain_attributes(node: ir.Node) -> dict[str, Any]:
-    out = {}
-    for name, attr in node.attributes.items():
-        value = attr.value
-        if isinstance(value, (int, float, str)):
-            out[name] = value
-        elif isinstance(value, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in value):
-            out[name] = list(value)
-    return out
 
 
 # -- activations, layers and the ideal bound ------------------------------------------
@@ -493,7 +465,7 @@ def _ideal_and_layers(
             if v is not None and t is not None and t.is_weight and not info.metadata_only:
                 weight_bytes[t.name] = t.nbytes or 0
         joined, carrier = None, None
-        if (node.op_type in ELEMENTWISE_OPS and node.domain in ("", "ai.onnx")
+        if (op_kind(node) in ELEMENTWISE_KINDS
                 and len(info.outputs) >= 1 and info.outputs[0].shape is not None):
             out = info.outputs[0]
             for k, (v, t) in enumerate(acts):

@@ -1,11 +1,11 @@
 """An accelerator cost model: roofline plus launch overhead per kernel, with buffer spills.
 
 These are **predictions of a model, not measurements**. A hardware profile
-(``opfuse/hardware/*.toml``, see :func:`load_profile`) gives DRAM bandwidth, on-chip buffer
+(``opfuse/targets/hardware/*.toml``, :mod:`opfuse.targets.profiles`) gives DRAM bandwidth, on-chip buffer
 size, peak compute per dtype and per-kernel launch overhead; the model turns a
 configuration's graph into one latency per kernel:
 
-    bytes_k  = what the kernel reads and writes (the rule of :mod:`opfuse.bench.traffic`),
+    bytes_k  = what the kernel reads and writes (the rule of :mod:`opfuse.targets.traffic`),
                costed at the profile's ``execution_dtype`` when it sets one (an NPU runs a
                float32 model in float16: every float tensor costs 2 bytes an element)
     flops_k  = 2 * MACs for Conv / Gemm / MatMul, window x outputs for pooling, inputs for
@@ -36,18 +36,11 @@ whose working set does not fit the buffer, and which the model therefore predict
 than the unfused sequence it replaces, is declined, with the sizes and times as the reason.
 (A fusion that spills but still wins, because the unfused conv would spill anyway, stays.)
 
-The chapter's "Conv+ReLU" row
------------------------------
-On ResNet-50 a BatchNormalization sits between every conv and its Relu, so opfuse's
-``conv-act`` (activation into the conv, BN left in place) fuses nothing there. The
-chapter's NPU compiler evidently still fused the activations: the row is modelled by
-:func:`fuse_activation_into_batchnorm` (each activation runs in the epilogue of the
-BatchNormalization kernel that produces its input; BN stays its own kernel, Relus after a
-residual Add stay separate). It is a model of what that compiler did, stated as such in
-the output, not a graph opfuse produces.
+Fused kernels are read through :func:`opfuse.targets.onnxruntime.read_fused` (the target
+that emits them owns their encoding); the chapter's modelled "Conv+ReLU" row lives with the
+benchmark that reproduces the chapter (:mod:`opfuse.bench.chapter`).
 """
 
-from __future__ import annotations
 
 __all__ = [
     "HardwareProfile",
@@ -58,194 +51,31 @@ __all__ = [
     "list_profiles",
     "kernels_of",
     "predict",
-    "fuse_activation_into_batchnorm",
+    "cost_kernel",
     "working_set",
     "fusion_veto",
-    "ACTIVATION_OPS",
 ]
 
 import dataclasses
 import math
 import os
-import pathlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
-from opfuse.bench.traffic import MS_DOMAIN, TensorInfo, Traffic
-from opfuse.errors import BadInputError
+from opfuse.targets.onnxruntime import read_fused
+from opfuse.targets.profiles import HardwareProfile, list_profiles, load_profile
+from opfuse.targets.traffic import TensorInfo, Traffic
+from opfuse.vocabulary import dtype_name, op_label, plain_attributes
 
-try:  # Python 3.11+
-    import tomllib as _toml
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli backport
-    try:
-        import tomli as _toml  # type: ignore[no-redef]
-    except ModuleNotFoundError:
-        _toml = None
-
-PROFILE_DIR = pathlib.Path(__file__).resolve().parent.parent / "hardware"
-FLOAT_DTYPES = {"float32": 32, "float16": 16, "bfloat16": 16, "float64": 64}
-EXECUTION_DTYPES = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8}
-ACTIVATION_OPS = frozenset({
-    "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu",
-    "Selu", "Softplus", "Gelu", "PRelu",
-})
 WINDOWED_OPS = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"})
 GLOBAL_OPS = frozenset({
     "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "ReduceMean", "ReduceSum",
     "ReduceMax", "ReduceMin", "ReduceL2", "ReduceProd",
 })
 MIB = 1024 * 1024
-
-
-# -- profiles --------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class HardwareProfile:
-    """One accelerator, as the cost model sees it (see ``opfuse/hardware/*.toml``)."""
-
-    name: str
-    dram_bandwidth_gbps: float  # GB/s, 1e9 bytes per second
-    onchip_buffer_kib: float
-    launch_overhead_us: float
-    peak_gflops: dict[str, float]  # dtype -> sustained GFLOP/s
-    tile_rows: int = 4
-    execution_dtype: str | None = None  # float tensors are costed at this width
-    spill_efficiency: float = 0.5  # spilled bytes move at this fraction of the bandwidth
-    description: str = ""
-    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
-    source: str = ""
-
-    @property
-    def buffer_bytes(self) -> float:
-        return self.onchip_buffer_kib * 1024
-
-    @property
-    def bandwidth(self) -> float:
-        return self.dram_bandwidth_gbps * 1e9
-
-    @property
-    def launch_s(self) -> float:
-        return self.launch_overhead_us * 1e-6
-
-    def peak(self, dtype: str | None) -> float:
-        """FLOP/s for ``dtype`` (the execution dtype wins); float32's when the dtype is not listed."""
-        key = self.execution_dtype or dtype or "float32"
-        value = self.peak_gflops.get(key, self.peak_gflops.get("float32"))
-        return float(value) * 1e9
-
-    def bits(self, t: TensorInfo) -> int | None:
-        if self.execution_dtype and t.dtype in FLOAT_DTYPES:
-            return EXECUTION_DTYPES[self.execution_dtype]
-        return t.bits
-
-    def nbytes(self, t: TensorInfo | None) -> int:
-        if t is None or t.shape is None:
-            return 0
-        bits = self.bits(t)
-        return 0 if bits is None else (math.prod(t.shape) * bits + 7) // 8
-
-    def replace(self, **changes) -> HardwareProfile:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "dram_bandwidth_gbps": self.dram_bandwidth_gbps,
-            "onchip_buffer_kib": self.onchip_buffer_kib,
-            "launch_overhead_us": self.launch_overhead_us,
-            "peak_gflops": dict(self.peak_gflops),
-            "tile_rows": self.tile_rows,
-            "execution_dtype": self.execution_dtype,
-            "spill_efficiency": self.spill_efficiency,
-            "source": self.source,
-        }
-
-
-def list_profiles() -> list[str]:
-    """Names of the shipped profiles."""
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
-
-
-def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
-    """A shipped profile by name (``npu-chapter``) or a TOML file by path.
-
-    Raises :class:`BadInputError` for an unknown name, an unreadable file or a bad field.
-    """
-    if isinstance(name_or_path, HardwareProfile):
-        return name_or_path
-    text = str(name_or_path)
-    path = pathlib.Path(text)
-    if not (text.endswith(".toml") or os.sep in text or "/" in text):
-        path = PROFILE_DIR / f"{text}.toml"
-        if not path.is_file():
-            raise BadInputError(
-                f"unknown hardware profile {text!r}; shipped profiles: {', '.join(list_profiles())} "
-                "(or give the path of a .toml file)"
-            )
-    if not path.is_file():
-        raise BadInputError(f"{path}: no such hardware profile file")
-    if _toml is None:  # pragma: no cover
-        raise BadInputError("reading hardware profiles on Python 3.10 needs the 'tomli' package")
-    try:
-        data = _toml.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, _toml.TOMLDecodeError) as e:
-        raise BadInputError(f"{path}: not a readable TOML profile ({e})") from None
-    return _profile_from(data, path)
-
-
-def _profile_from(data: dict[str, Any], path: pathlib.Path) -> HardwareProfile:
-    def number(key: str, minimum: float = 0.0, strict: bool = True) -> float:
-        value = data.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise BadInputError(f"{path}: '{key}' must be a number")
-        if value < minimum or (strict and value == minimum):
-            raise BadInputError(f"{path}: '{key}' must be {'>' if strict else '>='} {minimum:g}")
-        return float(value)
-
-    peaks = data.get("peak_gflops")
-    if not isinstance(peaks, dict) or not peaks or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in peaks.values()
-    ):
-        raise BadInputError(f"{path}: [peak_gflops] must map dtypes to positive numbers")
-    if "float32" not in peaks:
-        raise BadInputError(f"{path}: [peak_gflops] needs a float32 entry (the fallback)")
-    exec_dtype = data.get("execution_dtype")
-    if exec_dtype is not None and exec_dtype not in EXECUTION_DTYPES:
-        raise BadInputError(
-            f"{path}: execution_dtype must be one of {', '.join(EXECUTION_DTYPES)}, not {exec_dtype!r}"
-        )
-    if exec_dtype is not None and exec_dtype not in peaks:
-        raise BadInputError(f"{path}: [peak_gflops] has no entry for the execution dtype {exec_dtype}")
-    tile_rows = data.get("tile_rows", 4)
-    if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
-        raise BadInputError(f"{path}: 'tile_rows' must be a positive integer")
-    calibration = data.get("calibration", {})
-    spill_efficiency = number("spill_efficiency") if "spill_efficiency" in data else 0.5
-    if spill_efficiency > 1:
-        raise BadInputError(f"{path}: 'spill_efficiency' must be in (0, 1]")
-    known = {"name", "description", "dram_bandwidth_gbps", "onchip_buffer_kib", "launch_overhead_us",
-             "peak_gflops", "tile_rows", "execution_dtype", "spill_efficiency", "calibration"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise BadInputError(f"{path}: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}")
-    return HardwareProfile(
-        name=str(data.get("name") or path.stem),
-        description=str(data.get("description", "")),
-        dram_bandwidth_gbps=number("dram_bandwidth_gbps"),
-        onchip_buffer_kib=number("onchip_buffer_kib"),
-        launch_overhead_us=number("launch_overhead_us", strict=False),
-        peak_gflops={str(k): float(v) for k, v in peaks.items()},
-        tile_rows=tile_rows,
-        execution_dtype=exec_dtype,
-        spill_efficiency=spill_efficiency,
-        calibration=calibration if isinstance(calibration, dict) else {},
-        source=str(path),
-    )
 
 
 # -- kernels -----------------------------------------------------------------------------
@@ -273,54 +103,13 @@ def kernels_of(traffic: Traffic) -> list[Kernel]:
     for n in traffic.nodes:
         if n.no_traffic:
             continue
-        op, epilogue = n.op_type, ()
-        if n.domain == MS_DOMAIN and n.op_type in ("FusedConv", "FusedGemm", "FusedMatMul"):
-            op = n.op_type[len("Fused"):]
-            steps = []
-            if n.op_type == "FusedConv" and len(n.inputs) > 3 and n.inputs[3] is not None:
-                steps.append("Add")
-            act = n.attributes.get("activation")
-            if act:
-                steps.append(str(act))
-            epilogue = tuple(steps)
-        elif n.domain:
-            op = f"{n.domain}.{n.op_type}"
+        view = read_fused(n.domain, n.op_type, n.inputs, n.attributes)
+        if view is not None:
+            op, epilogue = view.base_op, view.epilogue
+        else:
+            op, epilogue = op_label(n.domain, n.op_type), ()
         out.append(Kernel(n.name, op, n.inputs, n.outputs, n.attributes, epilogue, n.layer))
     return out
-
-
-def fuse_activation_into_batchnorm(kernels: Sequence[Kernel], graph_outputs: Iterable[str] = ()) -> list[Kernel]:
-    """The chapter's "Conv+ReLU" as its NPU compiler would run it (a modelled configuration).
-
-    Each activation kernel whose input comes from a BatchNormalization kernel, and is that
-    kernel's only use (not a graph output), runs in the BN kernel's epilogue. Everything
-    else is unchanged. See the module docstring for why this models the chapter's row.
-    """
-    uses: dict[str, int] = {}
-    for k in kernels:
-        for t in k.inputs:
-            if t is not None:
-                uses[t.name] = uses.get(t.name, 0) + 1
-    outputs = set(graph_outputs)
-    producer = {k.outputs[0].name: i for i, k in enumerate(kernels) if k.outputs}
-    merged: list[Kernel | None] = list(kernels)
-    for i, k in enumerate(kernels):
-        if k.op not in ACTIVATION_OPS or k.epilogue or not k.inputs or k.inputs[0] is None:
-            continue
-        src = k.inputs[0].name
-        j = producer.get(src)
-        if j is None or merged[j] is None or merged[j].op != "BatchNormalization":
-            continue
-        if uses.get(src, 0) != 1 or src in outputs:
-            continue
-        bn = merged[j]
-        merged[j] = dataclasses.replace(
-            bn,
-            outputs=(k.outputs[0], *bn.outputs[1:]),
-            epilogue=(*bn.epilogue, k.op, *k.epilogue),
-        )
-        merged[i] = None
-    return [k for k in merged if k is not None]
 
 
 # -- the model ---------------------------------------------------------------------------
@@ -614,21 +403,15 @@ def _tensor_info(value: ir.Value | None, is_weight: bool, shape: tuple[int, ...]
         shape = tuple(value.const_value.shape)
     if dtype is None and value.const_value is not None:
         dtype = value.const_value.dtype
-    name = None
-    bits = None
-    if dtype is not None and dtype != ir.DataType.UNDEFINED:
-        bits = dtype.bitwidth
-        try:
-            name = str(np.dtype(dtype.numpy()).name)
-        except (TypeError, ValueError):
-            name = dtype.name.lower()
+    known = dtype is not None and dtype != ir.DataType.UNDEFINED
+    name, bits = (dtype_name(dtype), dtype.bitwidth) if known else (None, None)
     return TensorInfo(value.name or "", shape, name, bits, is_weight)
 
 
 def _kernel_from_nodes(anchor: ir.Node, absorbed: list[ir.Node]) -> Kernel | None:
     if anchor.op_type not in ("Conv", "Gemm", "MatMul") or not anchor.inputs:
         return None
-    attrs = {k: a.value for k, a in anchor.attributes.items() if isinstance(a.value, (int, float, str, list, tuple))}
+    attrs = plain_attributes(anchor)
     inputs = [
         _tensor_info(v, i > 0 and v is not None and (v.is_initializer() or v.const_value is not None))
         for i, v in enumerate(anchor.inputs)
