@@ -104,3 +104,29 @@ def test_the_target_tables_read_the_op_kinds():
     assert all(OP_KINDS[k.anchor] is OpKind.OUT_ELEMWISE_FUSABLE for k in KERNELS.values())
     assert set(ACTIVATIONS) <= ACTIVATION_OPS
     assert all(OP_KINDS[op] in ELEMENTWISE_KINDS for op in ACTIVATION_OPS)
+
+
+def test_every_function_local_import_says_why():
+    """Heavy modules are imported by the modules that need them; one left inside a function
+    carries a comment on its line (or the line before) saying why it is there."""
+    silent = []
+    for path in MODULES:
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    here, before = lines[node.lineno - 1], lines[node.lineno - 2].strip()
+                    if "#" not in here and not before.startswith("#"):
+                        silent.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {here.strip()}")
+    assert not silent, "\n".join(sorted(set(silent)))
+
+
+def test_the_accelerator_model_reads_fused_kernels_through_their_target():
+    """The FusedConv encoding is decoded in one place, the module that emits it."""
+    for path in MODULES:
+        if path.name == "onnxruntime.py":
+            continue
+        text = path.read_text()
+        assert '"activation_params"' not in text and "'activation_params'" not in text, path

@@ -22,13 +22,10 @@ __all__ = ["CHAPTER", "MODELLED_CONV_RELU", "fuse_activation_into_batchnorm", "m
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
+from opfuse.targets.accelerator import Kernel, kernels_of
+from opfuse.targets.traffic import Traffic
 from opfuse.vocabulary import ACTIVATION_OPS
-
-if TYPE_CHECKING:  # annotations only: the bench result reads CHAPTER without the cost model
-    from opfuse.targets.accelerator import Kernel
-    from opfuse.targets.traffic import Traffic
 
 MODELLED_CONV_RELU = "npu-conv-relu"
 
@@ -83,8 +80,6 @@ def modelled_conv_relu(unfused: Traffic) -> tuple[list[Kernel], str | None]:
     The note is None when no activation would move into a BatchNormalization kernel (the
     row would equal the unfused one, so it is left out).
     """
-    from opfuse.targets.accelerator import kernels_of  # the cost model loads onnx-ir
-
     kernels = kernels_of(unfused)
     modelled = fuse_activation_into_batchnorm(kernels, unfused.graph_outputs)
     fused_count = len(kernels) - len(modelled)

@@ -18,10 +18,10 @@ import os
 
 def plot_result(result, path: str | os.PathLike) -> None:
     """Write the figure for a :class:`~opfuse.bench.result.BenchResult` to ``path`` (PNG)."""
-    import matplotlib
+    import matplotlib  # an optional extra (opfuse[plot]): imported only to draw
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     fig = plt.figure(figsize=(15, 9), layout="constrained")
     grid = fig.add_gridspec(2, 3)

@@ -10,10 +10,13 @@ from __future__ import annotations
 __all__ = ["print_result", "measured_table", "predicted_table", "op_profile_table", "layer_table"]
 
 import math
+import os
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
+
+from opfuse.ablation import CONFIGS
 
 MB = 1e6
 WATCHED_OPS = ("BatchNormalization", "Relu", "Clip", "Add")  # the ops fusion removes
@@ -159,8 +162,6 @@ def layer_table(result, count: int) -> Table:
 
 
 def footnotes(result) -> list[str]:
-    from opfuse.ablation import CONFIGS
-
     lines = []
     shown = [r.key for r in result.rows if r.kind == "config"]
     legend = "; ".join(
@@ -229,6 +230,4 @@ def _kib(kib: float) -> str:
 
 
 def _cpus() -> int:
-    import os
-
     return os.cpu_count() or 0
