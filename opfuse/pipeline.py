@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from opfuse.analyse import epsilon_census, op_counts
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
+from opfuse.inputs import resolve_dims
 from opfuse.load import ModelSource, load_model
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.report import FusionReport
@@ -147,7 +148,7 @@ def optimize(
     accelerator profile whose on-chip buffer vetoes fusions that would spill. With
     ``verify`` (the default) both models run on ONNX Runtime and a mismatch raises
     :class:`VerificationError` before anything is written. ``output`` writes the model
-    (atomically); ``report_path`` writes the report as JSON.
+    (atomically); ``report_path`` writes the report as JSON (also when verification fails).
     """
     if target not in TARGETS:
         raise BadInputError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
@@ -173,6 +174,8 @@ def optimize(
             )
 
     work, display = load_model(model)
+    if verify and inputs is None:
+        resolve_dims(work, dims)  # a --dim the model does not have is a usage error, before any work
     original = work.clone() if verify else None
     report = FusionReport(model=display, target=target, passes=names)
     report.ops_before = op_counts(work)
@@ -185,13 +188,14 @@ def optimize(
     report.ops_after = op_counts(work)
 
     if verify:
-        report.verification = verify_models(original, work, inputs=inputs, dims=dims, seed=seed)
+        report.verification = verify_models(original, work, inputs=inputs, dims=dims, seed=seed,
+                                            records=report.records)
         if not report.verification.ok:
             bad = report.verification.first_failure()
-            raise VerificationError(
-                f"verification failed: output '{bad.name}': {bad.problem}; nothing was written",
-                report,
-            )
+            if report_path is not None:  # what was attempted, and the failing check
+                write_text_atomic(report_path, report.to_json())
+            written = f"only the report was written ({report_path})" if report_path else "nothing was written"
+            raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
     if output is not None:
         if external_data is None:
             external_data = input_was_external or needs_external_data(work)

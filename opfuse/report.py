@@ -57,16 +57,25 @@ class Refusal:
 
 @dataclasses.dataclass(frozen=True)
 class OutputCheck:
-    """Comparison of one graph output between the original and the optimised model."""
+    """Comparison of one tensor between the original and the optimised model: a graph
+    output, or (``rewrite`` set) the tensor one rewrite computes."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     max_abs_error: float
-    max_scaled_error: float  # max |a - b| / (atol * scale + rtol * |a|); <= 1 passes
-    scale: float  # max |reference|, the output's scale
+    max_scaled_error: float  # max |a - b| / max(atol * scale + rtol * |a|, floor); <= 1 passes
+    scale: float  # max |reference|, the tensor's scale
     ok: bool
     problem: str = ""
+    rewrite: str = ""  # "Conv+BatchNormalization at 'conv1'" for a rewrite's own check
+    floor: float = 0.0  # the absolute floor applied (graph outputs; see opfuse.verify)
+    inputs: str = ""  # the input set it was checked on, when there are several
+
+    @property
+    def label(self) -> str:
+        what = f"rewrite {self.rewrite} (tensor '{self.name}')" if self.rewrite else f"output '{self.name}'"
+        return f"{what} [{self.inputs}]" if self.inputs else what
 
 
 @dataclasses.dataclass
@@ -77,13 +86,19 @@ class Verification:
     inputs: str  # "random (seed 0)" or the path of the user's inputs
     outputs: list[OutputCheck] = dataclasses.field(default_factory=list)
     skipped: str = ""  # why verification did not run, when it did not
+    rewrites: list[OutputCheck] = dataclasses.field(default_factory=list)  # one per rewrite and input set
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # free dimension -> size used
+    input_sets: list[str] = dataclasses.field(default_factory=list)  # e.g. "sr=16000"
+    exercised: int = 0  # rewrites the inputs executed
+    not_exercised: list[str] = dataclasses.field(default_factory=list)  # rewrites they did not reach
 
     @property
     def ok(self) -> bool:
-        return not self.skipped and all(o.ok for o in self.outputs)
+        return not self.skipped and all(o.ok for o in (*self.rewrites, *self.outputs))
 
     def first_failure(self) -> OutputCheck | None:
-        return next((o for o in self.outputs if not o.ok), None)
+        """The failing rewrite that comes first in the graph, else the first failing output."""
+        return next((o for o in (*self.rewrites, *self.outputs) if not o.ok), None)
 
 
 @dataclasses.dataclass
@@ -247,10 +262,22 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
                 if worst
                 else ""
             )
+            checked = f", {len({c.name for c in v.rewrites})} rewrite(s) at their own tensors" if v.rewrites else ""
+            sets = f" x {1 + len(v.input_sets)} input sets" if v.input_sets else ""
             console.print(
-                f"verification: {status} on {v.runtime}, {len(v.outputs)} output(s), "
-                f"inputs {v.inputs}{extra}"
+                f"verification: {status} on {v.runtime}, {len({o.name for o in v.outputs})} output(s)"
+                f"{checked}{sets}, inputs {v.inputs}{extra}"
             )
+            bad = v.first_failure()
+            if bad is not None:
+                console.print(f"  [red]first failure:[/red] {bad.label}: {bad.problem}")
+            if v.not_exercised:
+                shown = "; ".join(v.not_exercised[:5]) + ("; ..." if len(v.not_exercised) > 5 else "")
+                console.print(
+                    f"  [yellow]not exercised:[/yellow] {len(v.not_exercised)} of "
+                    f"{v.exercised + len(v.not_exercised)} rewrite(s) lie in branches the inputs did "
+                    f"not take, so they are unverified: {shown}"
+                )
 
 
 _QUOTED = re.compile(r"'[^']*'")

@@ -45,7 +45,7 @@ def session_options(
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # fatal only: its errors reach the user as exceptions, in one line
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix

@@ -2,81 +2,96 @@
 
 Both models run on ONNX Runtime's CPU provider with the runtime's own graph optimisations
 disabled (so only opfuse's rewrites differ), on the same inputs: the user's (an ``.npz``
-keyed by input name) or seeded random ones, with symbolic dimensions set to a small
-default (overridable per name). Every output is compared with a tolerance chosen per
-dtype, relative to the output's scale (its largest magnitude):
+keyed by input name) or seeded random ones built from the model (:mod:`opfuse.inputs`:
+free dimensions at sizes that run, integer values that take each branch).
 
-    |optimised - original| <= atol * scale + rtol * |original|
+What is compared
+----------------
+- **Every rewrite, at its own tensor.** A rewrite's output keeps the name of the tensor
+  it replaces, so that tensor is exposed as an extra output of both models and compared
+  with a tolerance scaled to *it*. A wrong fold is named precisely, and whatever follows
+  it (a Sigmoid that squashes the error, a Softmax) cannot hide it or fake one. Rewrites
+  inside subgraphs cannot be exposed this way; they are checked through the graph
+  outputs, and the coverage says whether the inputs reached them.
+- **Every graph output.**
 
-Integer and boolean outputs must match exactly; NaNs must sit in the same places.
+The tolerance, per dtype (:data:`TOLERANCES`), relative to the tensor's scale (its
+largest magnitude), with an absolute floor for graph outputs::
+
+    |optimised - original| <= max(atol * scale + rtol * |original|, floor)
+    floor = atol * scale_in   (graph outputs only; 0 for a rewrite's own tensor)
+
+``scale_in`` is the largest magnitude among the values entering the operator that
+produces the output (in the original model). A saturating last operator (Sigmoid,
+Softmax, Tanh, Clip) maps inputs of scale 10 to outputs of scale 1e-4, where its own
+rounding (steps of about 6e-8 in float32) exceeds ``atol * scale``; its inputs are
+allowed ``atol * scale_in`` of difference, and so is what it computes from them. A
+wrong rewrite still fails at its own tensor, where no floor applies.
+
+Integer and boolean tensors must match exactly; NaNs must sit in the same places.
+
+Coverage
+--------
+Rewrites in the main graph run on every input. A rewrite in a branch of a main-graph
+``If`` counts as exercised when some input set took that branch (its condition is
+exposed too). Deeper branches, loop bodies and unnamed, ambiguous Ifs cannot be observed;
+those rewrites are listed as not exercised, never silently "passed".
 """
 
 from __future__ import annotations
 
-__all__ = ["TOLERANCES", "make_inputs", "run_model", "verify_models", "compare_outputs"]
+__all__ = ["TOLERANCES", "make_inputs", "run_model", "verify_models", "compare_outputs",
+           "compare_tensor"]
 
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
+from opfuse.analyse import infer_shapes
 from opfuse.errors import BadInputError
-from opfuse.report import OutputCheck, Verification
+from opfuse.inputs import (
+    MAX_INTEGER_CASES,
+    branch_conditions,
+    find_sizes,
+    free_dims,
+    integer_cases,
+    make_feeds,
+    resolve_dims,
+    runtime_inputs,
+)
+from opfuse.report import FusionRecord, OutputCheck, Verification
 from opfuse.runtime import create_session
 from opfuse.vocabulary import first_line
 
-# dtype -> (rtol, atol relative to the output's scale)
+# dtype -> (rtol, atol relative to the tensor's scale)
 TOLERANCES: dict[str, tuple[float, float]] = {
     "float64": (1e-6, 1e-7),
     "float32": (1e-4, 1e-5),
     "float16": (1e-2, 2e-3),
     "bfloat16": (5e-2, 1e-2),
 }
-DEFAULT_DIM = 1
-
-
-def _runtime_inputs(model: ir.Model) -> list[ir.Value]:
-    return [v for v in model.graph.inputs if not v.is_initializer()]
 
 
 def make_inputs(
     model: ir.Model, *, dims: Mapping[str, int] | None = None, seed: int = 0
 ) -> dict[str, np.ndarray]:
-    """Seeded random inputs; symbolic dims from ``dims`` (by name) or DEFAULT_DIM."""
-    dims = dict(dims or {})
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for value in _runtime_inputs(model):
-        if value.type is None or value.shape is None:
-            raise BadInputError(
-                f"graph input '{value.name}' has no declared type or shape; "
-                "give inputs with --inputs FILE.npz"
-            )
-        shape = []
-        for dim in value.shape:
-            if isinstance(dim, int):
-                shape.append(dim)
-            else:
-                name = str(dim.value) if dim.value is not None else ""
-                shape.append(int(dims.get(name, DEFAULT_DIM)))
-        dtype = value.dtype.numpy()
-        kind = np.dtype(dtype).kind
-        if kind == "f" or str(dtype) == "bfloat16":
-            data = rng.standard_normal(shape).astype(dtype)
-        elif kind in "iu":
-            data = rng.integers(0, 8, size=shape).astype(dtype)
-        elif kind == "b":
-            data = rng.random(shape) < 0.5
-        else:
-            raise BadInputError(
-                f"cannot make random data for input '{value.name}' of type {dtype}; "
-                "give inputs with --inputs FILE.npz"
-            )
-        feeds[value.name] = np.asarray(data)
-    return feeds
+    """Seeded random inputs; free dims from ``dims`` (by name or ``INPUT:AXIS``), else 1.
+
+    Names the model does not have are ignored here (the benchmarks pass a batch size for
+    every model); ``opfuse optimize`` rejects them (:func:`opfuse.inputs.resolve_dims`).
+    """
+    known = free_dims(model)
+    by_place = {f"{i}:{a}": d.key for d in known.values() for i, a in d.places}
+    sizes = {}
+    for key, size in (dims or {}).items():
+        target = key if key in known else by_place.get(key)
+        if target is not None:
+            sizes[target] = int(size)
+    return make_feeds(model, sizes, seed=seed)
 
 
 def load_inputs(model: ir.Model, path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -89,7 +104,7 @@ def load_inputs(model: ir.Model, path: str | os.PathLike) -> dict[str, np.ndarra
             feeds = {k: data[k] for k in data.files}
     except Exception as e:  # noqa: BLE001 - numpy raises many kinds for a bad file
         raise BadInputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
-    expected = {v.name for v in _runtime_inputs(model)}
+    expected = {v.name for v in runtime_inputs(model)}
     missing = sorted(expected - set(feeds))
     unknown = sorted(set(feeds) - expected)
     if missing or unknown:
@@ -108,9 +123,17 @@ def run_model(model: ir.Model, feeds: Mapping[str, np.ndarray], threads: int | N
     return dict(zip(names, session.run(names, dict(feeds))))
 
 
+
+
+# -- comparing ---------------------------------------------------------------------------
+
 def compare_outputs(
-    expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray]
+    expected: Mapping[str, np.ndarray],
+    actual: Mapping[str, np.ndarray],
+    floors: Mapping[str, float] | None = None,
 ) -> list[OutputCheck]:
+    """One check per expected tensor (``floors``: absolute floor per name, see above)."""
+    floors = floors or {}
     checks = []
     for name, ref in expected.items():
         ref = np.asarray(ref)
@@ -118,41 +141,125 @@ def compare_outputs(
             checks.append(OutputCheck(name, str(ref.dtype), ref.shape, np.inf, np.inf, 0.0, False,
                                       "missing from the optimised model's outputs"))
             continue
-        got = np.asarray(actual[name])
-        checks.append(_compare(name, ref, got))
+        checks.append(compare_tensor(name, ref, np.asarray(actual[name]), floor=floors.get(name, 0.0)))
     return checks
 
 
-def _compare(name: str, ref: np.ndarray, got: np.ndarray) -> OutputCheck:
+def compare_tensor(name: str, ref: np.ndarray, got: np.ndarray, *, floor: float = 0.0,
+                   rewrite: str = "", inputs: str = "") -> OutputCheck:
+    """Compare one tensor under :data:`TOLERANCES` (module docstring)."""
     dtype = str(ref.dtype)
+    tags = {"rewrite": rewrite, "inputs": inputs}
     if ref.shape != got.shape or str(got.dtype) != dtype:
         return OutputCheck(name, dtype, tuple(ref.shape), np.inf, np.inf, 0.0, False,
-                           f"shape/dtype changed: {ref.shape} {dtype} -> {got.shape} {got.dtype}")
+                           f"shape/dtype changed: {ref.shape} {dtype} -> {got.shape} {got.dtype}", **tags)
     if dtype not in TOLERANCES:
         same = bool(np.array_equal(ref, got))
         return OutputCheck(name, dtype, tuple(ref.shape), 0.0 if same else np.inf,
-                           0.0 if same else np.inf, 0.0, same, "" if same else "values differ")
+                           0.0 if same else np.inf, 0.0, same, "" if same else "values differ", **tags)
     rtol, atol = TOLERANCES[dtype]
     a, b = ref.astype(np.float64), got.astype(np.float64)
     nan_a, nan_b = np.isnan(a), np.isnan(b)
     if not np.array_equal(nan_a, nan_b):
         return OutputCheck(name, dtype, tuple(ref.shape), np.inf, np.inf, 0.0, False,
-                           "NaNs appear in different places")
+                           "NaNs appear in different places", **tags)
     finite = ~nan_a
     a, b = a[finite], b[finite]
     if a.size == 0:
-        return OutputCheck(name, dtype, tuple(ref.shape), 0.0, 0.0, 0.0, True)
+        return OutputCheck(name, dtype, tuple(ref.shape), 0.0, 0.0, 0.0, True, **tags)
     scale = float(np.max(np.abs(a))) or 1.0
     err = np.abs(a - b)
-    limit = atol * scale + rtol * np.abs(a)
+    limit = np.maximum(atol * scale + rtol * np.abs(a), floor)
     scaled = float(np.max(err / limit))
     ok = bool(scaled <= 1.0)
+    floor_text = f", floor {floor:.3g} from the last operator's inputs" if floor > atol * scale else ""
     problem = "" if ok else (
         f"max |diff| {float(err.max()):.3g} exceeds the {dtype} tolerance "
-        f"(rtol {rtol:g}, atol {atol:g} x scale {scale:.3g}) by {scaled:.1f}x"
+        f"(rtol {rtol:g}, atol {atol:g} x scale {scale:.3g}{floor_text}) by {scaled:.1f}x"
     )
-    return OutputCheck(name, dtype, tuple(ref.shape), float(err.max()), scaled, scale, ok, problem)
+    return OutputCheck(name, dtype, tuple(ref.shape), float(err.max()), scaled, scale, ok, problem,
+                       floor=float(floor), **tags)
 
+
+# -- the models, with their probes exposed ---------------------------------------------------
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    values = {v.name: v for v in graph.inputs}
+    values.update(graph.initializers)
+    for node in graph:
+        for v in node.outputs:
+            values[v.name] = v
+    return values
+
+
+def _with_outputs(model: ir.Model, names: Iterable[str], dtypes: Mapping[str, ir.DataType]) -> tuple[ir.Model, list[str]]:
+    """A copy of ``model`` with the named main-graph tensors as extra outputs; the names added."""
+    work = model.clone()
+    values = _values_by_name(work.graph)
+    if any(values[n].dtype is None and n not in dtypes for n in names if n in values):
+        infer_shapes(work)  # a private copy: the types of the tensors to expose
+        values = _values_by_name(work.graph)
+    present = {v.name for v in work.graph.outputs}
+    added = []
+    for name in names:
+        value = values.get(name)
+        if name in present or value is None:
+            continue
+        if value.dtype is None and name in dtypes:
+            value.dtype = dtypes[name]
+        if value.dtype is None:
+            continue  # ONNX Runtime needs an output's type
+        work.graph.outputs.append(value)
+        present.add(name)
+        added.append(name)
+    return work, added
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def _floor_sources(model: ir.Model, dtypes: Mapping[str, ir.DataType]) -> dict[str, list[str]]:
+    """graph output -> the non-constant float tensors entering the operator that produces it."""
+    out = {}
+    for value in model.graph.outputs:
+        producer = value.producer()
+        if producer is None:
+            continue
+        out[value.name] = [v.name for v in producer.inputs
+                           if v is not None and not _is_constant(v) and v.name in dtypes
+                           and dtypes[v.name].is_floating_point()]
+    return out
+
+
+def _rewrite_label(record: FusionRecord) -> str:
+    return f"{record.pattern} at '{record.node}'"
+
+
+def _probes(records: Sequence[FusionRecord], optimised: ir.Model) -> list[tuple[str, str]]:
+    """(tensor, rewrite label) of the main-graph rewrites, in graph order."""
+    order = {v.name: i for i, node in enumerate(optimised.graph) for v in node.outputs}
+    outputs = {v.name for v in optimised.graph.outputs}
+    found = {}
+    for r in records:
+        if r.graph == "main" and r.output and r.output in order and r.output not in outputs:
+            found.setdefault(r.output, _rewrite_label(r))
+    return sorted(found.items(), key=lambda item: order[item[0]])
+
+
+class _Runner:
+    """One ONNX Runtime session; runs return {name: array} for every output."""
+
+    def __init__(self, model: ir.Model):
+        self.session = create_session(model, "disabled")
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(self.names, self.session.run(self.names, dict(feeds))))
+
+
+# -- verification ---------------------------------------------------------------------------
 
 def verify_models(
     original: ir.Model,
@@ -161,34 +268,120 @@ def verify_models(
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
     dims: Mapping[str, int] | None = None,
     seed: int = 0,
+    records: Sequence[FusionRecord] = (),
 ) -> Verification:
-    """Run both models on the same inputs and compare every output."""
-    if inputs is None:
-        feeds, described = make_inputs(original, dims=dims, seed=seed), f"random (seed {seed})"
-    elif isinstance(inputs, Mapping):
-        feeds, described = dict(inputs), "given"
-    else:
-        feeds, described = load_inputs(original, inputs), str(inputs)
+    """Run both models on the same inputs; compare every rewrite and every output."""
+    probes = _probes(records, optimised)
+    conditions = branch_conditions(original)
+    typed = original.clone()
+    infer_shapes(typed)  # a private copy: the types of the tensors exposed below
+    dtypes = {v.name: v.dtype for v in _values_by_name(typed.graph).values() if v.dtype is not None}
+    floors_from = _floor_sources(typed, dtypes)
+    extra = [t for t, _ in probes] + [n for names in floors_from.values() for n in names] + list(conditions.values())
+    original_x, _ = _with_outputs(original, extra, dtypes)
+    optimised_x, _ = _with_outputs(optimised, [t for t, _ in probes], dtypes)
+    graph_outputs = [v.name for v in original.graph.outputs]
     try:
-        expected = run_model(original, feeds)
-    except BadInputError:
-        raise
+        run_original = _Runner(original_x)
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
-        raise BadInputError(
-            "cannot verify: ONNX Runtime cannot run the input model "
-            f"({first_line(e)}); pass --no-verify to skip verification"
-        ) from None
-    result = Verification(runtime=_runtime_name(), inputs=described)
+        raise BadInputError(f"cannot verify: ONNX Runtime cannot load the input model ({first_line(e)}); "
+                            "pass --no-verify to skip verification") from None
+
+    result = Verification(runtime=_runtime_name(), inputs="")
+    sets = _input_sets(original, run_original, inputs, dims, seed, result)
     try:
-        actual = run_model(optimised, feeds)
+        run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
         result.outputs.append(OutputCheck("<model>", "", (), np.inf, np.inf, 0.0, False,
-                                          f"ONNX Runtime cannot run the optimised model: {first_line(e)}"))
+                                          f"ONNX Runtime cannot load the optimised model: {first_line(e)}"))
         return result
-    result.outputs.extend(compare_outputs(expected, actual))
+
+    taken: dict[str, set[bool]] = {}
+    for label, feeds, expected in sets:
+        for if_label, cond in conditions.items():
+            if cond in expected:
+                taken.setdefault(if_label, set()).add(bool(np.asarray(expected[cond]).reshape(-1)[0]))
+        try:
+            actual = run_optimised(feeds)
+        except Exception as e:  # noqa: BLE001
+            result.outputs.append(OutputCheck("<model>", "", (), np.inf, np.inf, 0.0, False,
+                                              f"ONNX Runtime cannot run the optimised model: {first_line(e)}",
+                                              inputs=label))
+            continue
+        for tensor, rewrite in probes:
+            if tensor in expected and tensor in actual:
+                result.rewrites.append(compare_tensor(tensor, np.asarray(expected[tensor]),
+                                                      np.asarray(actual[tensor]), rewrite=rewrite, inputs=label))
+        for name in graph_outputs:
+            ref = np.asarray(expected[name])
+            if name not in actual:
+                result.outputs.append(OutputCheck(name, str(ref.dtype), ref.shape, np.inf, np.inf, 0.0, False,
+                                                  "missing from the optimised model's outputs", inputs=label))
+                continue
+            result.outputs.append(compare_tensor(name, ref, np.asarray(actual[name]),
+                                                 floor=_floor(ref, floors_from.get(name, ()), expected),
+                                                 inputs=label))
+    _coverage(result, records, original, taken)
     return result
+
+
+def _floor(ref: np.ndarray, sources: Iterable[str], expected: Mapping[str, np.ndarray]) -> float:
+    dtype = str(ref.dtype)
+    if dtype not in TOLERANCES:
+        return 0.0
+    scales = [float(np.nanmax(np.abs(np.asarray(expected[s], dtype=np.float64))))
+              for s in sources if s in expected and np.asarray(expected[s]).size]
+    return TOLERANCES[dtype][1] * max(scales, default=0.0)
+
+
+def _input_sets(original, run, inputs, dims, seed, result: Verification):
+    """[(label, feeds, expected outputs)]: the user's inputs, or random ones that run."""
+    if inputs is not None:
+        if isinstance(inputs, Mapping):
+            feeds, result.inputs = dict(inputs), "given"
+        else:
+            feeds, result.inputs = load_inputs(original, inputs), str(inputs)
+        try:
+            return [("", feeds, run(feeds))]
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise BadInputError(
+                "cannot verify: ONNX Runtime cannot run the input model on the given inputs "
+                f"({first_line(e)}); pass --no-verify to skip verification"
+            ) from None
+    fixed = resolve_dims(original, dims)
+    feeds, sizes, expected = find_sizes(original, run, fixed=fixed, seed=seed)
+    result.sizes = dict(sizes)
+    sets = [("", feeds, expected)]
+    for name, values in integer_cases(original).items():
+        for value in values:
+            if len(sets) > MAX_INTEGER_CASES:
+                break
+            try:
+                more = find_sizes(original, run, fixed=fixed, seed=seed, integers={name: value})
+            except BadInputError:
+                continue  # the value does not run at any size: no extra set
+            sets.append((f"{name}={value}", more[0], more[2]))
+            result.input_sets.append(f"{name}={value}")
+    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    result.inputs = f"random (seed {seed})" + (f" at {shown}" if shown else "")
+    if result.input_sets:
+        result.inputs += "; again with " + ", ".join(result.input_sets)
+    return sets
+
+
+def _coverage(result: Verification, records: Sequence[FusionRecord], original: ir.Model,
+              taken: Mapping[str, set[bool]]) -> None:
+    called = {f"function:{n.domain}.{n.op_type}" for n in original.graph}
+    for r in records:
+        parts = r.graph.split("/")
+        if r.graph == "main" or r.graph in called:
+            result.exercised += 1
+        elif (len(parts) == 3 and parts[0] == "main" and parts[2] in ("then_branch", "else_branch")
+              and (parts[2] == "then_branch") in taken.get("/".join(parts[:2]), set())):
+            result.exercised += 1
+        else:
+            result.not_exercised.append(f"{_rewrite_label(r)} in {r.graph}")
 
 
 def _runtime_name() -> str:
     return f"onnxruntime {ort.__version__} CPU (graph optimisations disabled)"
-
