@@ -7,13 +7,14 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
   is its own dimension, addressed by position (``--dim x:2=320``: input ``x``, axis 2).
   A name or position the model does not have is a usage error that lists the model's
   free dimensions.
-- **Sizes that run.** Every free dimension starts at 1. When ONNX Runtime cannot run the
-  model at that size (a reflect Pad needs 2 samples, a Resize needs a real image), the
-  non-batch dimensions grow in bounded steps, :data:`SIZE_STEPS`: at each step, first all
-  of them together, then each alone (so a dimension that must stay equal to the batch,
-  like the ``[2, ?, 128]`` state of an RNN, is not forced up with the others). A
-  dimension is *batch* when it is axis 0 of an input of rank 2 or more; batch dimensions
-  stay 1. Dimensions given with ``--dim`` never change. The sizes used are reported.
+- **Sizes that run.** Batch dimensions are 1; the others try the sizes of
+  :data:`SIZE_STEPS` in order: 8 first (at 1x1 a 3x3 convolution uses only its centre
+  tap, so a transposed or shifted kernel would pass unseen), then 1, then growing
+  (a reflect Pad needs more samples than it pads, a Resize a real image). At each size,
+  first all of them together, then each alone (so a dimension that must stay equal to
+  the batch, like the ``[2, ?, 128]`` state of an RNN, is not forced up with the
+  others). A dimension is *batch* when it is axis 0 of an input of rank 2 or more.
+  Dimensions given with ``--dim`` never change. The sizes used are reported.
 - **Integer values that branch.** A random integer in 0-7 rarely equals the sample rate
   an ``If`` tests for. Integer inputs that reach a comparison with a constant (``Equal``,
   ``Less``, ``Greater`` and their ``OrEqual`` forms, through reshapes, casts and gathers)
@@ -43,7 +44,7 @@ from opfuse.analyse import Constant, find_constant, iter_scopes
 from opfuse.errors import BadInputError
 from opfuse.vocabulary import first_line, is_op
 
-SIZE_STEPS = (1, 8, 32, 64, 224, 320, 640)
+SIZE_STEPS = (8, 1, 32, 64, 224, 320, 640)  # tried in this order
 MAX_INTEGER_CASES = 3  # extra input sets per model, from integer comparisons
 # ops that pass an integer input's value on unchanged (for finding what it is compared with)
 _VALUE_PRESERVING = ("Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Gather",
@@ -226,13 +227,13 @@ def make_feeds(
 def _candidates(dims: Mapping[str, FreeDim], fixed: Mapping[str, int]) -> Iterator[dict[str, int]]:
     """Size assignments to try, smallest first (see the module docstring)."""
     base = {k: fixed.get(k, 1) for k in dims}
-    yield dict(base)
     growable = [k for k, d in dims.items() if k not in fixed and not d.batch]
-    for step in SIZE_STEPS[1:]:
-        if not growable:
-            return
+    if not growable:
+        yield dict(base)
+        return
+    for step in SIZE_STEPS:
         yield {**base, **{k: step for k in growable}}
-        if len(growable) > 1:
+        if len(growable) > 1 and step != 1:
             for k in growable:
                 yield {**base, k: step}
 

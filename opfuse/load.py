@@ -10,7 +10,7 @@ External data is resolved relative to the model file and stays memory-mapped.
 
 from __future__ import annotations
 
-__all__ = ["load_model", "SUPPORTED_OPSETS", "MAX_IR_VERSION"]
+__all__ = ["load_model", "SUPPORTED_OPSETS", "MAX_IR_VERSION", "LOAD_NOTES"]
 
 import os
 import pathlib
@@ -36,19 +36,19 @@ def load_model(source: ModelSource, *, check: bool = True) -> tuple[ir.Model, st
     if isinstance(source, ir.Model):
         return source.clone(), source.graph.name or "<model>"
     if isinstance(source, onnx.ModelProto):
-        _check_proto(source, "<ModelProto>", check=check, path=None)
         private = onnx.ModelProto()
         private.CopyFrom(source)  # onnx-ir's tensors view the proto: never touch the caller's
-        return ir.serde.deserialize_model(private), source.graph.name or "<ModelProto>"
+        notes = _check_proto(private, "<ModelProto>", check=check, path=None)
+        return _with_notes(ir.serde.deserialize_model(private), notes), source.graph.name or "<ModelProto>"
     if isinstance(source, (bytes, bytearray)):
         proto = _parse(bytes(source), "<bytes>")
-        _check_proto(proto, "<bytes>", check=check, path=None)
-        return ir.serde.deserialize_model(proto), proto.graph.name or "<bytes>"
+        notes = _check_proto(proto, "<bytes>", check=check, path=None)
+        return _with_notes(ir.serde.deserialize_model(proto), notes), proto.graph.name or "<bytes>"
     if isinstance(source, (str, os.PathLike)):
         path = pathlib.Path(source)
         proto = _parse(_read(path), str(path))
-        _check_proto(proto, str(path), check=check, path=path)
-        model = ir.serde.deserialize_model(proto)
+        notes = _check_proto(proto, str(path), check=check, path=path)
+        model = _with_notes(ir.serde.deserialize_model(proto), notes)
         ir.external_data.set_base_dir(model.graph, str(path.resolve().parent))
         return model, str(path)
     raise BadInputError(
@@ -88,7 +88,7 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
 
 def _check_proto(
     proto: onnx.ModelProto, where: str, *, check: bool, path: pathlib.Path | None
-) -> None:
+) -> list[str]:
     if proto.ir_version > MAX_IR_VERSION:
         raise BadInputError(
             f"{where}: IR version {proto.ir_version} is newer than the {MAX_IR_VERSION} "
@@ -101,11 +101,57 @@ def _check_proto(
                 f"{SUPPORTED_OPSETS.start}-{SUPPORTED_OPSETS.stop - 1}"
             )
     if not check:
-        return
+        return []
     try:
         # Checking the file lets the checker resolve external data and >2 GB models.
         onnx.checker.check_model(str(path) if path is not None else proto)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as e:
-        raise BadInputError(f"{where}: invalid ONNX model: {first_line(e, limit=None)}") from None
+        message = first_line(e, limit=None)
+        if "is required but missing" not in message or not _fill_output_types(proto):
+            raise BadInputError(f"{where}: invalid ONNX model: {message}") from None
+        try:
+            onnx.checker.check_model(proto)
+        except Exception:  # noqa: BLE001 - the repair did not satisfy the checker
+            raise BadInputError(f"{where}: invalid ONNX model: {message}") from None
+        return [f"{where}: {message} (onnx.checker); the missing graph-output types and shapes "
+                "were inferred"]
     except (ValueError, OSError, RuntimeError) as e:
         raise BadInputError(f"{where}: invalid ONNX model: {first_line(e, limit=None)}") from None
+    return []
+
+
+LOAD_NOTES = "opfuse.load_notes"  # model.meta key: what loading repaired, one line each
+
+
+def _with_notes(model: ir.Model, notes: list[str]) -> ir.Model:
+    if notes:
+        model.meta[LOAD_NOTES] = list(notes)
+    return model
+
+
+def _fill_output_types(proto: onnx.ModelProto) -> bool:
+    """Give graph outputs without a type or shape the ones onnx infers (in place).
+
+    ONNX Runtime runs such models; onnx.checker and other tools want the fields. Returns
+    whether every output could be completed.
+    """
+    incomplete = [o for o in proto.graph.output
+                  if not o.type.HasField("tensor_type") or not o.type.tensor_type.HasField("shape")]
+    if not incomplete:
+        return False
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False)
+    except Exception:  # noqa: BLE001 - onnx raises many kinds here
+        return False
+    known = {v.name: v for v in [*inferred.graph.output, *inferred.graph.value_info]}
+    for out in incomplete:
+        found = known.get(out.name)
+        if found is None or not found.type.HasField("tensor_type") or not found.type.tensor_type.elem_type:
+            return False
+        if not out.type.HasField("tensor_type") or not out.type.tensor_type.elem_type:
+            out.type.tensor_type.elem_type = found.type.tensor_type.elem_type
+        if found.type.tensor_type.HasField("shape"):
+            out.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape)
+        else:  # rank unknown: an explicit shape of free dimensions cannot be written either
+            return False
+    return True

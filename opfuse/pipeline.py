@@ -20,7 +20,7 @@ import onnx_ir as ir
 from opfuse.analyse import epsilon_census, op_counts
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
-from opfuse.load import ModelSource, load_model
+from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
@@ -179,6 +179,7 @@ def optimize(
     original = work.clone() if verify else None
     report = FusionReport(model=display, target=target, passes=names)
     report.ops_before = op_counts(work)
+    report.notes.extend(work.meta.pop(LOAD_NOTES, None) or [])
     report.notes.extend(epsilon_notes(work))
     input_was_external = needs_external_data(work)  # before the folds replace its tensors
 
