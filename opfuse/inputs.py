@@ -8,9 +8,10 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
   A name or position the model does not have is a usage error that lists the model's
   free dimensions.
 - **Sizes that run.** Batch dimensions are 1; the others try the sizes of
-  :data:`SIZE_STEPS` in order: 8 first (at 1x1 a 3x3 convolution uses only its centre
-  tap, so a transposed or shifted kernel would pass unseen), then 1, then growing
-  (a reflect Pad needs more samples than it pads, a Resize a real image). At each size,
+  :data:`SIZE_STEPS` in order: small real sizes first, 8, 32, 64 (at 1x1 a 3x3
+  convolution uses only its centre tap, so a transposed kernel would pass unseen; a
+  detector may need a multiple of its stride), then 1, then larger sizes (a reflect Pad
+  needs more samples than it pads, a Resize a real image). At each size,
   first all of them together, then each alone (so a dimension that must stay equal to
   the batch, like the ``[2, ?, 128]`` state of an RNN, is not forced up with the
   others). A dimension is *batch* when it is axis 0 of an input of rank 2 or more.
@@ -44,7 +45,7 @@ from opfuse.analyse import Constant, find_constant, iter_scopes
 from opfuse.errors import BadInputError
 from opfuse.vocabulary import first_line, is_op
 
-SIZE_STEPS = (8, 1, 32, 64, 224, 320, 640)  # tried in this order
+SIZE_STEPS = (8, 32, 64, 1, 224, 320, 640)  # tried in this order
 MAX_INTEGER_CASES = 3  # extra input sets per model, from integer comparisons
 # ops that pass an integer input's value on unchanged (for finding what it is compared with)
 _VALUE_PRESERVING = ("Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Gather",
