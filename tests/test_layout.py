@@ -130,3 +130,11 @@ def test_the_accelerator_model_reads_fused_kernels_through_their_target():
             continue
         text = path.read_text()
         assert '"activation_params"' not in text and "'activation_params'" not in text, path
+
+
+def test_the_torch_wing_names_activations_in_the_onnx_vocabulary():
+    from opfuse.torch.rules import ACTIVATIONS, TORCH_ONLY_ACTIVATIONS
+
+    names = {name for name, _ in ACTIVATIONS.values()}
+    assert names - TORCH_ONLY_ACTIVATIONS <= ACTIVATION_OPS
+    assert not TORCH_ONLY_ACTIVATIONS & ACTIVATION_OPS  # declared torch-only: truly not ONNX ops

@@ -26,12 +26,17 @@ import warnings
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from opfuse.errors import VerificationError
+from opfuse.pipeline import optimize
 from opfuse.report import FusionReport
+from opfuse.save import needs_external_data, save_model
 from opfuse.torch.fuse import fuse
+from opfuse.verify import compare_outputs, run_model
 
 
 def export(
@@ -53,11 +58,6 @@ def export(
     ``input_names``, ``output_names``, ``dynamic_axes`` and ``opset_version`` to
     ``torch.onnx.export``. Returns ``(onnx_ir.Model, FusionReport)``.
     """
-    from opfuse.errors import VerificationError
-    from opfuse.pipeline import optimize
-    from opfuse.save import needs_external_data, save_model
-    from opfuse.verify import compare_outputs, run_model
-
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -104,7 +104,6 @@ def export(
 def _feeds(raw: pathlib.Path, example_inputs: tuple) -> dict[str, np.ndarray] | None:
     """The example inputs keyed by the exported graph's input names (None if they do not
     line up one to one)."""
-    import onnx
 
     graph = onnx.load(str(raw), load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}

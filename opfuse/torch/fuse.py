@@ -15,6 +15,9 @@ refused, with the same pattern vocabulary as the ONNX side. The pipeline is
     verify   with example inputs, both models run and every output is compared
 
 Every rule is pattern (which nodes), check (a sentence when it is illegal here), rewrite.
+The patterns are data in ``rules.py``, the capture is ``capture.py``, the algebra
+``fold.py``, the fused kernels ``kernels.py``; this module is the fuser and its checks.
+Verification uses :mod:`opfuse.verify`'s tolerance policy, as the ONNX side does.
 A failed check is a :class:`~opfuse.report.Refusal` in the report, never a silent skip.
 
 Algebra (``fold.py``): BN is z = s * y + t per channel with s = gamma / sqrt(var + eps)
@@ -60,210 +63,52 @@ __all__ = ["fuse", "ACTIVATIONS", "FOLD_PATTERNS"]
 import copy
 import dataclasses
 import logging
-import operator
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
+import ml_dtypes
+import numpy as np
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
-from opfuse.report import FusionRecord, FusionReport, OutputCheck, Refusal, Verification
+from opfuse.report import FusionRecord, FusionReport, Refusal, Verification
+from opfuse.torch.capture import _capture, _clone_inputs, _propagate_shapes
 from opfuse.torch.fold import FoldingError, fold_conv_bn_weights, fold_linear_bn_weights
 from opfuse.torch.kernels import (
     ConvAddPointwise,
     ConvPointwise,
     Unary,
     binary_problem,
-    first_line,
     kernels_available,
     pack_problem,
     unary_problem,
 )
+from opfuse.torch.rules import (
+    ACTIVATIONS,
+    BATCHNORM_TYPES,
+    CONV_TRANSPOSE_TYPES,
+    CONV_TYPES,
+    FOLD_PATTERNS,
+    INPLACE_ADDS,
+    _arg,
+    _exists,
+    _has_hooks,
+    _is_add,
+    _key,
+    _match_activation,
+    _module,
+    _name,
+    _nbytes,
+    _producer_kind,
+    _set_submodule,
+    _shape,
+    aten,
+)
+from opfuse.verify import compare_outputs
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
-
-# -- what opfuse recognises (rules as data) ------------------------------------------------
-
-CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
-CONV_TRANSPOSE_TYPES = {nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3}
-BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-
-# producer kind -> pattern name of "producer + BatchNorm"
-FOLD_PATTERNS = {
-    "Conv": "Conv+BatchNormalization",
-    "ConvTranspose": "ConvTranspose+BatchNormalization",
-    "Linear": "Linear+BatchNormalization",
-}
-
-
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _const(*values: Any) -> bool:
-    return all(_number(v) for v in values)
-
-
-# Activation epilogues: target -> (ONNX-style pattern suffix, node/module -> Unary or None).
-# None means "not with these arguments" (e.g. a bound that is a tensor). Adding an
-# activation is adding a row, provided oneDNN has an algorithm for it.
-def _fixed(attr: str, *scalars: float) -> Callable:
-    return lambda node, module=None: Unary(attr, scalars)
-
-
-def _hardtanh_fn(node, module=None):
-    lo, hi = _arg(node, 1, "min_val", -1.0), _arg(node, 2, "max_val", 1.0)
-    return Unary("hardtanh", (float(lo), float(hi))) if _const(lo, hi) else None
-
-
-def _clamp_fn(node, module=None):
-    lo, hi = _arg(node, 1, "min"), _arg(node, 2, "max")
-    return Unary("hardtanh", (float(lo), float(hi))) if _const(lo, hi) else None
-
-
-def _leaky_fn(node, module=None):
-    slope = _arg(node, 1, "negative_slope", 0.01)
-    return Unary("leaky_relu", (float(slope),)) if _const(slope) else None
-
-
-def _gelu_fn(node, module=None):
-    approximate = _arg(node, 1, "approximate", "none")
-    return Unary("gelu", (), approximate) if approximate in ("none", "tanh") else None
-
-
-_RELU = ("Relu", _fixed("relu"))
-_RELU6 = ("Clip", _fixed("hardtanh", 0.0, 6.0))
-_SIGMOID = ("Sigmoid", _fixed("sigmoid"))
-_TANH = ("Tanh", _fixed("tanh"))
-_SILU = ("SiLU", _fixed("swish"))
-_HARDSWISH = ("HardSwish", _fixed("hardswish"))
-_HARDSIGMOID = ("HardSigmoid", _fixed("hardsigmoid"))
-
-ACTIVATIONS: dict[Any, tuple[str, Callable]] = {
-    # modules
-    nn.ReLU: _RELU,
-    nn.ReLU6: _RELU6,
-    nn.Hardtanh: ("Clip", lambda n, m: Unary("hardtanh", (float(m.min_val), float(m.max_val)))),
-    nn.LeakyReLU: ("LeakyRelu", lambda n, m: Unary("leaky_relu", (float(m.negative_slope),))),
-    nn.Sigmoid: _SIGMOID,
-    nn.Tanh: _TANH,
-    nn.SiLU: _SILU,
-    nn.GELU: ("Gelu", lambda n, m: Unary("gelu", (), m.approximate)),
-    nn.Hardswish: _HARDSWISH,
-    nn.Hardsigmoid: _HARDSIGMOID,
-    # functions (torch.fx records F.* and torch.*; torch.export records aten ops)
-    F.relu: _RELU, torch.relu: _RELU, torch.relu_: _RELU,
-    aten.relu.default: _RELU, aten.relu_.default: _RELU,
-    F.relu6: _RELU6, aten.relu6.default: _RELU6,
-    F.hardtanh: ("Clip", _hardtanh_fn), aten.hardtanh.default: ("Clip", _hardtanh_fn),
-    aten.hardtanh_.default: ("Clip", _hardtanh_fn),
-    torch.clamp: ("Clip", _clamp_fn), torch.clip: ("Clip", _clamp_fn),
-    aten.clamp.default: ("Clip", _clamp_fn),
-    F.leaky_relu: ("LeakyRelu", _leaky_fn), aten.leaky_relu.default: ("LeakyRelu", _leaky_fn),
-    aten.leaky_relu_.default: ("LeakyRelu", _leaky_fn),
-    torch.sigmoid: _SIGMOID, F.sigmoid: _SIGMOID, aten.sigmoid.default: _SIGMOID,
-    torch.tanh: _TANH, F.tanh: _TANH, aten.tanh.default: _TANH,
-    F.silu: _SILU, aten.silu.default: _SILU, aten.silu_.default: _SILU,
-    F.gelu: ("Gelu", _gelu_fn), torch._C._nn.gelu: ("Gelu", _gelu_fn),
-    aten.gelu.default: ("Gelu", _gelu_fn),
-    F.hardswish: _HARDSWISH, aten.hardswish.default: _HARDSWISH,
-    F.hardsigmoid: _HARDSIGMOID, aten.hardsigmoid.default: _HARDSIGMOID,
-    # tensor methods: x.relu(), x.clamp(0, 6)...
-    ("method", "relu"): _RELU, ("method", "relu_"): _RELU,
-    ("method", "sigmoid"): _SIGMOID, ("method", "tanh"): _TANH,
-    ("method", "clamp"): ("Clip", _clamp_fn), ("method", "clip"): ("Clip", _clamp_fn),
-}
-
-# Additions of two tensors: x + y, x += y, torch.add, x.add(y), x.add_(y), aten.add.
-ADDS = {operator.add, operator.iadd, torch.add, aten.add.Tensor, aten.add_.Tensor,
-        ("method", "add"), ("method", "add_")}
-INPLACE_ADDS = {operator.iadd, aten.add_.Tensor, ("method", "add_")}
-
-
-# -- small graph helpers -------------------------------------------------------------------
-
-
-def _key(node: fx.Node) -> Any:
-    if node.op == "call_method":
-        return ("method", node.target)
-    return node.target
-
-
-def _module(gm: fx.GraphModule, node: Any) -> nn.Module | None:
-    if isinstance(node, fx.Node) and node.op == "call_module":
-        return gm.get_submodule(node.target)
-    return None
-
-
-def _name(node: fx.Node) -> str:
-    """A name a user recognises: the module path for module calls ("layer1.0.relu", with
-    "(call 2 of 3)" when the module is called at several sites), else the node name."""
-    if node.op != "call_module":
-        return node.name
-    calls = [n for n in node.graph.nodes if n.op == "call_module" and n.target == node.target]
-    if len(calls) == 1:
-        return str(node.target)
-    return f"{node.target} (call {calls.index(node) + 1} of {len(calls)})"
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
-    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
-
-
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _producer_kind(m: nn.Module | None) -> str | None:
-    t = type(m)
-    if t in CONV_TYPES:
-        return "Conv"
-    if t in CONV_TRANSPOSE_TYPES:
-        return "ConvTranspose"
-    if t is nn.Linear:
-        return "Linear"
-    return None
-
-
-def _match_activation(gm: fx.GraphModule, node: fx.Node) -> tuple[str, Unary] | None:
-    module = _module(gm, node)
-    rule = ACTIVATIONS.get(type(module)) if module is not None else None
-    if rule is None and node.op in ("call_function", "call_method"):
-        try:
-            rule = ACTIVATIONS.get(_key(node))
-        except TypeError:  # unhashable target
-            rule = None
-    if rule is None:
-        return None
-    pattern, make = rule
-    unary = make(node, module)
-    return None if unary is None else (pattern, unary)
-
-
-def _is_add(node: fx.Node) -> bool:
-    if node.op not in ("call_function", "call_method"):
-        return False
-    try:
-        return _key(node) in ADDS
-    except TypeError:
-        return False
-
 
 # -- the pass ------------------------------------------------------------------------------
 
@@ -650,20 +495,6 @@ def _numeric_padding(conv: nn.Module) -> list[int] | None:
     return None if any(t % 2 for t in total) else [t // 2 for t in total]
 
 
-def _exists(gm: nn.Module, target: str) -> bool:
-    try:
-        gm.get_submodule(target)
-        return True
-    except AttributeError:
-        return False
-
-
-def _set_submodule(gm: nn.Module, target: str, module: nn.Module) -> None:
-    parent_path, _, field = target.rpartition(".")
-    parent = gm.get_submodule(parent_path) if parent_path else gm
-    setattr(parent, field, module)
-
-
 def _op_counts(gm: fx.GraphModule) -> Counter:
     counts: Counter = Counter()
     for n in gm.graph.nodes:
@@ -676,195 +507,15 @@ def _op_counts(gm: fx.GraphModule) -> Counter:
     return counts
 
 
-# -- capture ----------------------------------------------------------------------------------
+# -- verification: opfuse.verify's tolerance policy, on torch's eager outputs -----------------
 
 
-def _capture(model: nn.Module, example_inputs) -> tuple[fx.GraphModule | None, str, str]:
-    """(graph module, how it was captured, why capture failed)."""
-    try:
-        return fx.symbolic_trace(model), "torch.fx", ""
-    except Exception as exc:  # noqa: BLE001 - any trace failure
-        fx_error = first_line(exc)
-    if example_inputs is None:
-        return None, "", (f"torch.fx cannot trace it ({fx_error}); pass example_inputs so "
-                          "opfuse can capture it with torch.export instead")
-    try:
-        ep = torch.export.export(model, tuple(example_inputs), strict=False)
-        gm = ep.module()
-        _lift_aten(gm)
-        return gm, "torch.export", ""
-    except Exception as exc:  # noqa: BLE001
-        return None, "", (f"neither torch.fx ({fx_error}) nor torch.export "
-                          f"({first_line(exc)}) can capture it")
-
-
-_ATEN_CONV = {aten.conv1d.default: nn.Conv1d, aten.conv2d.default: nn.Conv2d,
-              aten.conv3d.default: nn.Conv3d}
-_ATEN_CONV_T = {aten.conv_transpose1d.default: nn.ConvTranspose1d,
-                aten.conv_transpose2d.input: nn.ConvTranspose2d,
-                aten.conv_transpose3d.input: nn.ConvTranspose3d}
-
-
-def _lift_aten(gm: fx.GraphModule) -> None:
-    """Turn torch.export's aten conv/linear/batch_norm calls on constant weights back into
-    modules, so that one matcher serves both captures. Calls sharing a weight share a module,
-    so module reuse stays visible."""
-    graph = gm.graph
-    lifted: dict[tuple, str] = {}
-    ranks: dict[fx.Node, int] = {}
-    producers: dict[fx.Node, str] = {}
-
-    def attr(node):
-        if node is None:
-            return None
-        if isinstance(node, fx.Node) and node.op == "get_attr":
-            return node.target
-        return False  # computed: cannot lift
-
-    def tensor(target):
-        t = gm.get_parameter(target) if _is_param(gm, target) else gm.get_buffer(target)
-        return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
-
-    def install(key, make, names):
-        if key not in lifted:
-            module = make()
-            parent = names[0].rpartition(".")[0]
-            target = (parent or "lifted") + "_" + type(module).__name__.lower()
-            i = 1
-            while _exists(gm, target):
-                i += 1
-                target = f"{parent or 'lifted'}_{type(module).__name__.lower()}{i}"
-            _set_submodule(gm, target, module)
-            lifted[key] = target
-        return lifted[key]
-
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        t = node.target
-        if t in _ATEN_CONV or t in _ATEN_CONV_T or t is aten.linear.default:
-            w, b = attr(_arg(node, 1, "weight")), attr(_arg(node, 2, "bias"))
-            if not w or b is False:
-                continue
-            weight = tensor(w)
-            rank = weight.dim() - 2
-            if t is aten.linear.default:
-                hp: tuple = ()
-
-                def make(weight=weight, b=b):
-                    m = nn.Linear(weight.shape[1], weight.shape[0], bias=b is not None,
-                                  device="meta")
-                    m.weight, m.bias = weight, None if b is None else tensor(b)
-                    return m
-            else:
-                transposed = t in _ATEN_CONV_T
-                if transposed:
-                    names = ("stride", "padding", "output_padding", "groups", "dilation")
-                    defaults = (1, 0, 0, 1, 1)
-                else:
-                    names = ("stride", "padding", "dilation", "groups")
-                    defaults = (1, 0, 1, 1)
-                values = {n: _arg(node, 3 + i, n, d)
-                          for i, (n, d) in enumerate(zip(names, defaults))}
-                hp = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                  for k, v in values.items()))
-                if any(isinstance(v, fx.Node) for v in values.values()):
-                    continue
-
-                def make(weight=weight, b=b, values=values, transposed=transposed, t=t):
-                    cls = _ATEN_CONV_T[t] if transposed else _ATEN_CONV[t]
-                    groups = values["groups"]
-                    c_in, c_out = ((weight.shape[0], weight.shape[1] * groups) if transposed
-                                   else (weight.shape[1] * groups, weight.shape[0]))
-                    kw = {k: v for k, v in values.items() if k != "groups"}
-                    m = cls(c_in, c_out, tuple(weight.shape[2:]), groups=groups,
-                            bias=b is not None, device="meta", **kw)
-                    m.weight, m.bias = weight, None if b is None else tensor(b)
-                    return m
-            target = install((t, w, b, hp), make, (w,))
-            with graph.inserting_before(node):
-                new = graph.call_module(target, (node.args[0],))
-            new.meta.update(node.meta)
-            ranks[new] = rank
-            producers[new] = target
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-        elif t is aten.batch_norm.default:
-            producer = node.args[0]
-            if producer not in ranks:
-                continue
-            parts = [attr(_arg(node, i, n)) for i, n in
-                     enumerate(("input", "weight", "bias", "running_mean", "running_var"))][1:]
-            if any(p is False for p in parts):
-                continue
-            wt, bt, mt, vt = parts
-            training = bool(_arg(node, 5, "training", False))
-            if training:  # left as a call; reported with the training-mode reason
-                continue
-            momentum, eps = _arg(node, 6, "momentum", 0.1), _arg(node, 7, "eps", 1e-5)
-            rank = ranks[producer]
-
-            def make(wt=wt, bt=bt, mt=mt, vt=vt, rank=rank, training=training,
-                     momentum=momentum, eps=eps, producer=producer):
-                cls = (nn.BatchNorm1d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)[max(rank, 0)]
-                pm = gm.get_submodule(producers[producer])
-                features = pm.out_features if isinstance(pm, nn.Linear) else pm.out_channels
-                m = cls(features, eps=eps, momentum=momentum, affine=wt is not None,
-                        track_running_stats=mt is not None, device="meta")
-                if wt is not None:
-                    m.weight, m.bias = tensor(wt), tensor(bt)
-                if mt is not None:
-                    m.running_mean, m.running_var = gm.get_buffer(mt), gm.get_buffer(vt)
-                    m.num_batches_tracked = torch.tensor(0)
-                return m.train(training)
-
-            target = install(("bn", wt, bt, mt, vt, training, eps), make,
-                             (mt or wt or "batchnorm",))
-            with graph.inserting_before(node):
-                new = graph.call_module(target, (producer,))
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            graph.erase_node(node)
-    gm.recompile()
-
-
-def _is_param(gm: nn.Module, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
-        return True
-    except AttributeError:
-        return False
-
-
-def _clone_inputs(example_inputs: tuple) -> tuple:
-    """Fresh copies: a model may write into its inputs."""
-    return pytree.tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a,
-                           example_inputs)
-
-
-def _propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> str | None:
-    """Record every node's shape (ShapeProp), in eval mode so that no BatchNorm updates its
-    statistics; returns why it failed, or None."""
-    modes = {m: m.training for m in gm.modules()}
-    for m in modes:  # not gm.eval(): torch.export's modules refuse it
-        m.training = False
-    try:
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*_clone_inputs(example_inputs))
-    except Exception as exc:  # noqa: BLE001
-        return first_line(exc)
-    finally:
-        for m, training in modes.items():
-            m.training = training
-    return None
-
-
-# -- verification -------------------------------------------------------------------------------
-
-_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy, bfloat16 included (as ml_dtypes' bfloat16, exactly)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 def _verify(reference: nn.Module, fused: nn.Module, example_inputs: tuple) -> Verification:
@@ -875,20 +526,12 @@ def _verify(reference: nn.Module, fused: nn.Module, example_inputs: tuple) -> Ve
     if len(expected) != len(actual):
         verification.skipped = "the two models return different numbers of outputs"
         return verification
-    for i, (e, a) in enumerate(zip(expected, actual)):
-        if not isinstance(e, torch.Tensor) or not e.is_floating_point():
-            continue
-        tol = _TOLERANCE.get(e.dtype, 1e-5)
-        diff = (e.double() - a.double()).abs()
-        scale = float(e.double().abs().max()) if e.numel() else 0.0
-        bound = tol * scale + tol * a.double().abs()
-        scaled = float((diff / bound.clamp_min(1e-300)).max()) if e.numel() else 0.0
-        verification.outputs.append(OutputCheck(
-            name=f"output[{i}]", dtype=str(e.dtype).removeprefix("torch."),
-            shape=tuple(e.shape), max_abs_error=float(diff.max()) if e.numel() else 0.0,
-            max_scaled_error=scaled, scale=scale, ok=scaled <= 1.0,
-            problem="" if scaled <= 1.0 else "differs beyond tolerance",
-        ))
+    pairs = {f"output[{i}]": (e, a) for i, (e, a) in enumerate(zip(expected, actual))
+             if isinstance(e, torch.Tensor) and e.is_floating_point()}
+    verification.outputs.extend(compare_outputs(
+        {k: _numpy(e) for k, (e, _) in pairs.items()},
+        {k: _numpy(a) if isinstance(a, torch.Tensor) else np.asarray(a) for k, (_, a) in pairs.items()},
+    ))
     return verification
 
 

@@ -44,7 +44,6 @@ __all__ = [
     "unary_problem",
     "binary_problem",
     "pack_problem",
-    "first_line",
     "ConvPointwise",
     "ConvAddPointwise",
 ]
@@ -55,6 +54,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from opfuse.vocabulary import first_line
 
 # Input shapes a module keeps a packed weight for; more distinct shapes start afresh.
 MAX_PACKED_SHAPES = 8
@@ -133,11 +134,6 @@ def kernels_available() -> str | None:
     return _build_problem() or unary_problem(Unary("relu"), 2, False, torch.float32)
 
 
-def first_line(exc: Exception) -> str:
-    """The first line of an exception's message, for a one-sentence reason."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-
-
 def _probe_case(rank: int, transposed: bool, dtype: torch.dtype):
     """Tiny grouped tensors and hyper-parameters for a probe call."""
     gen = torch.Generator().manual_seed(0)
@@ -185,7 +181,7 @@ def unary_problem(unary: Unary, rank: int, transposed: bool, dtype: torch.dtype)
                      unary.attr, unary.op_scalars(), unary.algorithm)
     except Exception as exc:  # noqa: BLE001 - any failure means "not here"
         return (f"oneDNN's fused {rank}-D {kind} rejects a {unary.describe()} epilogue "
-                f"in {str(dtype).removeprefix('torch.')} ({first_line(exc)})")
+                f"in {str(dtype).removeprefix('torch.')} ({first_line(exc, limit=160)})")
     ref = unary.reference(_plain_conv(x.float(), w.float(), b.float(), transposed, **hp))
     return _mismatch(y, ref)
 
@@ -206,7 +202,7 @@ def binary_problem(unary: Unary, rank: int, dtype: torch.dtype) -> str | None:
     except Exception as exc:  # noqa: BLE001
         what = "add" if unary.attr == "none" else f"add + {unary.describe()}"
         return (f"oneDNN's fused {rank}-D convolution rejects an {what} epilogue in "
-                f"{str(dtype).removeprefix('torch.')} ({first_line(exc)})")
+                f"{str(dtype).removeprefix('torch.')} ({first_line(exc, limit=160)})")
     return _mismatch(y, unary.reference(ref + other.float()))
 
 
@@ -229,7 +225,7 @@ def pack_problem(rank: int, transposed: bool, dtype: torch.dtype) -> str | None:
             y = conv(x, packed, b, hp["padding"], hp["stride"], hp["dilation"], hp["groups"],
                      "none", [None], "")
     except Exception as exc:  # noqa: BLE001
-        return f"oneDNN cannot pre-pack {rank}-D weights ({first_line(exc)})"
+        return f"oneDNN cannot pre-pack {rank}-D weights ({first_line(exc, limit=160)})"
     return _mismatch(y, _plain_conv(x.float(), w.float(), b.float(), transposed, **hp))
 
 
