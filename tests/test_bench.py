@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from conftest import bn_node, bn_params, model, rng, tensor, vinfo
+from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.bench.chapter import fuse_activation_into_batchnorm
 from opfuse.bench.measure import summarise_profile
 from opfuse.targets import accelerator as costmodel

@@ -13,7 +13,7 @@ import pytest
 from onnx import helper
 
 import opfuse.algebra
-from conftest import bn_node, bn_params, model, rng, tensor, vinfo
+from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import main
 
 
@@ -215,7 +215,7 @@ def test_external_data_round_trip(tmp_path):
     reloaded = onnx.load(out_dir / "o.onnx", load_external_data=False)
     assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in reloaded.graph.initializer)
     onnx.checker.check_model(str(out_dir / "o.onnx"))
-    from conftest import assert_same
+    from graphs import assert_same
     assert_same(conv_bn(), ir.load(out_dir / "o.onnx"))  # onnx.save externalised m in place
 
 

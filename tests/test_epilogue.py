@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import opfuse
-from conftest import assert_same, model, ops, rng, tensor, vinfo
+from graphs import assert_same, model, ops, rng, tensor, vinfo
 from opfuse.targets.onnxruntime import has_layout_pass, runtime_graph
 
 MS = [helper.make_opsetid("com.microsoft", 1)]
@@ -176,7 +176,7 @@ def test_strongly_negative_residual_is_added_before_the_activation():
     m = residual_model(negative=True)
     out, report = fuse(m)
     assert "FusedConv" in ops(out)
-    expected, _ = __import__("conftest").run(m)
+    expected, _ = __import__("graphs").run(m)
     assert (expected["out"] == 0).mean() > 0.3  # the residual really drives outputs negative
     assert_same(m, out)
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from onnx import helper
 
 import opfuse
-from conftest import assert_same, model, tensor, vinfo
+from graphs import assert_same, model, tensor, vinfo
 
 F32MAX = float(np.finfo(np.float32).max)
 

@@ -25,7 +25,7 @@ from torch import nn
 
 import opfuse
 
-from _graphs import ort_run, to_proto  # tests/ is on sys.path under pytest's default import mode
+from graphs import ort_run, to_proto  # tests/ is on sys.path under pytest's default import mode
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

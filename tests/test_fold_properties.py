@@ -29,17 +29,17 @@ from onnx import helper
 
 import opfuse
 
-from _graphs import (  # tests/ is on sys.path under pytest's default import mode
+from graphs import (  # tests/ is on sys.path under pytest's default import mode
     assert_outputs_close,
     constant_node,
     dead_nodes,
-    initializer,
-    make_model,
+    model,
     node_names,
     ort_run,
+    tensor,
     to_proto,
     unused_initializers,
-    value_info,
+    vinfo,
 )
 
 TOLERANCE = {np.float32: (1e-4, 1e-5), np.float16: (1e-2, 2e-3)}  # rtol, atol x scale
@@ -85,19 +85,19 @@ class Builder:
         """Add a constant (or, for src "input"/"init_input", a run-time value)."""
         array = np.asarray(array)
         if src == "init":
-            self.inits.append(initializer(name, array))
+            self.inits.append(tensor(name, array))
         elif src == "node":
             self.pre_nodes.append(constant_node(f"csrc_{name}", name, array))
         elif src == "identity":
-            self.inits.append(initializer(f"{name}_raw", array))
+            self.inits.append(tensor(f"{name}_raw", array))
             self.pre_nodes.append(
                 helper.make_node("Identity", [f"{name}_raw"], [name], name=f"csrc_id_{name}")
             )
         elif src == "init_input":  # an initializer that is also a graph input
-            self.inits.append(initializer(name, array))
-            self.inputs.append(value_info(name, array.dtype, array.shape))
+            self.inits.append(tensor(name, array))
+            self.inputs.append(vinfo(name, array.shape, array.dtype))
         elif src == "input":  # a plain graph input, fed at run time
-            self.inputs.append(value_info(name, array.dtype, array.shape))
+            self.inputs.append(vinfo(name, array.shape, array.dtype))
             self.feeds[name] = array
         else:
             raise AssertionError(src)
@@ -108,10 +108,11 @@ class Builder:
         return output
 
     def output(self, name: str, shape) -> None:
-        self.outputs.append(value_info(name, self.dtype, list(shape)))
+        self.outputs.append(vinfo(name, list(shape), self.dtype))
 
     def model(self, opset: int) -> onnx.ModelProto:
-        return make_model(self.pre_nodes + self.nodes, self.inputs, self.outputs, self.inits, opset)
+        return model(self.pre_nodes + self.nodes, self.inputs, self.outputs, self.inits, opset,
+                     name="g", fill_output_shapes=False, check=True)
 
 
 @dataclasses.dataclass
@@ -408,7 +409,7 @@ def draw_conv(data, rng, b: Builder, huge: bool) -> tuple[Producer, dict, list[s
         bias_src = draw_source(data)
         inputs.append(b.const("B", bias, bias_src))
     in_shape = [batch, cin, *spatial]
-    b.inputs.insert(0, value_info("x", dtype, in_shape))
+    b.inputs.insert(0, vinfo("x", in_shape, dtype))
     x = rng.standard_normal(in_shape) * (1e-4 if huge else 1.0)
     b.feeds["x"] = x.astype(dtype)
     b.node(op, inputs, "y", "producer", **attrs)
@@ -458,7 +459,7 @@ def draw_gemm(data, rng, b: Builder, huge: bool) -> tuple[Producer, dict, list[s
         inputs.append(b.const("B", c, bias_src))
         max_bias = float(np.max(np.abs(c.astype(np.float64)))) * abs(beta)
     a_shape = [k, m] if trans_a else [m, k]
-    b.inputs.insert(0, value_info("x", dtype, a_shape))
+    b.inputs.insert(0, vinfo("x", a_shape, dtype))
     x = rng.standard_normal(a_shape) * (1e-4 if huge else 1.0)
     b.feeds["x"] = x.astype(dtype)
     b.node("Gemm", inputs, "y", "producer", **attrs)
@@ -653,7 +654,7 @@ def test_rank1_constant_of_length_c_is_refused(op, nd):
     rng = np.random.default_rng(nd)
     spatial = [c] * nd  # Conv (k=1) and ConvTranspose (k=1) keep the spatial size
     wshape = [c, 3, *[1] * nd] if op == "Conv" else [3, c, *[1] * nd]
-    b.inputs.append(value_info("x", np.float32, [1, 3, *spatial]))
+    b.inputs.append(vinfo("x", [1, 3, *spatial], np.float32))
     b.feeds["x"] = rng.standard_normal([1, 3, *spatial]).astype(np.float32)
     w = b.const("W", rng.standard_normal(wshape).astype(np.float32))
     b.node(op, ["x", w], "y", "producer")

@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import opfuse.algebra
-from conftest import bn_node, bn_params, model, rng, tensor, vinfo
+from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.errors import BadInputError, VerificationError
 from opfuse.inputs import find_sizes, free_dims, integer_cases, resolve_dims

@@ -63,7 +63,6 @@ __all__ = ["fuse", "ACTIVATIONS", "FOLD_PATTERNS"]
 import copy
 import dataclasses
 import logging
-from collections import Counter
 from typing import Any
 
 import ml_dtypes
@@ -101,6 +100,7 @@ from opfuse.torch.rules import (
     _module,
     _name,
     _nbytes,
+    _op_counts,
     _producer_kind,
     _set_submodule,
     _shape,
@@ -495,27 +495,13 @@ def _numeric_padding(conv: nn.Module) -> list[int] | None:
     return None if any(t % 2 for t in total) else [t // 2 for t in total]
 
 
-def _op_counts(gm: fx.GraphModule) -> Counter:
-    counts: Counter = Counter()
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            counts[type(gm.get_submodule(n.target)).__name__] += 1
-        elif n.op == "call_function":
-            counts[getattr(n.target, "__name__", str(n.target))] += 1
-        elif n.op == "call_method":
-            counts[f"Tensor.{n.target}"] += 1
-    return counts
-
-
 # -- verification: opfuse.verify's tolerance policy, on torch's eager outputs -----------------
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
     """A tensor as numpy, bfloat16 included (as ml_dtypes' bfloat16, exactly)."""
     t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.float().numpy().astype(ml_dtypes.bfloat16)
-    return t.numpy()
+    return t.float().numpy().astype(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _verify(reference: nn.Module, fused: nn.Module, example_inputs: tuple) -> Verification:

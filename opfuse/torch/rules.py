@@ -16,6 +16,7 @@ Below them, the small torch.fx helpers the capture and the fuser share (package-
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -223,3 +224,15 @@ def _set_submodule(gm: nn.Module, target: str, module: nn.Module) -> None:
     parent_path, _, field = target.rpartition(".")
     parent = gm.get_submodule(parent_path) if parent_path else gm
     setattr(parent, field, module)
+
+
+def _op_counts(gm: fx.GraphModule) -> Counter:
+    counts: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            counts[type(gm.get_submodule(n.target)).__name__] += 1
+        elif n.op == "call_function":
+            counts[getattr(n.target, "__name__", str(n.target))] += 1
+        elif n.op == "call_method":
+            counts[f"Tensor.{n.target}"] += 1
+    return counts
