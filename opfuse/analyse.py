@@ -207,6 +207,7 @@ class NameTable:
 
     def __init__(self, model: ir.Model):
         self._taken: set[str] = set()
+        self._next: dict[str, int] = {}  # base -> the suffix to try next (O(1) per name)
         for scope in iter_scopes(model):
             container = scope.container
             self._taken.update(v.name for v in container.inputs if v.name)
@@ -218,10 +219,18 @@ class NameTable:
                 self._taken.update(v.name for v in node.outputs if v.name)
 
     def fresh(self, base: str) -> str:
-        name, n = base, 0
-        while name in self._taken:
+        """``base`` if free, else ``base_N`` with the next N not yet tried for this base."""
+        name, n = base, self._next.get(base, 0)
+        if n == 0 and name not in self._taken:
+            self._next[base] = 1
+            self._taken.add(name)
+            return name
+        n = max(n, 1)
+        name = f"{base}_{n}"
+        while name in self._taken:  # only names the model itself already had
             n += 1
             name = f"{base}_{n}"
+        self._next[base] = n + 1
         self._taken.add(name)
         return name
 

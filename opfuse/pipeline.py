@@ -92,8 +92,9 @@ def run_fusion(
     report.refusals.extend(attempt.refusals)
     if not has_layout_pass(baseline_graph):
         report.notes.append(
-            "runtime level all: ONNX Runtime runs no NCHWc layout pass on this machine, so "
-            "every legal epilogue fusion is emitted"
+            "runtime level all: ONNX Runtime at ENABLE_ALL puts none of this model's "
+            "convolutions in its NCHWc layout, so no fusion can cost one its layout; every "
+            "legal epilogue fusion is emitted"
         )
     else:
         report.notes.append(

@@ -481,3 +481,17 @@ def test_optimize_with_hardware_declines_the_spilling_fusion_end_to_end():
     assert report.verification.ok
     big, report = opfuse.optimize(m, target="onnxruntime", runtime_level="disabled", hardware="npu-chapter")
     assert [n.op_type for n in big.graph] == ["FusedConv"]
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    import opfuse.bench.run
+    from opfuse.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(opfuse.bench.run, "run_bench", lambda *a, **k: pytest.fail("measured anyway"))
+    assert main(["bench", "--model", "resnet18", "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "opfuse[plot]" in err[0] and not (tmp_path / "p.png").exists()

@@ -138,3 +138,24 @@ def test_the_torch_wing_names_activations_in_the_onnx_vocabulary():
     names = {name for name, _ in ACTIVATIONS.values()}
     assert names - TORCH_ONLY_ACTIVATIONS <= ACTIVATION_OPS
     assert not TORCH_ONLY_ACTIVATIONS & ACTIVATION_OPS  # declared torch-only: truly not ONNX ops
+
+
+def test_fresh_names_take_constant_time_per_name():
+    """A name table hands out base_1, base_2, ... without retrying the ones it gave
+    (counted membership tests, not a timing: 16000 unnamed blocks once took minutes)."""
+    import onnx_ir as ir
+
+    from opfuse.analyse import NameTable
+
+    class Counting(set):
+        lookups = 0
+
+        def __contains__(self, item):
+            Counting.lookups += 1
+            return super().__contains__(item)
+
+    table = NameTable(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10))
+    table._taken = Counting({"w_3"})  # one name the model already has
+    names = [table.fresh("w") for _ in range(20000)]
+    assert len(set(names)) == 20000 and names[:4] == ["w", "w_1", "w_2", "w_4"]
+    assert Counting.lookups <= 2 * 20000 + 1

@@ -604,3 +604,22 @@ def test_export_folds_exports_and_runs_the_onnx_pipeline(tmp_path):
     (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     with torch.no_grad():
         assert_close(model(x), torch.from_numpy(out))
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_fuse_works_under_inference_mode_and_no_grad_and_tracks_no_gradients(mode):
+    model = randomize(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                    nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))).eval()
+    x = torch.randn(2, 3, 10, 10)
+    with torch.no_grad():
+        ref = model(x)
+    context = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with context:
+        fused, report = fuse(model, (x,))
+        out = fused(x)
+    assert_close(ref, out)
+    assert report.verification.ok and len(report.records) >= 2
+    assert not any(p.requires_grad for p in fused.parameters())
+    assert all(p.requires_grad for p in model.parameters())  # the caller's model is untouched
+    trainable, _ = fuse(model, (x,), kernels=False, requires_grad=True)  # asked for: plain modules keep it
+    assert any(p.requires_grad for p in trainable.parameters())

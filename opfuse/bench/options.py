@@ -19,6 +19,7 @@ __all__ = ["add_parser", "options_from_args", "BenchOptions", "DEFAULT_CONFIGS",
 
 import argparse
 import dataclasses
+import importlib.util
 import pathlib
 
 from opfuse.ablation import CONFIGS
@@ -143,6 +144,8 @@ def options_from_args(args) -> BenchOptions:
                 raise BadInputError(f"{target}: directory {parent} does not exist")
     if args.plot and args.plot == "-":
         raise BadInputError("--plot needs a file name")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any measuring
+        raise BadInputError("--plot needs matplotlib: pip install 'opfuse[plot]'")
     quick = args.quick
     return BenchOptions(
         model_path=args.model,

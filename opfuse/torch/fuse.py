@@ -65,15 +65,13 @@ import dataclasses
 import logging
 from typing import Any
 
-import ml_dtypes
-import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from opfuse.report import FusionRecord, FusionReport, Refusal, Verification
-from opfuse.torch.capture import _capture, _clone_inputs, _propagate_shapes
+from opfuse.torch.capture import _capture, _propagate_shapes
+from opfuse.torch.check import _verify
 from opfuse.torch.fold import FoldingError, fold_conv_bn_weights, fold_linear_bn_weights
 from opfuse.torch.kernels import (
     ConvAddPointwise,
@@ -106,7 +104,6 @@ from opfuse.torch.rules import (
     _shape,
     aten,
 )
-from opfuse.verify import compare_outputs
 
 log = logging.getLogger(__name__)
 
@@ -495,32 +492,6 @@ def _numeric_padding(conv: nn.Module) -> list[int] | None:
     return None if any(t % 2 for t in total) else [t // 2 for t in total]
 
 
-# -- verification: opfuse.verify's tolerance policy, on torch's eager outputs -----------------
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A tensor as numpy, bfloat16 included (as ml_dtypes' bfloat16, exactly)."""
-    t = t.detach().cpu()
-    return t.float().numpy().astype(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def _verify(reference: nn.Module, fused: nn.Module, example_inputs: tuple) -> Verification:
-    verification = Verification(runtime=f"torch {torch.__version__} eager", inputs="example_inputs")
-    with torch.no_grad():
-        expected = pytree.tree_leaves(reference(*_clone_inputs(example_inputs)))
-        actual = pytree.tree_leaves(fused(*_clone_inputs(example_inputs)))
-    if len(expected) != len(actual):
-        verification.skipped = "the two models return different numbers of outputs"
-        return verification
-    pairs = {f"output[{i}]": (e, a) for i, (e, a) in enumerate(zip(expected, actual))
-             if isinstance(e, torch.Tensor) and e.is_floating_point()}
-    verification.outputs.extend(compare_outputs(
-        {k: _numpy(e) for k, (e, _) in pairs.items()},
-        {k: _numpy(a) if isinstance(a, torch.Tensor) else np.asarray(a) for k, (_, a) in pairs.items()},
-    ))
-    return verification
-
-
 # -- entry point ---------------------------------------------------------------------------------
 
 
@@ -532,8 +503,35 @@ def fuse(
     kernels: bool = True,
     prepack: bool = True,
     verify: bool = True,
+    requires_grad: bool = False,
 ) -> tuple[nn.Module, FusionReport]:
     """Fold BatchNorms and fuse conv epilogues of an eval-mode ``model``.
+
+    Works the same inside ``torch.inference_mode()`` and ``torch.no_grad()``. The fused
+    module's parameters do not require grad (it is for inference) unless
+    ``requires_grad``; with ``inplace`` the modules it shares with ``model`` keep theirs.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        fused, report = _fuse(model, example_inputs, inplace, kernels=kernels, prepack=prepack,
+                              verify=verify)
+    if not requires_grad:
+        shared = {id(p) for p in model.parameters()} if inplace else set()
+        for p in fused.parameters():
+            if id(p) not in shared:
+                p.requires_grad_(False)
+    return fused, report
+
+
+def _fuse(
+    model: nn.Module,
+    example_inputs: Any,
+    inplace: bool,
+    *,
+    kernels: bool,
+    prepack: bool,
+    verify: bool,
+) -> tuple[nn.Module, FusionReport]:
+    """The body of :func:`fuse`.
 
     ``example_inputs`` (a tensor or a tuple of positional inputs) is optional; with it
     opfuse knows every tensor's shape (checks that need ranks, weights pre-packed for that
