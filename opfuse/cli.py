@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,
                      help="store weights in OUT.onnx.data (automatic above 2 GB or when the input did)")
     ext.add_argument("--no-external-data", dest="external_data", action="store_false")
+    opt.add_argument("--keep-shapes", action="store_true",
+                     help="write the shapes opfuse inferred (default: only those the input declared)")
+    opt.add_argument("--no-cleanup", action="store_true",
+                     help="keep constant subexpressions, Identity and unused nodes as they are")
     opt.add_argument("-v", "--verbose", action="store_true", help="list every rewrite and refusal")
     opt.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
 
@@ -149,6 +153,8 @@ def _optimize(args) -> int:
         report_path=args.report,
         external_data=args.external_data,
         overwrite=args.overwrite,
+        cleanup=not args.no_cleanup,
+        keep_shapes=args.keep_shapes,
     )
     elapsed = time.perf_counter() - start
     if args.quiet:

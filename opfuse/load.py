@@ -144,6 +144,8 @@ def _fill_output_types(proto: onnx.ModelProto) -> bool:
     except Exception:  # noqa: BLE001 - onnx raises many kinds here
         return False
     known = {v.name: v for v in [*inferred.graph.output, *inferred.graph.value_info]}
+    users = {d.dim_param for v in [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]
+             for d in v.type.tensor_type.shape.dim if d.dim_param}
     for out in incomplete:
         found = known.get(out.name)
         if found is None or not found.type.HasField("tensor_type") or not found.type.tensor_type.elem_type:
@@ -152,6 +154,9 @@ def _fill_output_types(proto: onnx.ModelProto) -> bool:
             out.type.tensor_type.elem_type = found.type.tensor_type.elem_type
         if found.type.tensor_type.HasField("shape"):
             out.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape)
+            for d in out.type.tensor_type.shape.dim:
+                if d.dim_param and d.dim_param not in users:  # onnx's unk__N: left unnamed
+                    d.ClearField("dim_param")
         else:  # rank unknown: an explicit shape of free dimensions cannot be written either
             return False
     return True

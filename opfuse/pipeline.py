@@ -22,11 +22,18 @@ from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.passes import make_passes, parse_pass_names, pass_class
+from opfuse.passes.cleanup import CleanupPass
 from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.targets.accelerator import fusion_veto
 from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph
-from opfuse.save import needs_external_data, save_model, write_text_atomic
+from opfuse.save import (
+    declared_types,
+    needs_external_data,
+    restore_declared_types,
+    save_model,
+    write_text_atomic,
+)
 from opfuse.verify import verify_models
 
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
@@ -139,6 +146,8 @@ def optimize(
     report_path: str | os.PathLike | None = None,
     external_data: bool | None = None,
     overwrite: bool = False,
+    cleanup: bool = True,
+    keep_shapes: bool = False,
 ) -> tuple[ir.Model, FusionReport]:
     """Optimise ``model`` (a path, bytes, ModelProto or onnx_ir.Model).
 
@@ -150,6 +159,9 @@ def optimize(
     ``verify`` (the default) both models run on ONNX Runtime and a mismatch raises
     :class:`VerificationError` before anything is written. ``output`` writes the model
     (atomically); ``report_path`` writes the report as JSON (also when verification fails).
+    ``cleanup`` (the default) folds constant subexpressions and removes Identity and unused
+    nodes before and after the rewrites (:mod:`opfuse.passes.cleanup`). The result carries
+    the shape information the input declared; ``keep_shapes`` keeps the inferred shapes.
     """
     if target not in TARGETS:
         raise BadInputError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
@@ -183,10 +195,18 @@ def optimize(
     report.notes.extend(work.meta.pop(LOAD_NOTES, None) or [])
     report.notes.extend(epsilon_notes(work))
     input_was_external = needs_external_data(work)  # before the folds replace its tensors
+    declared = declared_types(work)
 
+    tidy = CleanupPass(report) if cleanup else None
+    if tidy is not None:
+        tidy(work)  # constant subexpressions become initializers the folds can absorb
     run_passes(work, [n for n in names if n not in fusion], report)
     if fusion:
         work = run_fusion(work, fusion, report, runtime_level=runtime_level, veto=veto)
+    if tidy is not None:
+        tidy(work)  # what the rewrites left unused
+        if tidy.summary():
+            report.notes.append(tidy.summary())
     report.ops_after = op_counts(work)
 
     if verify:
@@ -198,6 +218,8 @@ def optimize(
                 write_text_atomic(report_path, report.to_json())
             written = f"only the report was written ({report_path})" if report_path else "nothing was written"
             raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
+    if not keep_shapes:
+        restore_declared_types(work, declared)  # only the shape information the input had
     if output is not None:
         if external_data is None:
             external_data = input_was_external or needs_external_data(work)

@@ -4,11 +4,18 @@ Everything is written into a temporary directory beside the destination and rena
 place only when complete, so a failure leaves nothing half-written. A model whose tensors
 would not fit in one protobuf (2 GiB), or whose input kept its weights as external data,
 is saved with external data in ``OUT.onnx.data`` next to it.
+
+Shape information is written back as the input declared it: the rewrites infer shapes
+for their checks, but the output carries only what the input had (:func:`declared_types`
+before, :func:`restore_declared_types` after), so it does not grow by a value_info per
+tensor, and a dimension the user left unnamed is not given a name like ``unk__54``.
+``opfuse optimize --keep-shapes`` keeps the inferred shapes instead.
 """
 
 from __future__ import annotations
 
-__all__ = ["save_model", "write_text_atomic", "needs_external_data"]
+__all__ = ["save_model", "write_text_atomic", "needs_external_data", "declared_types",
+           "restore_declared_types"]
 
 import os
 import pathlib
@@ -17,6 +24,7 @@ import tempfile
 
 import onnx_ir as ir
 
+from opfuse.analyse import iter_scopes
 from opfuse.errors import BadInputError
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # headroom below protobuf's 2 GiB for the graph itself
@@ -27,6 +35,45 @@ def _tensors(model: ir.Model):
         for value in getattr(graph, "initializers", {}).values():
             if value.const_value is not None:
                 yield value.const_value
+
+
+def _all_values(model: ir.Model):
+    for scope in iter_scopes(model):
+        graph = scope.graph
+        yield from scope.container.inputs
+        yield from getattr(graph, "initializers", {}).values()
+        yield from graph.outputs
+        for node in graph:
+            yield from node.outputs
+
+
+Declared = dict[str, tuple]  # value name -> (type, shape) as the input model declared them
+
+
+def declared_types(model: ir.Model) -> Declared:
+    """The type and shape of every value that had them, by name, as the model declares them."""
+    out: Declared = {}
+    for value in _all_values(model):
+        if value.name and (value.type is not None or value.shape is not None):
+            shape = None if value.shape is None else ir.Shape(list(value.shape))
+            out.setdefault(value.name, (value.type, shape))
+    return out
+
+
+def restore_declared_types(model: ir.Model, declared: Declared) -> None:
+    """Give every value back the type and shape it was declared with (none if it had none).
+
+    A rewrite's result keeps the name of the tensor it replaces, so it gets that tensor's
+    declaration. Initializers need none (their tensors carry dtype and shape).
+    """
+    for value in _all_values(model):
+        if value.is_initializer():
+            if not value.is_graph_input():  # (an input keeps the input's declaration)
+                value.type, value.shape = None, None  # its tensor says both; no value_info
+            continue
+        type_, shape = declared.get(value.name, (None, None))
+        value.type = type_
+        value.shape = None if shape is None else ir.Shape(list(shape))
 
 
 def needs_external_data(model: ir.Model) -> bool:

@@ -185,10 +185,12 @@ def assert_outputs_close(
     rtol: float = RTOL,
     atol: float = ATOL,
     exact: Iterable[str] = (),
+    floor: float = 0.0,
 ) -> None:
     """Every expected output is in ``actual`` with the same shape and dtype and
-    ``|a - b| <= atol * scale + rtol * |a|`` (scale = max |a|); non-finite values must
-    sit in the same places with the same values. Names in ``exact`` must match bitwise."""
+    ``|a - b| <= max(atol * scale + rtol * |a|, floor)`` (scale = max |a|); non-finite
+    values must sit in the same places with the same values. Names in ``exact`` must
+    match bitwise."""
     exact = set(exact)
     assert list(actual) == list(expected), f"outputs changed: {list(expected)} -> {list(actual)}"
     for name, ref in expected.items():
@@ -210,7 +212,7 @@ def assert_outputs_close(
             continue
         scale = float(np.max(np.abs(a))) or 1.0
         err = np.abs(a - b)
-        limit = atol * scale + rtol * np.abs(a)
+        limit = np.maximum(atol * scale + rtol * np.abs(a), floor)
         worst = int(np.argmax(err / limit))
         assert np.all(err <= limit), (
             f"output {name!r}: max |diff| {err.max():.3g} (worst {err[worst]:.3g} at "

@@ -623,3 +623,24 @@ def test_fuse_works_under_inference_mode_and_no_grad_and_tracks_no_gradients(mod
     assert all(p.requires_grad for p in model.parameters())  # the caller's model is untouched
     trainable, _ = fuse(model, (x,), kernels=False, requires_grad=True)  # asked for: plain modules keep it
     assert any(p.requires_grad for p in trainable.parameters())
+
+
+def test_activation_names_are_onnx_ops_or_declared_torch_only_and_checked_at_import(monkeypatch):
+    """The torch rules name activations in the shared vocabulary; a name outside
+    ACTIVATION_OPS and TORCH_ONLY_ACTIVATIONS stops the rules module from importing."""
+    import importlib.util
+
+    import opfuse.vocabulary as vocabulary
+    from opfuse.torch import rules
+
+    names = {name for name, _ in rules.ACTIVATIONS.values()}
+    assert {"Relu", "Clip", "Sigmoid", "Tanh", "LeakyRelu", "Gelu", "HardSwish",
+            "HardSigmoid", "SiLU"} <= names
+    assert names - rules.TORCH_ONLY_ACTIVATIONS <= vocabulary.ACTIVATION_OPS
+    assert not rules.TORCH_ONLY_ACTIVATIONS & vocabulary.ACTIVATION_OPS  # truly not ONNX ops
+    # the import-time check: a fresh copy of rules.py (not the one in sys.modules) against
+    # a vocabulary without HardSwish refuses to load
+    monkeypatch.setattr(vocabulary, "ACTIVATION_OPS", vocabulary.ACTIVATION_OPS - {"HardSwish"})
+    spec = importlib.util.spec_from_file_location("opfuse_rules_probe", rules.__file__)
+    with pytest.raises(AssertionError, match="HardSwish"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))

@@ -19,7 +19,9 @@ Legality, each failure a refusal with its reason:
 2. Clip bounds are constants; the activation is one the kernel runs; the dtype is one the
    kernel runs (FusedConv: float32 and float16; FusedGemm: float32).
 3. Residual: Z has exactly the conv output's shape and dtype (no broadcasting), which
-   needs shape information. Z is computed before the fused node by construction (it feeds
+   needs shape information: a proven mismatch (two different integers, two ranks) and
+   a match opfuse cannot prove (a symbolic or unknown dimension on one side, such as
+   ``[1, 8, 1, 1]`` against ``[-1, 8, 1, 1]``) are refused with different reasons. Z is computed before the fused node by construction (it feeds
    the Add, which the conv output reaches only through the Add), so no cycle can form; the
    fused node takes the place of the last op it absorbs. When both inputs of the Add come
    from convs that could absorb it, the later one in graph order does (nothing moves), and
@@ -217,9 +219,16 @@ class EpilogueFusionPass(OpfusePass):
         a, b = value.shape, other.shape
         if a is None or b is None:
             return "the shapes of the conv output and the other operand are unknown", False
-        if len(a) != len(b) or any(not _dims_equal(x, y) for x, y in zip(a, b)):
+        if len(a) != len(b) or any(
+            isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(a, b)
+        ):
             return (f"the other operand has shape {_show(b)}, not the conv output's {_show(a)} "
                     "(the kernel's Z does not broadcast)"), False
+        unproven = [i for i, (x, y) in enumerate(zip(a, b)) if not _dims_equal(x, y)]
+        if unproven:
+            return (f"opfuse cannot prove that the other operand's shape {_show(b)} equals the conv "
+                    f"output's {_show(a)} (axis {', '.join(map(str, unproven))} is symbolic or unknown "
+                    "on one side); the kernel's Z does not broadcast, so they must be equal"), False
         if value.dtype is not None and other.dtype is not None and value.dtype != other.dtype:
             return f"the other operand is {other.dtype}, the conv output {value.dtype}", False
         return None, False
@@ -321,6 +330,7 @@ def _same(a: ir.Value | None, b: ir.Value, skipped: list[ir.Node]) -> bool:
 
 
 def _dims_equal(x, y) -> bool:
+    """Provably equal: the same integer, or the same named symbolic dimension."""
     if isinstance(x, int) and isinstance(y, int):
         return x == y
     if isinstance(x, int) or isinstance(y, int):
@@ -329,7 +339,7 @@ def _dims_equal(x, y) -> bool:
 
 
 def _show(shape) -> str:
-    return "[" + ", ".join(str(d if isinstance(d, int) else d.value) for d in shape) + "]"
+    return "[" + ", ".join(str(d if isinstance(d, int) else (d.value or "?")) for d in shape) + "]"
 
 
 def _out_channels(conv: ir.Node) -> int | None:

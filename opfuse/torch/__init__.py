@@ -10,9 +10,11 @@ pre-packed weights, and reports every rewrite and every refusal with its reason,
 vocabulary the ONNX side uses. ``export`` folds on the torch side, exports to ONNX and runs
 the ONNX pipeline. The algebra is available as pure tensor functions (``fold_*``).
 
-Files: ``fold.py`` the algebra, ``fuse.py`` graph capture and rewriting (legality rules in
-its docstring), ``kernels.py`` the oneDNN kernel modules and what this build supports,
-``export.py`` the ONNX route.
+Files: ``fold.py`` the algebra, ``rules.py`` the rule tables (what folds, which
+activations fuse), ``capture.py`` graph capture (torch.fx, or torch.export lifted back to
+modules), ``fuse.py`` the rewriting (legality rules in its docstring), ``check.py`` the
+check against the eager model, ``kernels.py`` the oneDNN kernel modules and what this
+build supports, ``export.py`` the ONNX route.
 """
 
 from opfuse.torch.export import export

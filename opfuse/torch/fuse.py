@@ -17,7 +17,7 @@ refused, with the same pattern vocabulary as the ONNX side. The pipeline is
 Every rule is pattern (which nodes), check (a sentence when it is illegal here), rewrite.
 The patterns are data in ``rules.py``, the capture is ``capture.py``, the algebra
 ``fold.py``, the fused kernels ``kernels.py``; this module is the fuser and its checks.
-Verification uses :mod:`opfuse.verify`'s tolerance policy, as the ONNX side does.
+Verification (``check.py``) uses :mod:`opfuse.verify`'s tolerance policy, as the ONNX side does.
 A failed check is a :class:`~opfuse.report.Refusal` in the report, never a silent skip.
 
 Algebra (``fold.py``): BN is z = s * y + t per channel with s = gamma / sqrt(var + eps)
