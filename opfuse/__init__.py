@@ -23,6 +23,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "optimize": "opfuse.pipeline",
     "inspect_model": "opfuse.pipeline",
+    "quantize": "opfuse.quantization.pipeline",
+    "QuantReport": "opfuse.quantization.report",
     "Inspection": "opfuse.pipeline",
     "FusionReport": "opfuse.report",
     "FusionRecord": "opfuse.report",

@@ -4,6 +4,8 @@
                                         [--dim batch=4] [--no-verify]
     opfuse inspect IN.onnx [--json]
     opfuse demo [--model resnet50]
+    opfuse quantize IN.onnx -o OUT.onnx --calibration DATA [--preset cpu|per-tensor|qnn]
+                                        [--equalize] [--min-sqnr DB] [--report r.json]
 
 Exit codes: 0 success, 1 verification failed (nothing written), 2 bad input or usage.
 Errors are one line on stderr.
@@ -26,6 +28,8 @@ from opfuse.ablation import CONFIGS
 from opfuse.bench import options as bench_options
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.passes import PASS_NAMES
+from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
+from opfuse.quantization.report import QuantReport, print_quant_report
 from opfuse.report import print_report
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 
@@ -76,6 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_options.add_parser(sub)
 
+    qnt = sub.add_parser("quantize", help="fold, then quantise to int8 (QDQ) and verify the SQNR")
+    qnt.add_argument("input", help="the float ONNX model")
+    qnt.add_argument("-o", "--output", required=True, help="where to write the quantised model")
+    qnt.add_argument("--calibration", required=True, metavar="DATA",
+                     help="DATA.npz (arrays named after the inputs, leading sample axis), a directory of "
+                          "one-sample .npz files, or random:N (smoke tests only); the last quarter is held out")
+    qnt.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                     help="; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values())
+                          + " (default: %(default)s)")
+    qnt.add_argument("--equalize", action="store_true",
+                     help="cross-layer equalisation of conv pairs first (exact; helps per-tensor weights)")
+    qnt.add_argument("--min-sqnr", type=float, metavar="DB",
+                     help="keep the costliest layers out of int8 until the output SQNR reaches DB; "
+                          "below it on the held-out samples: exit 1, nothing written")
+    qnt.add_argument("--holdout", type=int, metavar="N", help="samples held out for verification (default: a quarter)")
+    qnt.add_argument("--no-bias-correction", action="store_true", help="skip the empirical bias correction")
+    qnt.add_argument("--max-steps", type=int, default=12, help="mixed-precision steps at most (default: %(default)s)")
+    qnt.add_argument("--report", metavar="FILE", help="write the report as JSON (also on failure)")
+    qnt.add_argument("--seed", type=int, default=0, help="seed for random:N calibration")
+    qnt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
+    qnt.add_argument("-v", "--verbose", action="store_true", help="list every layer")
+    qnt.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+
     demo = sub.add_parser("demo", help="optimise a built-in model (no files needed) and report")
     demo.add_argument("--model", default="resnet50", help="built-in model (default: %(default)s)")
     _add_target_options(demo)
@@ -109,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except VerificationError as e:
         if e.report is not None and not getattr(args, "quiet", False):
-            print_report(e.report, _console(stderr=True))
+            printer = print_quant_report if isinstance(e.report, QuantReport) else print_report
+            printer(e.report, _console(stderr=True))
         print(f"opfuse: {e}", file=sys.stderr)
         return e.exit_code
     except OpfuseError as e:
@@ -232,7 +260,24 @@ def _bench(args) -> int:
     return run(args)
 
 
-COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench}
+def _quantize(args) -> int:
+    from opfuse.quantization.pipeline import quantize  # onnx, ONNX Runtime's quantiser: per command
+
+    start = time.perf_counter()
+    _, report = quantize(
+        args.input, args.calibration, preset=args.preset, equalize=args.equalize, min_sqnr=args.min_sqnr,
+        bias_correction=not args.no_bias_correction, holdout=args.holdout, max_steps=args.max_steps,
+        output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
+    )
+    if args.quiet:
+        print(report.summary())
+    else:
+        print_quant_report(report, _console(), verbose=args.verbose)
+        print(f"wrote {args.output} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench, "quantize": _quantize}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,7 +21,8 @@ from opfuse.vocabulary import ACTIVATION_OPS, ELEMENTWISE_KINDS, OP_KINDS, OpKin
 PACKAGE = pathlib.Path(opfuse.__file__).resolve().parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # the optimiser: everything `opfuse optimize` runs
-OPTIMISER = ("pipeline", "passes", "targets", "analyse", "algebra", "report", "load", "save", "vocabulary")
+OPTIMISER = ("pipeline", "passes", "targets", "analyse", "algebra", "report", "load", "save", "vocabulary",
+             "quantization")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -1,0 +1,31 @@
+"""``opfuse quantize``: fold first, then int8 QDQ that keeps the model's accuracy.
+
+    model, report = opfuse.quantize("model.onnx", "calibration.npz", output="model.int8.onnx")
+    print(report.summary())
+
+Files, in pipeline order: ``calibration.py`` (what ``--calibration`` reads),
+``presets.py`` (cpu, per-tensor, qnn, as data), ``qdq.py`` (preparing the float model,
+ONNX Runtime's quantiser, reading the QDQ graph), ``bias_correction.py`` (empirical,
+per output channel), ``sqnr.py`` (per-layer and output SQNR), ``pipeline.py`` (the
+steps in order: :func:`quantize`), ``report.py`` (the quantisation table). Cross-layer
+equalisation is a rewrite like the folds: :mod:`opfuse.passes.equalize`.
+
+``quantize`` loads on first use (PEP 562), so the command line can read the presets
+without loading onnx or ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+__all__ = ["quantize", "QuantReport"]
+
+
+def __getattr__(name: str):
+    if name == "quantize":
+        from opfuse.quantization.pipeline import quantize  # heavy: onnx, ONNX Runtime
+
+        return quantize
+    if name == "QuantReport":
+        from opfuse.quantization.report import QuantReport  # light, but loaded only when asked for
+
+        return QuantReport
+    raise AttributeError(f"module 'opfuse.quantization' has no attribute {name!r}")

@@ -1,0 +1,49 @@
+"""The quantisation presets, as data (the command line lists them without loading anything).
+
+=============  =================  =================  ===========  ========================
+preset         activations        weights            granularity  a costly layer is kept
+=============  =================  =================  ===========  ========================
+``cpu``        uint8, asymmetric  int8, symmetric    per channel  in float
+``per-tensor`` uint8, asymmetric  int8, symmetric    per tensor   in float
+``qnn``        ONNX Runtime's ``get_qnn_qdq_config`` (uint8 activations, uint8 weights,
+               per tensor: its Qualcomm NPU defaults)             with 16-bit activations
+=============  =================  =================  ===========  ========================
+
+All three write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops), calibrated
+with MinMax, through ONNX Runtime's quantiser. Per-channel weights need
+DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants opset 11 or later
+(:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly layer in
+int8 weights with 16-bit activations instead of leaving it in float.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Preset", "PRESETS", "DEFAULT_PRESET"]
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    summary: str
+    activation: str  # "uint8"
+    weight: str  # "int8" or "uint8"
+    per_channel: bool
+    qnn: bool = False  # the configuration comes from ONNX Runtime's get_qnn_qdq_config
+    keep_as: str = "float"  # how the mixed-precision search keeps a layer: "float" or "int16"
+
+    @property
+    def min_opset(self) -> int:
+        return 13 if self.per_channel else 11
+
+
+PRESETS: dict[str, Preset] = {
+    "cpu": Preset("cpu", "int8 symmetric per-channel weights, uint8 activations",
+                  "uint8", "int8", per_channel=True),
+    "per-tensor": Preset("per-tensor", "int8 symmetric per-tensor weights, uint8 activations",
+                         "uint8", "int8", per_channel=False),
+    "qnn": Preset("qnn", "ONNX Runtime's get_qnn_qdq_config: uint8 activations and weights, per tensor",
+                  "uint8", "uint8", per_channel=False, qnn=True, keep_as="int16"),
+}
+DEFAULT_PRESET = "cpu"

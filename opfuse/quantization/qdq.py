@@ -1,0 +1,366 @@
+"""QDQ insertion with ONNX Runtime's quantiser, and reading the QDQ graph it writes.
+
+:func:`prepare` makes the folded float model ready: every node named (the quantiser and
+the mixed-precision search address nodes by name) and the opset raised where the preset
+needs it, with onnx's version converter (per-channel DequantizeLinear needs opset 13;
+ONNX Runtime's own pre-processing leaves an opset-12 model invalid there).
+
+:class:`Quantizer` calibrates once (MinMax ranges of every tensor, cached in a file) and
+then writes as many QDQ models as the mixed-precision search asks for, each keeping a
+different set of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``,
+with 16-bit activations (tensor overrides).
+
+How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers`):
+
+- every quantised node keeps its name and op; its float inputs come from
+  DequantizeLinear nodes and its outputs go to QuantizeLinear nodes;
+- a tensor ``X`` of the float model is ``DequantizeLinear(QuantizeLinear(X))`` in the
+  QDQ model, so the value the next layer sees is the DequantizeLinear's output;
+- a Relu or Clip after a conv is removed and its range folded into the conv's output
+  quantisation; the conv's output then carries the activation's name, and the value
+  after DequantizeLinear is the activation's (clamped) value.
+"""
+
+from __future__ import annotations
+
+__all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS"]
+
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Iterable
+
+import numpy as np
+import onnx
+import onnx.version_converter
+from onnx import numpy_helper
+from onnxruntime import quantization as ortq
+
+from opfuse.errors import BadInputError
+from opfuse.quantization.presets import Preset
+from opfuse.vocabulary import ONNX_DOMAINS, first_line
+
+logger = logging.getLogger(__name__)
+
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # the layers whose weights count
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, list[str]]:
+    """(a private copy named and at the preset's opset, notes)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    notes = []
+    used = {n.name for n in model.graph.node if n.name}
+    count = 0
+    for node in model.graph.node:
+        if not node.name:
+            while f"{node.op_type}_{count}" in used:
+                count += 1
+            node.name = f"{node.op_type}_{count}"
+            used.add(node.name)
+    added = _give_biases(model)
+    if added:
+        notes.append(f"{added} Conv/Gemm without a bias got a zero one, so bias correction has one to adjust")
+    opset = next((o.version for o in model.opset_import if o.domain in ONNX_DOMAINS), None)
+    if opset is not None and opset < preset.min_opset:
+        try:
+            model = onnx.version_converter.convert_version(model, preset.min_opset)
+        except Exception as e:  # noqa: BLE001 - the converter raises many kinds
+            raise BadInputError(
+                f"the {preset.name} preset needs opset {preset.min_opset} (the model has {opset}) and "
+                f"onnx's version converter cannot upgrade it: {first_line(e, 160)}"
+                + ("; try --preset per-tensor" if preset.per_channel else "")
+            ) from None
+        notes.append(f"opset upgraded {opset} -> {preset.min_opset} with onnx's version converter: "
+                     f"the {preset.name} preset's QDQ needs it")
+    return model, notes
+
+
+def _give_biases(model: onnx.ModelProto) -> int:
+    """A zero bias for every Conv and Gemm whose weight is an initializer and that has none."""
+    inits = {i.name: i for i in model.graph.initializer}
+    used = {i.name for i in model.graph.initializer} | {o for n in model.graph.node for o in n.output}
+    added = 0
+    for node in model.graph.node:
+        if node.domain not in ONNX_DOMAINS or node.op_type not in ("Conv", "Gemm") or len(node.input) < 2:
+            continue
+        if len(node.input) > 2 and node.input[2]:
+            continue
+        weight = inits.get(node.input[1])
+        if weight is None or weight.data_type != onnx.TensorProto.FLOAT:
+            continue
+        if node.op_type == "Conv":
+            channels = weight.dims[0]
+        else:
+            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            channels = weight.dims[0] if trans_b else weight.dims[1]
+        name = f"{node.name}.zero_bias"
+        while name in used:
+            name += "_"
+        used.add(name)
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros(channels, np.float32), name))
+        while len(node.input) < 3:
+            node.input.append("")
+        node.input[2] = name
+        added += 1
+    return added
+
+
+class _Reader(ortq.CalibrationDataReader):
+    def __init__(self, samples):
+        self._samples = list(samples)
+        self._it = iter(self._samples)
+
+    def get_next(self):
+        return next(self._it, None)
+
+    def __len__(self):
+        return len(self._samples)
+
+    def rewind(self):
+        self._it = iter(self._samples)
+
+
+class Quantizer:
+    """ONNX Runtime's static quantiser for one float model, preset and calibration set."""
+
+    def __init__(self, float_model: onnx.ModelProto, preset: Preset, samples, workdir: str | pathlib.Path):
+        self.preset = preset
+        self.workdir = pathlib.Path(workdir)
+        self.float_path = self.workdir / "float.onnx"
+        onnx.save(float_model, self.float_path, save_as_external_data=float_model.ByteSize() > 2**30)
+        self.cache = self.workdir / "calibration.json"
+        self.samples = list(samples)
+        self.trials = 0
+
+    def quantize(self, keep: Iterable[str] = ()) -> onnx.ModelProto:
+        """A QDQ model with the nodes named in ``keep`` out of int8 (see the module docstring)."""
+        keep = sorted(set(keep))
+        out = self.workdir / f"qdq_{self.trials}.onnx"
+        self.trials += 1
+        kwargs = self._config(keep)
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.ERROR)  # its advice to pre-process: opfuse has folded and prepared the model
+        try:
+            ortq.quantize_static(str(self.float_path), str(out), calibration_cache_path=str(self.cache), **kwargs)
+        except Exception as e:  # noqa: BLE001 - the quantiser raises many kinds
+            raise BadInputError(f"ONNX Runtime's quantiser failed on this model: {first_line(e, 200)}") from None
+        finally:
+            root.setLevel(level)
+        model = onnx.load(out)
+        out.unlink()
+        if keep and self.preset.keep_as == "float":
+            _read_float_inputs(model, set(keep), onnx.load(self.float_path, load_external_data=False))
+        return model
+
+    def _config(self, keep: list[str]) -> dict:
+        preset = self.preset
+        reader = _Reader(self.samples) if not self.cache.exists() else None
+        if preset.qnn:
+            from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (QNN helpers load only for this preset)
+
+            overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(keep)}
+            config = get_qnn_qdq_config(str(self.float_path), reader or _Reader(self.samples),
+                                        init_overrides=overrides or None)
+            return dict(
+                calibration_data_reader=reader, quant_format=config.quant_format,
+                activation_type=config.activation_type, weight_type=config.weight_type,
+                op_types_to_quantize=config.op_types_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
+                per_channel=config.per_channel, calibrate_method=config.calibrate_method,
+                extra_options=config.extra_options,
+            )
+        return dict(
+            calibration_data_reader=reader,
+            quant_format=ortq.QuantFormat.QDQ,
+            activation_type=ortq.QuantType.QUInt8,
+            weight_type=ortq.QuantType.QInt8 if preset.weight == "int8" else ortq.QuantType.QUInt8,
+            per_channel=preset.per_channel,
+            calibrate_method=ortq.CalibrationMethod.MinMax,
+            nodes_to_exclude=keep,
+            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
+        )
+
+    def _outputs_of(self, names: list[str]) -> list[str]:
+        wanted = set(names)
+        model = onnx.load(self.float_path, load_external_data=False)
+        return [o for n in model.graph.node if n.name in wanted for o in n.output if o]
+
+
+def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx.ModelProto) -> None:
+    """Layers kept in float read their inputs before the int8 round trip (in place).
+
+    Excluding a node from ONNX Runtime's quantiser leaves ``DequantizeLinear`` in front
+    of it, and at ``ORT_ENABLE_BASIC`` and above the runtime's ``WeightBiasQuantization``
+    pass then quantises the float weight of a Conv, ConvTranspose or Gemm whose input
+    comes from a per-tensor DequantizeLinear (symmetric int8, per tensor): the layer would
+    run in int8 after all. So a kept layer reads the tensor the QuantizeLinear reads. Where
+    the quantiser removed an activation (its range folded into the Q), that activation is
+    applied again, a copy of the float model's node. Q/DQ pairs nothing reads any more go.
+    """
+    producer = {o: n for n in model.graph.node for o in n.output}
+    float_producer = {o: n for n in float_model.graph.node for o in n.output}
+    float_inits = {i.name: i for i in float_model.graph.initializer}
+    have = {i.name for i in model.graph.initializer}
+    copies: dict[str, str] = {}
+    added: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.name not in keep:
+            continue
+        for index, name in enumerate(node.input):
+            dq = producer.get(name)
+            if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] in have:
+                continue
+            q = producer.get(dq.input[0])
+            if q is None or q.op_type != "QuantizeLinear":
+                continue
+            source = q.input[0]
+            if source not in copies:
+                copies[source] = source
+                made, original = producer.get(source), float_producer.get(source)
+                if (made is not None and original is not None and made.op_type != original.op_type
+                        and original.op_type in REMOVABLE_ACTIVATIONS):
+                    act = onnx.NodeProto()
+                    act.CopyFrom(original)
+                    act.name = f"{original.name or original.op_type}_float"
+                    act.input[0] = source
+                    act.output[0] = f"{source}_float"
+                    for extra in act.input[1:]:
+                        if extra and extra not in have and extra in float_inits:
+                            model.graph.initializer.append(float_inits[extra])
+                            have.add(extra)
+                    added.append(act)
+                    copies[source] = act.output[0]
+            node.input[index] = copies[source]
+    if added:  # each copy goes right after the node that computes its input
+        nodes = list(model.graph.node)
+        for act in added:
+            at = next(i for i, n in enumerate(nodes) if act.input[0] in n.output) + 1 if act.input[0] in producer else 0
+            nodes.insert(at, act)
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    _drop_unread_qdq(model)
+
+
+REMOVABLE_ACTIVATIONS = ("Relu", "Clip")  # what ONNX Runtime's QDQ quantiser folds into a Q's range
+
+
+def _drop_unread_qdq(model: onnx.ModelProto) -> None:
+    while True:
+        read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+        dead = [n for n in model.graph.node if n.op_type in QDQ_OPS and not any(o in read for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            model.graph.node.remove(n)
+    read = {i for n in model.graph.node for i in n.input}
+    kept = [i for i in model.graph.initializer if i.name in read]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+# -- reading the QDQ graph -------------------------------------------------------------------
+
+@dataclasses.dataclass
+class QdqLayer:
+    """A quantised node of the QDQ model and where its values live in both models."""
+
+    name: str
+    op_type: str
+    inputs: list[tuple[str, str]]  # (float-model tensor, QDQ-model tensor) per activation input
+    outputs: list[tuple[str, str]]  # (float-model tensor, QDQ-model tensor the next layer sees)
+
+
+def qdq_layers(float_model: onnx.ModelProto, qdq: onnx.ModelProto, also: Iterable[str] = ()) -> list[QdqLayer]:
+    """Every non-Q/DQ node of ``qdq`` that reads or writes a quantised tensor (and the
+    nodes named in ``also``, the layers kept out of int8), in graph order.
+
+    A tensor is compared only where both models hold the same values: where the quantiser
+    removed an activation, the conv's output carries the activation's name but not its
+    values (the producers' op types differ), so only its DequantizeLinear output counts.
+    """
+    also = set(also)
+    float_producer = {o: n.op_type for n in float_model.graph.node for o in n.output}
+    float_values = _value_names(float_model)
+    producer = {o: n for n in qdq.graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in qdq.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    initializers = {i.name for i in qdq.graph.initializer}
+
+    def same_values(name: str) -> bool:
+        made = producer.get(name)
+        return name in float_values and (made is None or float_producer.get(name, made.op_type) == made.op_type)
+
+    layers = []
+    for node in qdq.graph.node:
+        if node.op_type in QDQ_OPS or node.domain not in ONNX_DOMAINS:
+            continue
+        ins, outs, quantised = [], [], node.name in also
+        for name in node.input:
+            if not name or name in initializers:
+                continue
+            dq = producer.get(name)
+            if dq is not None and dq.op_type == "DequantizeLinear":
+                quantised = True
+                if dq.input[0] in initializers:
+                    continue  # a weight or bias
+                q = producer.get(dq.input[0])
+                source = q.input[0] if q is not None and q.op_type == "QuantizeLinear" else None
+                if source in float_values:
+                    ins.append((source, name))
+            elif same_values(name):
+                ins.append((name, name))
+        for name in node.output:
+            q = next((c for c in consumers.get(name, []) if c.op_type == "QuantizeLinear"), None)
+            dq = next((c for c in consumers.get(q.output[0], []) if c.op_type == "DequantizeLinear"), None) if q else None
+            if dq is not None:
+                quantised = True
+                # a graph output keeps its name on the DequantizeLinear ("y_QuantizeLinear_Input" -> Q -> DQ -> "y")
+                float_name = name if name in float_values else dq.output[0]
+                if float_name in float_values:
+                    outs.append((float_name, dq.output[0]))
+            elif same_values(name):
+                outs.append((name, name))
+        if quantised:
+            layers.append(QdqLayer(node.name, node.op_type, ins, outs))
+    return layers
+
+
+def _value_names(model: onnx.ModelProto) -> set[str]:
+    names = {i.name for i in model.graph.input}
+    for node in model.graph.node:
+        names.update(o for o in node.output if o)
+    return names
+
+
+def weight_storage(float_model: onnx.ModelProto, qdq: onnx.ModelProto) -> tuple[int, int]:
+    """(weight elements stored as 8-bit integers, all weight elements) of the Conv,
+    ConvTranspose, Gemm and MatMul layers: a weight is an initializer input (other than a
+    bias) of such a node in the float model."""
+    float_inits = {i.name: i for i in float_model.graph.initializer}
+    total, weights = 0, set()
+    for node in float_model.graph.node:
+        if node.op_type in WEIGHTED_OPS and node.domain in ONNX_DOMAINS:
+            for name in node.input[:2]:
+                if name in float_inits and name not in weights:
+                    weights.add(name)
+                    total += int(np.prod(float_inits[name].dims, dtype=np.int64))
+    eight_bit = 0
+    inits = {i.name: i for i in qdq.graph.initializer}
+    for node in qdq.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits:
+            tensor = inits[node.input[0]]
+            original = node.output[0].removesuffix("_DequantizeLinear_Output")
+            if original in weights and tensor.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8):
+                eight_bit += int(np.prod(tensor.dims, dtype=np.int64))
+    return eight_bit, total
+
+
+def initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray | None:
+    for init in model.graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
+    return None

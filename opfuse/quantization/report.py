@@ -1,0 +1,175 @@
+"""The quantisation report: the fold log, then what int8 cost, layer by layer, and why.
+
+A :class:`QuantReport` holds the :class:`~opfuse.report.FusionReport` of the folding
+(and equalisation) stage unchanged, then the quantisation: the preset, each layer's SQNR
+and cost with its precision and the reason for it, the steps of the mixed-precision
+search, the bias correction, how much of the weights is stored in 8 bits, and the
+verification on held-out samples. It renders as JSON (``to_json``) and as rich tables
+(:func:`print_quant_report`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LayerRow", "SearchStep", "QuantVerification", "QuantReport", "print_quant_report"]
+
+import dataclasses
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from opfuse.report import FusionReport, _json_default, print_report
+
+
+@dataclasses.dataclass
+class LayerRow:
+    """One quantised (or deliberately not quantised) node."""
+
+    name: str
+    op_type: str
+    sqnr_db: float  # SQNR of its output against the float model, per channel, calibration samples
+    own_sqnr_db: float  # SQNR of the noise it adds itself (lower is costlier; opfuse.quantization.sqnr)
+    precision: str  # "int8", "float" or "int16 activations"
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class SearchStep:
+    """One trial of the mixed-precision search."""
+
+    kept: list[str]  # layers kept out of int8 in this trial
+    sqnr_db: float  # output SQNR on the calibration samples
+    metric: float | None = None
+
+
+@dataclasses.dataclass
+class QuantVerification:
+    """Output SQNR of the written model on samples the calibration never saw."""
+
+    samples: int
+    outputs: dict[str, float]  # output name -> SQNR in dB
+    sqnr_db: float  # over all outputs
+    min_sqnr_db: float | None
+    runtime: str
+    metric: float | None = None
+    min_metric: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        sqnr_ok = self.min_sqnr_db is None or self.sqnr_db >= self.min_sqnr_db
+        metric_ok = self.min_metric is None or (self.metric is not None and self.metric >= self.min_metric)
+        return sqnr_ok and metric_ok
+
+
+@dataclasses.dataclass
+class QuantReport:
+    model: str = ""
+    preset: str = ""
+    fusion: FusionReport = dataclasses.field(default_factory=FusionReport)
+    calibration_samples: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+    layers: list[LayerRow] = dataclasses.field(default_factory=list)
+    search: list[SearchStep] = dataclasses.field(default_factory=list)
+    bias_corrected: int = 0
+    bias_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    bias_sqnr_db: tuple[float, float] | None = None  # calibration output SQNR without -> with
+    weights_8bit: int = 0
+    weights_total: int = 0
+    bytes_float: int = 0
+    bytes_quantized: int = 0
+    quantize_linear: int = 0
+    verification: QuantVerification | None = None
+
+    @property
+    def weights_8bit_fraction(self) -> float:
+        return self.weights_8bit / self.weights_total if self.weights_total else 0.0
+
+    @property
+    def size_ratio(self) -> float:
+        return self.bytes_quantized / self.bytes_float if self.bytes_float else 0.0
+
+    def kept(self) -> list[LayerRow]:
+        return [r for r in self.layers if r.precision != "int8"]
+
+    def costliest(self, n: int = 5) -> list[LayerRow]:
+        return sorted(self.layers, key=lambda r: r.own_sqnr_db)[:n]
+
+    def summary(self) -> str:
+        v = self.verification
+        sqnr = f"output SQNR {v.sqnr_db:.1f} dB on {v.samples} held-out sample(s)" if v else "not verified"
+        return (f"{self.preset}: {len(self.layers) - len(self.kept())} of {len(self.layers)} layers in int8, "
+                f"{len(self.kept())} kept; weights {100 * self.weights_8bit_fraction:.0f}% 8-bit; "
+                f"size {self.size_ratio:.2f}x; {sqnr}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "model": self.model,
+            "preset": self.preset,
+            "summary": {
+                "layers": len(self.layers),
+                "kept": len(self.kept()),
+                "weights_8bit_fraction": self.weights_8bit_fraction,
+                "size_ratio": self.size_ratio,
+                "quantize_linear": self.quantize_linear,
+                "output_sqnr_db": None if self.verification is None else self.verification.sqnr_db,
+                "verified": None if self.verification is None else self.verification.ok,
+            },
+            "fusion": self.fusion.to_dict(),
+            "calibration_samples": self.calibration_samples,
+            "notes": list(self.notes),
+            "layers": [dataclasses.asdict(r) for r in self.layers],
+            "search": [dataclasses.asdict(s) for s in self.search],
+            "bias_correction": {"layers": self.bias_corrected, "skipped": dict(self.bias_skipped),
+                                "output_sqnr_db": self.bias_sqnr_db},
+            "weights": {"8bit": self.weights_8bit, "total": self.weights_total},
+            "bytes": {"float": self.bytes_float, "quantized": self.bytes_quantized},
+            "verification": None if self.verification is None
+            else {**dataclasses.asdict(self.verification), "ok": self.verification.ok},
+        }
+        return out
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+
+
+def print_quant_report(report: QuantReport, console=None, *, verbose: bool = False) -> None:
+    console = console or Console()
+    print_report(report.fusion, console, verbose=verbose)
+    console.print(f"[bold]quantisation[/bold]  preset={report.preset}  "
+                  f"calibration={report.calibration_samples} sample(s)")
+    rows = report.layers if verbose else report.costliest(12)
+    if rows:
+        title = "Layers" if verbose else f"Layers, costliest first ({len(report.layers)} in all; -v lists every one)"
+        table = Table(title=title, title_justify="left")
+        for col, justify in (("layer", "left"), ("op", "left"), ("SQNR dB", "right"),
+                             ("own SQNR dB", "right"), ("precision", "left"), ("why", "left")):
+            table.add_column(col, justify=justify)
+        for r in rows:
+            style = "yellow" if r.precision != "int8" else ""
+            table.add_row(r.name, r.op_type, f"{r.sqnr_db:.1f}", f"{r.own_sqnr_db:.1f}", r.precision, r.reason,
+                          style=style)
+        console.print(table)
+    if report.search and len(report.search) > 1:
+        steps = "; ".join(f"{len(s.kept)} kept: {s.sqnr_db:.1f} dB" for s in report.search)
+        console.print(f"mixed precision: {steps}")
+    if report.bias_sqnr_db is not None:
+        before, after = report.bias_sqnr_db
+        console.print(f"bias correction: {report.bias_corrected} layer(s); calibration output SQNR "
+                      f"{before:.1f} -> {after:.1f} dB")
+    console.print(f"weights: {100 * report.weights_8bit_fraction:.1f}% of Conv/ConvTranspose/Gemm/MatMul "
+                  f"weight elements stored as 8-bit integers; file {report.size_ratio:.2f}x the float model; "
+                  f"{report.quantize_linear} QuantizeLinear")
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    v = report.verification
+    if v is not None:
+        status = "[green]passed[/green]" if v.ok else "[red]FAILED[/red]"
+        limit = f" (minimum {v.min_sqnr_db:g} dB)" if v.min_sqnr_db is not None else " (no minimum set)"
+        per = ", ".join(f"{k} {x:.1f}" for k, x in list(v.outputs.items())[:4])
+        metric = f"; metric {v.metric:.4g} (minimum {v.min_metric:g})" if v.min_metric is not None else ""
+        console.print(f"verification: {status}: output SQNR {v.sqnr_db:.1f} dB{limit} on {v.samples} held-out "
+                      f"sample(s), {v.runtime} [{per}]{metric}")
+        if not v.ok:
+            worst = ", ".join(f"{r.name} (own SQNR {r.own_sqnr_db:.1f} dB)" for r in report.costliest(5))
+            console.print(f"  [red]costliest layers:[/red] {worst}")

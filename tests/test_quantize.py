@@ -1,0 +1,245 @@
+"""opfuse quantize: calibration data, the pipeline's steps, verification, the CLI.
+
+Small conv nets built in code (BatchNormalization after each conv, as exporters leave
+them); the quantised models run on ONNX Runtime like any user's would.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import opfuse
+from graphs import bn_node, bn_params, model, rng, tensor, vinfo
+from opfuse.cli import main
+from opfuse.errors import BadInputError, VerificationError
+from opfuse.runtime import create_session
+
+
+def small_net(opset: int = 17, *, outlier_conv: int | None = None, c: int = 8, seed: int = 0) -> onnx.ModelProto:
+    """x[N,3,12,12] -> 3 x (Conv -> BN -> Relu) -> GlobalAveragePool -> Flatten -> Gemm(5).
+
+    ``outlier_conv``: that conv has one output channel with weights 300x the others, which
+    per-tensor int8 cannot represent (the other channels round to a few levels)."""
+    r = rng(seed)
+    nodes, inits, x, cin = [], [], "x", 3
+    for i in range(3):
+        w = r.normal(0, 0.3, (c, cin, 3, 3))
+        if outlier_conv == i:
+            w[0] *= 300
+        inits += [tensor(f"w{i}", w.astype(np.float32)), *bn_params(f"bn{i}", c, seed=i)]
+        nodes += [helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1], name=f"conv{i}"),
+                  bn_node(f"bn{i}", f"c{i}", f"b{i}"),
+                  helper.make_node("Relu", [f"b{i}"], [f"r{i}"], name=f"relu{i}")]
+        x, cin = f"r{i}", c
+    inits += [tensor("fc_w", r.normal(0, 0.3, (c, 5)).astype(np.float32)),
+              tensor("fc_b", r.normal(0, 0.1, 5).astype(np.float32))]
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["gap"], name="gap"),
+              helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc")]
+    return model(nodes, [vinfo("x", ["N", 3, 12, 12])], [vinfo("logits", ["N", 5])], inits, opset=opset)
+
+
+def samples(n: int = 12, seed: int = 1, batch: int = 1) -> list[dict[str, np.ndarray]]:
+    r = rng(seed)
+    return [{"x": r.uniform(0, 1, (batch, 3, 12, 12)).astype(np.float32)} for _ in range(n)]
+
+
+def npz(path, items) -> str:
+    np.savez(path, x=np.stack([s["x"] for s in items]))
+    return str(path)
+
+
+def ops(proto: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in proto.graph.node]
+
+
+# -- calibration data -------------------------------------------------------------------------
+
+def test_npz_with_a_sample_axis_and_a_directory_give_the_same_model(tmp_path):
+    data = samples(8)
+    (tmp_path / "dir").mkdir()
+    for i, s in enumerate(data):
+        np.savez(tmp_path / "dir" / f"{i:03d}.npz", **s)
+    a, ra = opfuse.quantize(small_net(), npz(tmp_path / "c.npz", data))
+    b, rb = opfuse.quantize(small_net(), str(tmp_path / "dir"))
+    pa, pb = onnx.ModelProto(), onnx.ModelProto()
+    from onnx_ir import serde
+
+    pa, pb = serde.serialize_model(a), serde.serialize_model(b)
+    assert pa.graph == pb.graph
+    assert ra.calibration_samples == 6 and ra.verification.samples == 2
+    assert ra.verification.ok and ra.verification.sqnr_db > 20
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"y": np.zeros((4, 1, 3, 12, 12), np.float32)}, "missing x"),
+    ({"x": np.zeros((4, 1, 3, 12, 12), np.float32), "extra": np.zeros((4, 2), np.float32)},
+     "not inputs of the model: extra"),
+    ({"x": np.zeros((4, 1, 3, 12), np.float32)}, "rank"),
+    ({"x": np.zeros((4, 1, 4, 12, 12), np.float32)}, "at axis 1"),
+    ({"x": np.zeros((4, 1, 3, 12, 12), np.float64)}, "dtype float64"),
+    ({"x": np.zeros((1, 1, 3, 12, 12), np.float32)}, "at least 2"),
+    ({"x": np.zeros((0, 1, 3, 12, 12), np.float32)}, "at least 2"),
+    ({"x": np.zeros((4, 0, 3, 12, 12), np.float32)}, "empty"),
+    ({}, "holds no arrays"),
+])
+def test_bad_calibration_data_is_one_line_exit_2_nothing_written(tmp_path, capsys, bad, message):
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(small_net(), src)
+    np.savez(tmp_path / "bad.npz", **bad)
+    code = main(["quantize", str(src), "-o", str(out), "--calibration", str(tmp_path / "bad.npz"), "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "m.onnx"]
+
+
+def test_missing_or_unreadable_calibration_file(tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(small_net(), src)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    for data, message in ((tmp_path / "nope.npz", "no such calibration"), (tmp_path / "junk.npz", "not a readable")):
+        assert main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration", str(data)]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(BadInputError, match="one mapping"):
+        opfuse.quantize(small_net(), samples(1)[0])
+
+
+def test_random_calibration_warns_it_is_for_smoke_tests():
+    _, report = opfuse.quantize(small_net(), "random:6")
+    assert any("smoke test only" in n for n in report.notes)
+    assert report.calibration_samples + report.verification.samples == 6
+
+
+# -- the pipeline ------------------------------------------------------------------------------
+
+def test_folds_first_then_quantises_every_weight_once():
+    q, report = opfuse.quantize(small_net(), samples())
+    proto = opfuse.quantize.__globals__["ir"].serde.serialize_model(q)
+    assert "BatchNormalization" not in ops(proto)
+    assert len(report.fusion.applied("Conv+BatchNormalization")) == 3
+    assert report.weights_8bit_fraction == 1.0
+    # one QuantizeLinear per activation tensor, none for a BatchNormalization's input
+    assert report.quantize_linear == sum(op == "QuantizeLinear" for op in ops(proto))
+    int8 = {i.name for i in proto.graph.initializer if i.data_type == TensorProto.INT8}
+    weights = [n.input[0] for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in int8]
+    assert len(weights) == 4  # three conv weights and the Gemm's
+    assert report.verification.ok and report.verification.min_sqnr_db is None
+
+
+def test_opset_upgrade_for_per_channel_weights():
+    """Paddle's models are opset 11/12; per-channel DequantizeLinear needs axis (opset 13)."""
+    q, report = opfuse.quantize(small_net(opset=11), samples())
+    proto = opfuse.quantize.__globals__["ir"].serde.serialize_model(q)
+    assert next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) >= 13
+    axes = [a.i for n in proto.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute if a.name == "axis"]
+    assert axes, "per-channel weights carry an axis"
+    assert any("opset upgraded 11 -> 13" in n for n in report.notes)
+    onnx.checker.check_model(proto)
+    create_session(proto, "all").run(None, samples(1)[0])
+    _, per_tensor = opfuse.quantize(small_net(opset=11), samples(), preset="per-tensor")
+    assert not any("opset upgraded" in n for n in per_tensor.notes)
+
+
+def test_mixed_precision_keeps_the_worst_layer_in_float():
+    net = small_net(outlier_conv=1)
+    _, plain = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False)
+    worst = plain.costliest(1)[0]
+    assert worst.name == "conv1", [(r.name, r.own_sqnr_db) for r in plain.costliest(3)]
+    target = plain.verification.sqnr_db + 6
+    q, report = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False, min_sqnr=target)
+    kept = report.kept()
+    assert kept and kept[0].name == "conv1" and kept[0].precision == "float"
+    assert "added the most noise" in kept[0].reason
+    assert report.search[0].kept == [] and "conv1" in report.search[-1].kept
+    assert report.verification.sqnr_db > plain.verification.sqnr_db
+    proto = opfuse.quantize.__globals__["ir"].serde.serialize_model(q)
+    conv1 = next(n for n in proto.graph.node if n.name == "conv1")
+    weight_producer = [n for n in proto.graph.node if conv1.input[1] in n.output]
+    assert not weight_producer, "a layer kept in float reads its float weight directly"
+    assert report.weights_8bit_fraction < 1.0
+
+
+def test_bias_correction_lowers_the_mean_error():
+    """Per-tensor weights with one large channel: the small weights all round the same
+    way, and on inputs with a positive mean (after a Relu) the outputs shift."""
+    r = rng(3)
+    w = np.full((6, 4, 3, 3), 0.0) + r.uniform(0.3, 0.45, (6, 4, 3, 3)) * (1.0 / 127)
+    w[0, 0, 0, 0] = 1.0  # sets the per-tensor scale: 1/127; the rest are 0.3-0.45 of a step
+    nodes = [helper.make_node("Relu", ["x"], ["rx"], name="relu"),
+             helper.make_node("Conv", ["rx", "w", "b"], ["y"], pads=[1, 1, 1, 1], name="conv")]
+    net = model(nodes, [vinfo("x", [1, 4, 10, 10])], [vinfo("y", [1, 6, 10, 10])],
+                [tensor("w", w.astype(np.float32)), tensor("b", np.zeros(6, np.float32))])
+    data = [{"x": r.uniform(-0.2, 1, (1, 4, 10, 10)).astype(np.float32)} for _ in range(12)]
+    reference = [create_session(net, "disabled").run(None, s)[0] for s in data]
+
+    def mean_error(q) -> float:
+        session = create_session(q, "all")
+        errors = [session.run(None, s)[0] - ref for s, ref in zip(data, reference)]
+        return float(np.abs(np.mean(errors, axis=(0, 1, 3, 4))).mean())
+
+    plain, _ = opfuse.quantize(net, data, preset="per-tensor", bias_correction=False)
+    corrected, report = opfuse.quantize(net, data, preset="per-tensor")
+    assert report.bias_corrected == 1
+    before, after = report.bias_sqnr_db
+    assert after > before
+    assert mean_error(corrected) < 0.5 * mean_error(plain)
+
+
+def test_equalize_runs_before_quantising_and_is_exact_in_float():
+    _, report = opfuse.quantize(small_net(), samples(), preset="per-tensor", equalize=True)
+    assert "equalize" in report.fusion.passes
+    assert report.fusion.verification.ok  # the folded and equalised float model, checked as any rewrite
+
+
+def test_metric_drives_the_search_and_is_reported():
+    net = small_net(outlier_conv=1)
+    data = samples()
+    reference = create_session(net, "disabled")
+
+    def agreement(session) -> float:  # the caller's own measure: top-1 agreement with float
+        same = [np.argmax(session.run(None, s)[0]) == np.argmax(reference.run(None, s)[0]) for s in data]
+        return float(np.mean(same))
+
+    _, report = opfuse.quantize(net, data, preset="per-tensor", metric=agreement, min_metric=1.0)
+    assert report.verification.metric == 1.0 and report.verification.ok
+    assert report.search[-1].metric == 1.0
+
+
+# -- verification and the command line ---------------------------------------------------------
+
+def test_below_min_sqnr_exits_1_writes_only_the_report(tmp_path, capsys):
+    src, out, rep = tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "r.json"
+    onnx.save(small_net(outlier_conv=1), src)
+    code = main(["quantize", str(src), "-o", str(out), "--calibration", npz(tmp_path / "c.npz", samples()),
+                 "--preset", "per-tensor", "--min-sqnr", "150", "--max-steps", "1", "--report", str(rep)])
+    err = capsys.readouterr().err
+    assert code == 1 and not out.exists()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("opfuse: quantisation failed: output SQNR") and "costliest layers" in last
+    data = json.loads(rep.read_text())
+    assert data["verification"]["ok"] is False and data["layers"]
+    with pytest.raises(VerificationError):
+        opfuse.quantize(small_net(outlier_conv=1), samples(), preset="per-tensor", min_sqnr=150, max_steps=0)
+
+
+@pytest.mark.parametrize("preset", ["cpu", "per-tensor", "qnn"])
+def test_cli_writes_a_model_onnx_runtime_runs(tmp_path, capsys, preset):
+    src, out, rep = tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "r.json"
+    onnx.save(small_net(), src)
+    code = main(["quantize", str(src), "-o", str(out), "--calibration", npz(tmp_path / "c.npz", samples()),
+                 "--preset", preset, "--report", str(rep)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "verification: passed" in printed and "Conv+BatchNormalization" in printed
+    proto = onnx.load(out)
+    onnx.checker.check_model(proto)
+    assert "QuantizeLinear" in ops(proto)
+    create_session(proto, "all").run(None, samples(1)[0])
+    data = json.loads(rep.read_text())
+    assert data["preset"] == preset and data["summary"]["verified"] is True
+    assert data["fusion"]["summary"]["applied"] == {"Conv+BatchNormalization": 3}
