@@ -5,6 +5,8 @@
 ``fold-arithmetic``    constant Add/Sub/Mul/Div -> Conv/ConvTranspose/Gemm weights
 ``fuse-activation``    Conv/Gemm + activation -> FusedConv/FusedGemm (onnxruntime)
 ``fuse-epilogue``      Conv + residual Add + activation -> FusedConv (onnxruntime)
+``equalize``           cross-layer equalisation of Conv -> [act] -> Conv weight ranges
+                       (before int8 quantisation; no target runs it by default)
 =====================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -31,6 +33,7 @@ REGISTRY: dict[str, str] = {
     "fold-arithmetic": "opfuse.passes.fold_arithmetic:FoldArithmeticPass",
     "fuse-activation": "opfuse.passes.fuse_epilogue:ActivationFusionPass",
     "fuse-epilogue": "opfuse.passes.fuse_epilogue:EpilogueFusionPass",
+    "equalize": "opfuse.passes.equalize:EqualizePass",
 }
 PASS_NAMES = tuple(REGISTRY)
 DEFAULT_PASSES = TARGET_DEFAULT_PASSES["onnx"]
