@@ -278,3 +278,22 @@ def test_an_output_without_shape_or_type_is_completed_with_a_note(missing, tmp_p
     onnx.checker.check_model(onnx.load(written))  # what opfuse writes, any tool opens
     notes = json.loads((tmp_path / "r.json").read_text())["notes"]
     assert sum("were inferred" in n for n in notes) == 1
+
+
+def test_a_rewrite_summing_many_products_gets_a_rounding_floor_that_still_catches_wrong_folds():
+    """ResNet-50's last 3x3 convs sum K = 4608 products: folded and original round apart by
+    about eps * sqrt(K) of the scale, over atol; the floor grows with sqrt(K) only, so a
+    bias off by 1% of the scale still fails."""
+    from opfuse.verify import _sum_floor
+
+    r = rng(11)
+    ref = r.normal(0, 2, (1, 512, 7, 7)).astype(np.float32)
+    scale = float(np.abs(ref).max())
+    rounding = ref + (1.04e-5 * scale * np.sign(r.normal(size=ref.shape))).astype(np.float32)
+    wrong = ref + np.float32(0.01 * scale)
+    floor = _sum_floor(ref, 4608)
+    assert 3e-5 * scale < floor < 4e-5 * scale
+    assert not compare_tensor("y", ref, rounding).ok  # atol alone: the false failure of ResNet-50
+    assert compare_tensor("y", ref, rounding, floor=floor).ok
+    assert not compare_tensor("y", ref, wrong, floor=floor).ok
+    assert _sum_floor(ref, None) == 0.0 == _sum_floor(ref, 0)
