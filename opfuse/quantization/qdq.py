@@ -51,14 +51,7 @@ def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, li
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     notes = []
-    used = {n.name for n in model.graph.node if n.name}
-    count = 0
-    for node in model.graph.node:
-        if not node.name:
-            while f"{node.op_type}_{count}" in used:
-                count += 1
-            node.name = f"{node.op_type}_{count}"
-            used.add(node.name)
+    _name_nodes(model)
     added = _give_biases(model)
     if added:
         notes.append(f"{added} Conv/Gemm without a bias got a zero one, so bias correction has one to adjust")
@@ -74,7 +67,19 @@ def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, li
             ) from None
         notes.append(f"opset upgraded {opset} -> {preset.min_opset} with onnx's version converter: "
                      f"the {preset.name} preset's QDQ needs it")
+    _name_nodes(model)  # after the converter, which writes its nodes anew
     return model, notes
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    used = {n.name for n in model.graph.node if n.name}
+    count = 0
+    for node in model.graph.node:
+        if not node.name:
+            while f"{node.op_type}_{count}" in used:
+                count += 1
+            node.name = f"{node.op_type}_{count}"
+            used.add(node.name)
 
 
 def _give_biases(model: onnx.ModelProto) -> int:

@@ -32,6 +32,15 @@ class LayerRow:
     own_sqnr_db: float  # SQNR of the noise it adds itself (lower is costlier; opfuse.quantization.sqnr)
     precision: str  # "int8", "float" or "int16 activations"
     reason: str = ""
+    gain_db: float | None = None  # output SQNR gained by keeping it alone (measured when the search ran)
+
+
+    @property
+    def cost(self) -> str:
+        """What this layer costs, as the search measured it, in a few words."""
+        if self.gain_db is not None:
+            return f"keeping it alone gains {self.gain_db:+.1f} dB"
+        return f"its own noise at {self.own_sqnr_db:.1f} dB SQNR"
 
 
 @dataclasses.dataclass
@@ -93,6 +102,10 @@ class QuantReport:
         return [r for r in self.layers if r.precision != "int8"]
 
     def costliest(self, n: int = 5) -> list[LayerRow]:
+        """By the output SQNR keeping them alone would gain where the search measured it,
+        else by the noise they add."""
+        if any(r.gain_db is not None for r in self.layers):
+            return sorted((r for r in self.layers if r.gain_db is not None), key=lambda r: -r.gain_db)[:n]
         return sorted(self.layers, key=lambda r: r.own_sqnr_db)[:n]
 
     def summary(self) -> str:
@@ -143,12 +156,14 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
         title = "Layers" if verbose else f"Layers, costliest first ({len(report.layers)} in all; -v lists every one)"
         table = Table(title=title, title_justify="left")
         for col, justify in (("layer", "left"), ("op", "left"), ("SQNR dB", "right"),
-                             ("own SQNR dB", "right"), ("precision", "left"), ("why", "left")):
+                             ("own SQNR dB", "right"), ("kept alone +dB", "right"), ("precision", "left"),
+                             ("why", "left")):
             table.add_column(col, justify=justify)
         for r in rows:
             style = "yellow" if r.precision != "int8" else ""
-            table.add_row(r.name, r.op_type, f"{r.sqnr_db:.1f}", f"{r.own_sqnr_db:.1f}", r.precision, r.reason,
-                          style=style)
+            gain = "" if r.gain_db is None else f"{r.gain_db:+.2f}"
+            table.add_row(r.name, r.op_type, f"{r.sqnr_db:.1f}", f"{r.own_sqnr_db:.1f}", gain, r.precision,
+                          r.reason, style=style)
         console.print(table)
     if report.search and len(report.search) > 1:
         steps = "; ".join(f"{len(s.kept)} kept: {s.sqnr_db:.1f} dB" for s in report.search)
@@ -171,5 +186,5 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
         console.print(f"verification: {status}: output SQNR {v.sqnr_db:.1f} dB{limit} on {v.samples} held-out "
                       f"sample(s), {v.runtime} [{per}]{metric}")
         if not v.ok:
-            worst = ", ".join(f"{r.name} (own SQNR {r.own_sqnr_db:.1f} dB)" for r in report.costliest(5))
+            worst = ", ".join(f"{r.name} ({r.cost})" for r in report.costliest(5))
             console.print(f"  [red]costliest layers:[/red] {worst}")

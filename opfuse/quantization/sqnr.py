@@ -21,7 +21,7 @@ out of int8.
 
 from __future__ import annotations
 
-__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "layer_costs"]
+__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "layer_costs", "layer_pairs"]
 
 import math
 from collections.abc import Iterable, Mapping
@@ -135,6 +135,26 @@ def output_sqnr(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, sample
     names = [o.name for o in float_model.graph.output]
     acc = measure(float_model, qdq_model, samples, {n: (n, n) for n in names}, qdq_level=qdq_level)
     return {n: acc.db(n) for n in names}, acc.total_db(names)
+
+
+class OutputReference:
+    """The float model's graph outputs on a set of samples, computed once, to judge many
+    candidate QDQ models against (the mixed-precision search's trials)."""
+
+    def __init__(self, float_model: onnx.ModelProto, samples, level: str = "disabled"):
+        self.samples = [dict(s) for s in samples]
+        self.names = [o.name for o in float_model.graph.output]
+        session = create_session(float_model, level)
+        self.values = [session.run(self.names, s) for s in self.samples]
+
+    def sqnr(self, qdq_model: onnx.ModelProto, level: str = "disabled") -> float:
+        """SQNR over all outputs and samples of ``qdq_model``, in dB."""
+        session = create_session(qdq_model, level)
+        acc = Accumulator()
+        for sample, ref in zip(self.samples, self.values):
+            for name, f, q in zip(self.names, ref, session.run(self.names, sample)):
+                acc.add(name, f, q)
+        return acc.total_db(self.names)
 
 
 def layer_costs(layers: list[QdqLayer], acc: Accumulator) -> dict[str, tuple[float, float]]:
