@@ -17,6 +17,7 @@ from opfuse.bench.chapter import fuse_activation_into_batchnorm
 from opfuse.bench.measure import summarise_profile
 from opfuse.targets import accelerator as costmodel
 from opfuse.targets import traffic
+from opfuse.targets.int8 import float_ops, int8_traffic
 from opfuse.targets.accelerator import HardwareProfile, Kernel, fusion_veto, load_profile, predict
 from opfuse.targets.traffic import TensorInfo, analyse_traffic
 from opfuse.cli import main
@@ -165,18 +166,107 @@ def test_ideal_activation_part_is_the_same_fused_or_not():
     assert fused.total == fused.ideal + 2 * 1024  # the Sigmoid after the FusedConv is not fused
 
 
+# -- int8: a QDQ graph read as an int8 accelerator runs it ----------------------------------
+
+def qdq_conv(folded: bool):
+    """x -> Q -> DQ -> Conv (int8 W, int32 B, both through DQ) -> Q -> DQ [-> BN -> Q -> DQ] -> y,
+    by hand: what ONNX Runtime's quantiser writes with BN folded, and with BN left in float."""
+    r = rng(7)
+    u8 = lambda name, v: tensor(name, np.array(v, np.uint8))  # noqa: E731
+    inits = [
+        tensor("xs", np.float32(0.02)), u8("xz", 128), tensor("cs", np.float32(0.05)), u8("cz", 128),
+        tensor("Wq", r.integers(-127, 128, size=(4, 3, 3, 3)).astype(np.int8)),
+        tensor("Ws", np.full(4, 0.01, np.float32)), tensor("Wz", np.zeros(4, np.int8)),
+        tensor("Bq", r.integers(-1000, 1000, size=4).astype(np.int32)),
+        tensor("Bs", np.full(4, 0.0002, np.float32)), tensor("Bz", np.zeros(4, np.int32)),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q_x"),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq_x"),
+        helper.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["Wd"], name="dq_w", axis=0),
+        helper.make_node("DequantizeLinear", ["Bq", "Bs", "Bz"], ["Bd"], name="dq_b", axis=0),
+        helper.make_node("Conv", ["xd", "Wd", "Bd"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("QuantizeLinear", ["c", "cs", "cz"], ["cq"], name="q_c"),
+        helper.make_node("DequantizeLinear", ["cq", "cs", "cz"], ["y" if folded else "cd"], name="dq_c"),
+    ]
+    if not folded:
+        inits += bn_params("bn", 4) + [tensor("ns", np.float32(0.05)), u8("nz", 128)]
+        nodes += [bn_node("bn", "cd", "n"),
+                  helper.make_node("QuantizeLinear", ["n", "ns", "nz"], ["nq"], name="q_n"),
+                  helper.make_node("DequantizeLinear", ["nq", "ns", "nz"], ["y"], name="dq_n")]
+    return model(nodes, [vinfo("x", [1, 3, 8, 8])], [vinfo("y", [1, 4, 8, 8])], inits, opset=13)
+
+
+def test_a_conv_between_dq_and_q_is_one_int8_kernel():
+    raw = analyse_traffic(qdq_conv(folded=True))
+    view = int8_traffic(raw)
+    assert [(n.op_type, n.precision) for n in view.nodes] == [
+        ("QuantizeLinear", ""), ("Conv", "int8"), ("DequantizeLinear", "")]  # float in, float out
+    conv = by_name(view)["conv"]
+    assert conv.activation_read == 3 * 8 * 8  # uint8: 1 byte an element
+    assert conv.weight_read == 4 * 3 * 3 * 3 + 4 * 4  # int8 weights, int32 bias
+    assert conv.written == 4 * 8 * 8  # the Q's output: requantised in the epilogue
+    assert [t.name for t in conv.outputs] == ["cq"]
+    assert view.total < raw.total and float_ops(view) == {}
+    assert view.ideal <= view.total
+    graph_ops = [n.op_type for n in raw.nodes]
+    assert graph_ops.count("DequantizeLinear") == 4  # the graph itself is untouched
+    assert int8_traffic(analyse_traffic(conv_bn_relu())).nodes[0].precision == ""  # float: unchanged
+
+
+def test_an_unfolded_batchnorm_runs_in_float_between_conversions():
+    view = int8_traffic(analyse_traffic(qdq_conv(folded=False)))
+    assert [(n.op_type, n.precision) for n in view.nodes] == [
+        ("QuantizeLinear", ""), ("Conv", "int8"), ("DequantizeLinear", ""), ("BatchNormalization", ""),
+        ("QuantizeLinear", ""), ("DequantizeLinear", "")]
+    n = by_name(view)
+    fmap = 4 * 8 * 8
+    assert n["dq_c"].activation_read == fmap and n["dq_c"].written == fmap * F32  # int8 -> float
+    assert n["bn"].activation_read == fmap * F32 and n["bn"].weight_read == 4 * 4 * F32
+    assert n["q_n"].activation_read == fmap * F32 and n["q_n"].written == fmap  # float -> int8
+    assert float_ops(view) == {"BatchNormalization": 1}
+
+
+def test_int8_conv_is_predicted_faster_and_an_unfolded_bn_slower():
+    folded = predict(analyse_traffic(qdq_conv(folded=True)), "npu-chapter")  # read as int8 on its own
+    unfolded = predict(analyse_traffic(qdq_conv(folded=False)), "npu-chapter")
+    float_conv = predict(analyse_traffic(conv_model()), "npu-chapter").kernels[0]  # the same conv in float
+    conv = next(k for k in folded.kernels if k.label == "Conv")
+    assert conv.bytes == 192 + 108 + 16 + 256 < float_conv.bytes  # float16 on npu-chapter: 2 bytes
+    assert conv.time_s < float_conv.time_s
+    assert conv.compute_s == pytest.approx(conv.flops / 3000e9)  # npu-chapter's int8 peak
+    # the graph input's Q and the output's DQ are kernels here (float in, float out); the
+    # unfolded BN adds three more: DQ, BN, Q
+    assert len(unfolded.kernels) == len(folded.kernels) + 3 and unfolded.latency_s > folded.latency_s
+
+
+def test_the_int8_peak_is_the_profiles_own():
+    prof = profile(peak_gflops={"float32": 100.0, "int8": 400.0})
+    assert prof.peak("uint8") == prof.peak("int8") == 400e9 and prof.peak("float32") == 100e9
+    npu = profile(execution_dtype="float16", peak_gflops={"float32": 100.0, "float16": 200.0})
+    assert npu.peak("uint8") == 200e9  # no int8 rate stated: not assumed faster than float16
+    for name in costmodel.list_profiles():
+        prof = load_profile(name)
+        assert prof.peak("int8") >= prof.peak("float32")
+
+
 # -- the cost model ----------------------------------------------------------------------
 
 def t(name, shape, weight=False, dtype="float32", bits=32):
     return TensorInfo(name, tuple(shape), dtype, bits, weight)
 
 
-def conv_kernel(cin=64, cout=64, size=56, k=3, epilogue=(), residual=False, name="conv"):
-    inputs = [t("x", (1, cin, size, size)), t("w", (cout, cin, k, k), True), t("b", (cout,), True)]
+def conv_kernel(cin=64, cout=64, size=56, k=3, epilogue=(), residual=False, name="conv", int8=False):
+    """A Conv kernel; ``int8``: as read from a QDQ graph (uint8 activations, int8 weights, int32 bias)."""
+    act = {"dtype": "uint8", "bits": 8} if int8 else {}
+    weight = {"dtype": "int8", "bits": 8} if int8 else {}
+    bias = {"dtype": "int32"} if int8 else {}
+    inputs = [t("x", (1, cin, size, size), **act), t("w", (cout, cin, k, k), True, **weight),
+              t("b", (cout,), True, **bias)]
     if residual:
-        inputs.append(t("z", (1, cout, size, size)))
-    return Kernel(name, "Conv", tuple(inputs), (t("y", (1, cout, size, size)),),
-                  {"pads": [k // 2] * 4, "strides": [1, 1]}, tuple(epilogue), name)
+        inputs.append(t("z", (1, cout, size, size), **act))
+    return Kernel(name, "Conv", tuple(inputs), (t("y", (1, cout, size, size), **act),),
+                  {"pads": [k // 2] * 4, "strides": [1, 1]}, tuple(epilogue), name, "int8" if int8 else "")
 
 
 def eltwise_kernel(op, c=64, size=56, name="e"):
@@ -241,19 +331,30 @@ kernel_sets = st.lists(
 @given(kernel_sets,
        st.floats(1, 200), st.floats(1, 4),
        st.floats(16, 16384), st.floats(1, 8),
-       st.floats(10, 5000), st.floats(0, 50), st.sampled_from([1, 2, 4, 16]), st.floats(0.1, 1.0))
-def test_more_bandwidth_or_buffer_is_never_slower(specs, bw, bw_gain, buf, buf_gain, peak, launch, rows, eff):
-    kernels = [conv_kernel(cin, cout, size, k, epi, residual="Add" in epi, name=f"k{i}")
-               for i, (cin, cout, size, k, epi) in enumerate(specs)]
-    kernels += [eltwise_kernel("Relu", 64, 28, name="relu")]
-    base = profile(dram_bandwidth_gbps=bw, onchip_buffer_kib=buf, peak_gflops={"float32": peak},
-                   launch_overhead_us=launch, tile_rows=rows, spill_efficiency=eff)
+       st.floats(10, 5000), st.floats(0, 50), st.sampled_from([1, 2, 4, 16]), st.floats(0.1, 1.0),
+       st.booleans(), st.floats(1, 4), st.sampled_from([None, "float16"]))
+def test_more_bandwidth_or_buffer_is_never_slower(specs, bw, bw_gain, buf, buf_gain, peak, launch, rows, eff,
+                                                  int8, int8_gain, exec_dtype):
+    def kernels_in(int8):
+        made = [conv_kernel(cin, cout, size, k, epi, residual="Add" in epi, name=f"k{i}", int8=int8)
+                for i, (cin, cout, size, k, epi) in enumerate(specs)]
+        return made + [eltwise_kernel("Relu", 64, 28, name="relu")]
+
+    kernels = kernels_in(int8)
+    peaks = {"float32": peak, "float16": peak * 2, "int8": peak * 2 * int8_gain}
+    base = profile(dram_bandwidth_gbps=bw, onchip_buffer_kib=buf, peak_gflops=peaks,
+                   launch_overhead_us=launch, tile_rows=rows, spill_efficiency=eff, execution_dtype=exec_dtype)
     slow = predict(kernels, base).latency_s
+    faster = {k: v * 2 for k, v in peaks.items()}
     assert predict(kernels, base.replace(dram_bandwidth_gbps=bw * bw_gain)).latency_s <= slow * (1 + 1e-12)
     assert predict(kernels, base.replace(onchip_buffer_kib=buf * buf_gain)).latency_s <= slow * (1 + 1e-12)
-    assert predict(kernels, base.replace(peak_gflops={"float32": peak * 2})).latency_s <= slow * (1 + 1e-12)
+    assert predict(kernels, base.replace(peak_gflops=faster)).latency_s <= slow * (1 + 1e-12)
+    assert predict(kernels, base.replace(peak_gflops={**peaks, "int8": peaks["int8"] * 2})).latency_s <= slow * (1 + 1e-12)
     assert predict(kernels, base.replace(launch_overhead_us=launch / 2)).latency_s <= slow * (1 + 1e-12)
     assert predict(kernels, base.replace(spill_efficiency=1.0)).latency_s <= slow * (1 + 1e-12)
+    # the same kernels in int8 (1-byte activations and weights, int32 bias, int8 peak >= float's)
+    # are never predicted slower than in float
+    assert predict(kernels_in(True), base).latency_s <= predict(kernels_in(False), base).latency_s * (1 + 1e-12)
 
 
 def test_execution_dtype_halves_float_bytes():
@@ -421,6 +522,27 @@ def test_bench_end_to_end_on_a_tiny_builtin(tmp_path, capsys):
     assert rows["none"]["predicted"]["npu-small"]["note"].startswith("a cost model's prediction")
     assert "chapter" not in rows["none"]  # the chapter's table is ResNet-50 at 224 only
     assert len(data["traffic_per_layer"]["layers"]) == len(data["traffic_per_layer"]["bytes"]["none"])
+    # int8 rows (on by default for a built-in): measured at ORT all beside the float model at all
+    assert "int8 rows: QDQ graphs" in captured.out and "vs ORT all" in captured.out
+    for key in ("int8", "int8-unfolded", "all-ort-all", "ort-all"):
+        assert rows[key]["level"] == "all", key
+        assert rows[key]["measured"]["median_ms"] > 0 and rows[key]["error"] is None, rows[key]["error"]
+    assert rows["none"]["level"] == "disabled" and "ratio_to_ort_all" not in rows["none"]["measured"]
+    folded, unfolded = rows["int8"]["int8"], rows["int8-unfolded"]["int8"]
+    for facts in (folded, unfolded):
+        assert facts["quantize_linear"] > 0 and facts["qdq_nodes"] > rows["none"]["nodes"]
+        assert 5 < facts["sqnr_db"] < 200  # finite: close to the float model, not equal to it
+        assert facts["held_out_samples"] == 4 and facts["weights_8bit_fraction"] == 1.0
+        assert facts["runtime_int8_kernels"] > 0  # ONNX Runtime ran int8 kernels at all
+    assert unfolded["quantize_linear"] > folded["quantize_linear"]  # BN got its own Q/DQ
+    assert unfolded["float_ops"] == {"BatchNormalization": 20} and folded["float_ops"] == {}
+    assert unfolded["runtime_ops"]["BatchNormalization"] == 20 and "BatchNormalization" not in folded["runtime_ops"]
+    for key in ("int8", "int8-unfolded"):
+        assert rows[key]["outputs_match_baseline"] is None  # int8 differs by design: its SQNR says how much
+        assert rows[key]["measured"]["ratio_to_ort_all"] > 0
+    predicted = {k: rows[k]["predicted"]["npu-chapter"]["latency_ms"] for k in ("none", "conv-bn", "int8", "int8-unfolded")}
+    assert predicted["int8"] < predicted["conv-bn"] and predicted["int8-unfolded"] < predicted["none"]
+    assert predicted["int8"] < predicted["int8-unfolded"]
     png = out_png.read_bytes()
     assert png[:8] == PNG_SIGNATURE
     import matplotlib.image
@@ -440,6 +562,40 @@ def test_bench_a_model_file_with_a_symbolic_batch(tmp_model, capsys):
     assert set(rows) >= {"none", "conv-bn", "all", "none-aa"}
     assert rows["none"]["traffic"]["unknown"] == {}
     assert rows["none"]["traffic"]["per_node"][0]["activation_read"] == 2 * 768  # batch bound to 2
+
+
+def test_bench_int8_rows_for_a_model_file(tmp_model, capsys):
+    path = tmp_model(conv_bn_relu_symbolic())
+    rc = main(["bench", str(path), "--int8", "--reps", "2", "--quick", "--runtime-levels", "none",
+               "--configs", "conv-bn", "--json", "-"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    rows = {r["key"]: r for r in json.loads(captured.out)["rows"]}
+    assert {"int8", "int8-unfolded", "all-ort-all", "ort-all"} <= set(rows)  # ORT all added as the reference
+    folded, unfolded = rows["int8"]["int8"], rows["int8-unfolded"]["int8"]
+    assert 0 < folded["quantize_linear"] < unfolded["quantize_linear"]
+    assert unfolded["float_ops"] == {"BatchNormalization": 1}
+    assert rows["int8"]["traffic"]["total"] < rows["conv-bn"]["traffic"]["total"]  # 1-byte tensors
+    file_default = main(["bench", str(path), "--no-measure", "--json", "-"])
+    assert file_default == 0
+    assert not {"int8", "int8-unfolded"} & {r["key"] for r in json.loads(capsys.readouterr().out)["rows"]}
+
+
+def test_a_failing_int8_flow_is_a_row_with_its_error(tmp_model, capsys, monkeypatch):
+    import opfuse.bench.int8
+
+    def broken(*args, **kwargs):
+        raise BadInputError("the quantiser failed on this model: boom")
+
+    monkeypatch.setattr(opfuse.bench.int8, "quantize", broken)
+    rc = main(["bench", str(tmp_model(conv_bn_relu())), "--int8", "--no-measure", "--configs", "conv-bn",
+               "--json", "-"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    rows = {r["key"]: r for r in json.loads(captured.out)["rows"]}
+    assert "boom" in rows["int8"]["error"] and rows["int8"]["predicted"] == {}
+    assert rows["int8"]["int8"]["sqnr_db"] is None
+    assert rows["int8-unfolded"]["error"] is None and rows["int8-unfolded"]["predicted"]["npu-chapter"]
 
 
 def conv_bn_relu_symbolic():

@@ -9,6 +9,8 @@ the optimiser's side (:mod:`opfuse.targets.traffic`, the memory-traffic rule;
     run.py       :func:`run_bench`: every configuration applied, measured, counted, predicted
     measure.py   ONNX Runtime CPU latency: one session per variant, interleaved rounds,
                  an A/A control, node counts, kernel time per op type        (measurements)
+    int8.py      the int8 rows: the model quantised with BN folded (opfuse quantize) and
+                 unfolded (ONNX Runtime's quantize_static), with their SQNR
     result.py    the result rows and their JSON schema
     chapter.py   the chapter's own table and its modelled Conv+ReLU row
     table.py     the tables (rich); plot.py the figures (matplotlib, an optional extra)

@@ -13,7 +13,10 @@
   over rounds of (this variant / the baseline in the same round), which cancels what the
   machine was doing during that round.
 - The warm-up outputs are compared with the baseline's (``opfuse.verify`` tolerances), so a
-  row that computes something else is flagged rather than celebrated.
+  row that computes something else is flagged rather than celebrated; an int8 variant
+  (``exact=False``) computes something else by design and reports its SQNR instead.
+- Any two variants compare the same way (:meth:`Measurement.ratio`): the int8 rows, which
+  run at ORT all, against the float model at ORT all.
 - Node counts: the graph's own for disabled optimisations; for the runtime's levels, the
   nodes left after its optimiser (``optimized_model_filepath``), by ``domain.op_type``.
 - Optional per-op-type profile (``enable_profiling``): kernel time summed per op type, per
@@ -63,8 +66,9 @@ class Variant:
     label: str  # what the table shows
     model: ir.Model | bytes | str  # an onnx-ir model, serialized bytes, or a path
     level: str = "disabled"
-    kind: str = "config"  # "config" | "control" | "runtime" | "peer"
+    kind: str = "config"  # "config" | "control" | "runtime" | "reference" | "int8" | "peer"
     note: str = ""
+    exact: bool = True  # False: outputs are not compared with the baseline's (an int8 model)
 
 
 @dataclasses.dataclass
@@ -127,6 +131,18 @@ class Measurement:
     def nodes(self, name: str) -> int | None:
         counts = self.op_counts.get(name)
         return None if counts is None else sum(counts.values())
+
+    def paired(self, name: str, reference: str) -> list[float]:
+        """Per-round ratios of ``name``'s time to ``reference``'s (every round runs both)."""
+        a, b = self.timings.get(name), self.timings.get(reference)
+        if a is None or b is None or len(a.samples_ms) != len(b.samples_ms):
+            return []
+        return [x / y for x, y in zip(a.samples_ms, b.samples_ms) if y > 0]
+
+    def ratio(self, name: str, reference: str) -> float:
+        """Median over rounds of ``name``'s time / ``reference``'s in the same round."""
+        ratios = self.paired(name, reference)
+        return statistics.median(ratios) if ratios else float("nan")
 
 
 def runtime_op_counts(model, level: str, threads: int = 2) -> Counter:
@@ -215,9 +231,10 @@ def measure(
         tick("warm-up")
 
     mismatches: dict[str, str] = {}
+    inexact = {v.name for v in variants if not v.exact}
     if baseline in outputs:
         for name in names:
-            if name == baseline or name not in outputs:
+            if name == baseline or name not in outputs or name in inexact:
                 continue
             bad = [c for c in compare_outputs(outputs[baseline], outputs[name]) if not c.ok]
             if bad:

@@ -6,7 +6,7 @@
         [--configs none,conv-bn,conv-act,conv-bn-act,all] [--runtime-levels basic,extended,all]
         [--threads 2] [--reps 50] [--warmup 2] [--batch 1] [--image-size 224] [--dim NAME=N]
         [--hardware npu-chapter[,npu-small]] [--json FILE|-] [--plot FILE.png]
-        [--[no-]profile-ops] [--layers N] [--no-measure] [--quick]
+        [--[no-]profile-ops] [--[no-]int8] [--layers N] [--no-measure] [--quick]
 
 This module is light (the command line builds its parser at start-up); the run is
 :mod:`opfuse.bench.run`, the result :mod:`opfuse.bench.result`.
@@ -15,7 +15,7 @@ This module is light (the command line builds its parser at start-up); the run i
 from __future__ import annotations
 
 __all__ = ["add_parser", "options_from_args", "BenchOptions", "DEFAULT_CONFIGS", "DEFAULT_LEVELS",
-           "BASELINE", "CONTROL"]
+           "BASELINE", "CONTROL", "ORT_ALL"]
 
 import argparse
 import dataclasses
@@ -33,6 +33,7 @@ DEFAULT_MODEL = "resnet50"
 DEFAULT_PROFILE = "npu-chapter"
 BASELINE = "none"  # the configuration every ratio is taken against
 CONTROL = "none-aa"  # the A/A control: the baseline again, in its own session
+ORT_ALL = "ort-all"  # the float model at ONNX Runtime's all level: what the int8 rows compare with
 
 
 def add_parser(sub) -> None:
@@ -67,6 +68,10 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write latency, traffic and traffic-per-layer plots")
     p.add_argument("--profile-ops", action=argparse.BooleanOptionalAction, default=None,
                    help="kernel time per op type from ONNX Runtime's profiler (default: on, off with --quick)")
+    p.add_argument("--int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="int8 rows: the model quantised with BN folded (opfuse quantize) and unfolded "
+                        "(ONNX Runtime's quantize_static), measured at ORT all beside the float model at "
+                        "all, and predicted (default: on for the built-in models when measuring)")
     p.add_argument("--layers", type=int, default=0, metavar="N",
                    help="also print the N layers that move the most bytes unfused")
     p.add_argument("--no-measure", action="store_true", help="skip ONNX Runtime: traffic and predictions only")
@@ -91,6 +96,7 @@ class BenchOptions:
     profile_ops: bool = True
     layers: int = 0
     measure: bool = True
+    int8: bool = True  # the CLI turns it off for model files and --no-measure
 
 
 def options_from_args(args) -> BenchOptions:
@@ -164,6 +170,7 @@ def options_from_args(args) -> BenchOptions:
         profile_ops=(not quick) if args.profile_ops is None else args.profile_ops,
         layers=args.layers,
         measure=not args.no_measure,
+        int8=args.int8 if args.int8 is not None else (not args.model and not args.no_measure),
     )
 
 

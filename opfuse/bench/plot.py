@@ -2,7 +2,8 @@
 
 Four panels, matplotlib with the Agg backend (no display needed):
 
-1. measured ONNX Runtime latency per configuration (median, min-max whiskers);
+1. measured ONNX Runtime latency per configuration (median, min-max whiskers; the int8
+   rows in red);
 2. predicted accelerator latency per configuration, with the chapter's values as markers
    when the model is the chapter's ResNet-50 (a model's predictions, labelled so);
 3. memory traffic per configuration, with the ideal lower bound as a line;
@@ -120,4 +121,6 @@ def _color(kind: str) -> str:
         "runtime": "tab:orange",
         "modelled": "tab:purple",
         "hardware-fit": "tab:green",
+        "reference": "tab:orange",
+        "int8": "tab:red",
     }.get(kind, "tab:blue")

@@ -1,10 +1,11 @@
 """The result of ``opfuse bench``: one row per configuration, and its JSON schema.
 
 A :class:`Row` is a configuration, the A/A control, one of ONNX Runtime's own levels, a
-modelled row (the chapter's Conv+ReLU, :mod:`opfuse.bench.chapter`) or a configuration
-refitted to a hardware profile. Measured numbers (``timing``) and predictions
-(``predictions``, a cost model's) are separate fields, and :meth:`BenchResult.to_dict`
-labels predictions as such.
+modelled row (the chapter's Conv+ReLU, :mod:`opfuse.bench.chapter`), a configuration
+refitted to a hardware profile, or an int8 row and its float reference at ORT all
+(:mod:`opfuse.bench.int8`); each says at which ONNX Runtime level it ran (``level``).
+Measured numbers (``timing``) and predictions (``predictions``, a cost model's) are
+separate fields, and :meth:`BenchResult.to_dict` labels predictions as such.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
 from opfuse.bench.chapter import CHAPTER
-from opfuse.bench.options import BASELINE, BenchOptions
+from opfuse.bench.options import BASELINE, ORT_ALL, BenchOptions
 
 
 @dataclasses.dataclass
@@ -25,7 +28,7 @@ class Row:
 
     key: str
     label: str
-    kind: str  # "config" | "control" | "runtime" | "modelled" | "hardware-fit"
+    kind: str  # "config" | "control" | "runtime" | "modelled" | "hardware-fit" | "reference" | "int8"
     nodes: int | None = None
     same_as: str | None = None  # the row whose graph this one is identical to
     note: str = ""
@@ -35,6 +38,8 @@ class Row:
     mismatch: str | None = None
     error: str | None = None
     report_summary: str = ""
+    level: str = "disabled"  # the ONNX Runtime optimisation level it was measured at
+    int8: Any = None  # int8.Int8Facts of an int8 row
 
     @property
     def chapter(self) -> tuple[str, float, float, float] | None:
@@ -82,11 +87,13 @@ class BenchResult:
                 "nodes": r.nodes,
                 "same_as": r.same_as,
                 "note": r.note,
-                "measured": None if r.timing is None else r.timing.to_dict(),
-                "outputs_match_baseline": None if r.timing is None else r.mismatch is None,
+                "level": r.level,
+                "measured": None if r.timing is None else {**r.timing.to_dict(), **_vs_ort_all(self, r)},
+                "outputs_match_baseline": None if r.timing is None or r.int8 is not None else r.mismatch is None,
                 "mismatch": r.mismatch,
                 "error": r.error,
                 "fusion": r.report_summary,
+                "int8": None if r.int8 is None else r.int8.to_dict(),
                 "traffic": None if r.traffic is None else {
                     **r.traffic.summary(),
                     "ratio_to_ideal": (r.traffic.total / self.ideal_bytes) if self.ideal_bytes else None,
@@ -121,6 +128,18 @@ class BenchResult:
             "hardware": {name: p.to_dict() for name, p in self.profiles.items()},
             "notes": list(self.notes),
         }
+
+
+def _vs_ort_all(result: BenchResult, row: Row) -> dict[str, Any]:
+    """The paired ratio to the float model at ORT all, for a row measured at that level."""
+    m = result.measurement
+    if m is None or row.level != "all" or ORT_ALL not in m.timings or row.key == ORT_ALL:
+        return {}
+    ratios = m.paired(row.key, ORT_ALL)
+    if not ratios:
+        return {}
+    lo, hi = np.percentile(ratios, [25, 75])
+    return {"ratio_to_ort_all": m.ratio(row.key, ORT_ALL), "ratio_to_ort_all_iqr": [float(lo), float(hi)]}
 
 
 def _speedup(result: BenchResult, profile: str, key: str) -> float | None:

@@ -4,7 +4,9 @@ One run gives, per configuration of :data:`opfuse.ablation.CONFIGS`:
 
 1. measured: ONNX Runtime CPU latency (:mod:`opfuse.bench.measure`), runtime optimisations
    disabled so only opfuse's fusions count, with the runtime's own levels and an A/A
-   control as extra rows, node counts, and kernel time per op type;
+   control as extra rows, node counts, and kernel time per op type; with ``--int8`` the
+   model quantised with BN folded and unfolded (:mod:`opfuse.bench.int8`), run at ORT all
+   beside the float model at all, in the same interleaved rounds;
 2. memory traffic from shapes (:mod:`opfuse.targets.traffic`) and its ideal lower bound;
 3. predicted accelerator latency and bandwidth (:mod:`opfuse.targets.accelerator`), beside
    the chapter's numbers for ResNet-50 (:mod:`opfuse.bench.chapter`). Predictions of a
@@ -33,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from opfuse.ablation import apply_config
 from opfuse.bench.chapter import MODELLED_CONV_RELU, modelled_conv_relu
+from opfuse.bench.int8 import CALIBRATION, FLOAT_AT_ALL, HELD_OUT, quantize_rows
 from opfuse.bench.measure import Variant, measure, profile_op_types
 from opfuse.bench.options import BASELINE, CONTROL, BenchOptions, options_from_args
 from opfuse.bench.plot import plot_result
@@ -43,6 +46,7 @@ from opfuse.load import load_model
 from opfuse.models import build
 from opfuse.save import write_text_atomic
 from opfuse.targets.accelerator import load_profile, predict
+from opfuse.targets.int8 import float_ops, int8_traffic
 from opfuse.targets.traffic import align_layers, analyse_traffic
 from opfuse.verify import make_inputs
 from opfuse.vocabulary import dtype_name
@@ -118,7 +122,7 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
     start = time.perf_counter()
     profiles = {p.name: p for p in (load_profile(h) for h in options.hardware)}
     with _Progress(progress_console) as bar:
-        bar.stage("preparing the model", len(options.configs) + 2)
+        bar.stage("preparing the model", len(options.configs) + 2 + 3 * options.int8)
         if options.model_path:
             model, display = load_model(options.model_path)
             builtin = False
@@ -179,6 +183,33 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
                 rows.append(fit_row)
         bar.update(advance=1)
 
+        # int8: the model quantised with BN folded and unfolded, and the float reference at ORT all
+        late: list[Row] = []  # after the runtime's own rows
+        int8_models = []
+        reference = None
+        if options.int8:
+            bar.update(description="applying all for ORT all")
+            reference, _ = apply_config(model, "all", runtime_level="all", verify=False)
+            late.append(Row(key=FLOAT_AT_ALL, label="all, for ORT all", kind="reference", level="all",
+                            note="the float reference for the int8 rows: opfuse's all configuration as "
+                                 "written for ONNX Runtime's all level (fusions that would keep a conv out of "
+                                 "its NCHWc layout are left to the runtime), run at all"))
+            bar.update(advance=1)
+            int8_models = quantize_rows(model, dims, progress=lambda s: bar.update(description=s, advance=1))
+            for q in int8_models:
+                row = Row(key=q.key, label=q.label, kind="int8", level="all", note=q.note, int8=q.facts,
+                          error=q.error)
+                if q.model is not None:
+                    row.traffic = int8_traffic(analyse_traffic(q.model, batch=options.batch, dims=dims))
+                    q.facts.float_ops = dict(float_ops(row.traffic))
+                late.append(row)
+            notes.append(
+                f"int8 rows: calibrated on {CALIBRATION} seeded random inputs, output SQNR on {HELD_OUT} more "
+                "held out; int8 latency does not depend on calibration quality (the same kernels run whatever "
+                "the scales), so random data serves the timing; the SQNR only shows each row computes "
+                "roughly the float model's function"
+            )
+
         # traffic: ideal and per layer
         ideals = [r.traffic.ideal for r in rows if r.traffic is not None and not r.traffic.unknown]
         ideal = min(ideals) if ideals else None
@@ -193,7 +224,7 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
                                           if r.kind == "config" and r.same_as is None and r.traffic is not None})
 
         # predictions
-        for r in rows:
+        for r in (*rows, *late):
             source = modelled if r.kind == "modelled" else r.traffic
             if source is None:
                 continue
@@ -212,9 +243,17 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
                     variants.append(Variant(r.key, r.label, models[r.key], "disabled", "config"))
             variants.append(Variant(CONTROL, "none A/A", models[BASELINE], "disabled", "control"))
             proto_bytes = ir.serde.serialize_model(model).SerializeToString()
-            for level in options.runtime_levels:
+            levels = list(options.runtime_levels)
+            if options.int8 and "all" not in levels:
+                levels.append("all")  # the int8 rows are compared with the float model at all
+            for level in levels:
                 variants.append(Variant(f"ort-{level}", f"ORT {level}",
                                         proto_bytes, level, "runtime"))
+            if reference is not None:
+                variants.append(Variant(FLOAT_AT_ALL, "all, for ORT all", reference, "all", "reference"))
+            for q in int8_models:
+                if q.model is not None:
+                    variants.append(Variant(q.key, q.label, q.model, "all", "int8", exact=False))
             total = len(variants) + options.warmup + options.reps
             bar.stage("measuring on ONNX Runtime", total)
 
@@ -233,16 +272,19 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
                                "distance from 1.00x is the noise floor")
             insert_at = max(i for i, r in enumerate(rows) if r.kind == "config") + 1
             rows.insert(insert_at, control)
-            for level in options.runtime_levels:
-                rows.append(Row(key=f"ort-{level}", label=f"ORT {level}", kind="runtime",
+            for level in levels:
+                rows.append(Row(key=f"ort-{level}", label=f"ORT {level}", kind="runtime", level=level,
                                 note="ONNX Runtime's own optimiser at this level, on the original model"))
+            rows += late
             for r in rows:
                 if r.same_as is None and r.key in measurement.timings:
                     r.timing = measurement.timings[r.key]
-                if r.kind == "runtime":
+                if r.level != "disabled":
                     r.nodes = measurement.nodes(r.key)
+                if r.int8 is not None and r.key in measurement.op_counts:
+                    r.int8.runtime_ops = dict(measurement.op_counts[r.key])
                 r.mismatch = measurement.mismatches.get(r.key)
-                r.error = measurement.errors.get(r.key)
+                r.error = measurement.errors.get(r.key) or r.error
             if options.profile_ops:
                 targets = {v.name: v.model for v in variants if v.kind == "config"}
                 runs = 10 if options.reps >= 10 else 2
@@ -251,6 +293,8 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
                     targets, feeds, threads=options.threads, runs=runs,
                     progress=lambda _s, done, _t: bar.update(completed=done),
                 )
+        else:
+            rows += late
         dtype = _input_dtype(model)
     return BenchResult(
         model=display,

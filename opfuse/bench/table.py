@@ -7,7 +7,7 @@ would do, and their titles say so.
 
 from __future__ import annotations
 
-__all__ = ["print_result", "measured_table", "predicted_table", "op_profile_table", "layer_table"]
+__all__ = ["print_result", "measured_table", "predicted_table", "int8_table", "op_profile_table", "layer_table"]
 
 import math
 import os
@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from opfuse.ablation import CONFIGS
+from opfuse.bench.int8 import FLOAT_SOURCE
+from opfuse.bench.options import BASELINE, CONTROL, ORT_ALL
 
 MB = 1e6
 WATCHED_OPS = ("BatchNormalization", "Relu", "Clip", "Add")  # the ops fusion removes
@@ -30,6 +32,8 @@ def print_result(result, console: Console | None = None, *, layers: int = 0) -> 
         console.print(measured_table(result))
     for name in result.profiles:
         console.print(predicted_table(result, name))
+    if any(r.int8 is not None for r in result.rows):
+        console.print(int8_table(result))
     if result.op_profile:
         console.print(op_profile_table(result))
     if layers:
@@ -43,31 +47,43 @@ def measured_table(result) -> Table:
     title = (f"Measured on this machine: ONNX Runtime CPU, {m.threads} threads, {m.rounds} interleaved "
              f"rounds after {m.warmup} warm-up runs")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    at_all = ORT_ALL in m.timings and any(r.level == "all" and r.kind != "runtime" for r in result.rows)
     table.add_column("configuration")
+    table.add_column("ORT\nlevel")
     table.add_column("nodes", justify="right")
     table.add_column("median\nms", justify="right")
     table.add_column("min-max\nms", justify="right")
     table.add_column("speed-up\nvs none", justify="right")
+    if at_all:
+        table.add_column("speed-up\nvs ORT all", justify="right")
     table.add_column("traffic MB\n(x ideal)", justify="right")
     table.add_column("achieved\nGB/s", justify="right")
     for r in result.rows:
         if r.kind in ("modelled", "hardware-fit"):
             continue
-        traffic = r.traffic.total if r.traffic is not None and r.kind != "runtime" else None
+        # the runtime rewrites what it runs above "disabled": the graph's own count would mislead
+        traffic = r.traffic.total if r.traffic is not None and r.level == "disabled" else None
+        vs_all = ""
         if r.timing is not None:
             t = r.timing
             latency, spread = _ms(t.median), f"{_ms(t.min)}-{_ms(t.max)}"
-            speed = "1.00x" if r.key == "none" else _speedup(t.ratio)
+            speed = "1.00x" if r.key == BASELINE else _speedup(t.ratio)
             achieved = f"{traffic / (t.median * 1e-3) / 1e9:.2f}" if traffic else "-"
+            if r.level == "all":
+                vs_all = "1.00x" if r.key == ORT_ALL else _speedup(m.ratio(r.key, ORT_ALL))
         elif r.same_as:
             latency, spread, speed, achieved = f"= {r.same_as}", "", "", ""
         else:
             latency, spread, speed, achieved = "-", "", "", ""
         label = r.label + (" [red]outputs differ![/red]" if r.mismatch else "")
         label += " [red]failed[/red]" if r.error else ""
-        table.add_row(label, _int(r.nodes), latency, spread, speed, _traffic(traffic, result.ideal_bytes), achieved)
+        cells = [label, r.level, _int(r.nodes), latency, spread, speed]
+        if at_all:
+            cells.append(vs_all)
+        table.add_row(*cells, _traffic(traffic, result.ideal_bytes), achieved)
     if result.ideal_bytes:
-        table.add_row("[dim]ideal bound[/dim]", "", "", "", "", _traffic(result.ideal_bytes, result.ideal_bytes), "")
+        cells = ["[dim]ideal bound[/dim]", "", "", "", "", ""] + ([""] if at_all else [])
+        table.add_row(*cells, _traffic(result.ideal_bytes, result.ideal_bytes), "")
     return table
 
 
@@ -86,6 +102,9 @@ def predicted_table(result, profile_name: str) -> Table:
     table.add_column("DRAM\nMB", justify="right")
     table.add_column("GB/s", justify="right")
     table.add_column("spills", justify="right")
+    int8_rows = any(r.int8 is not None and profile_name in r.predictions for r in result.rows)
+    if int8_rows:
+        table.add_column("int8 vs\nits float", justify="right")
     if show_chapter:
         table.add_column("chapter\nms (speed-up)", justify="right")
         table.add_column("chapter\nGB/s", justify="right")
@@ -98,6 +117,8 @@ def predicted_table(result, profile_name: str) -> Table:
             continue
         if r.same_as:
             cells = [r.label, _int(r.nodes), f"= {r.same_as}", "", "", "", ""]
+            if int8_rows:
+                cells.append("")
         else:
             speed = base_pred.latency_s / p.latency_s if base_pred is not None else float("nan")
             cells = [
@@ -109,6 +130,8 @@ def predicted_table(result, profile_name: str) -> Table:
                 f"{p.bandwidth_gbps:.1f}",
                 str(len(p.spilling)) if p.spilling else "-",
             ]
+            if int8_rows:
+                cells.append(_int8_gain(result, r, profile_name))
         if show_chapter:
             ch = r.chapter
             if ch is not None and not r.same_as:
@@ -118,6 +141,55 @@ def predicted_table(result, profile_name: str) -> Table:
                 cells += ["", "", ""]
         table.add_row(*cells)
     return table
+
+
+def _int8_gain(result, row, profile_name: str) -> str:
+    """An int8 row's predicted speed-up over the float configuration it was quantised from."""
+    source = FLOAT_SOURCE.get(row.key)
+    if row.int8 is None or source is None:
+        return ""
+    float_row = result.row(source)
+    while float_row is not None and float_row.same_as:
+        float_row = result.row(float_row.same_as)
+    p, f = row.predictions.get(profile_name), float_row.predictions.get(profile_name) if float_row else None
+    if p is None or f is None or p.latency_s <= 0:
+        return ""
+    return f"{f.latency_s / p.latency_s:.2f}x"
+
+
+def int8_table(result) -> Table:
+    """What each int8 row is: its QDQ graph, how close to float, what runs where."""
+    title = "int8 rows: QDQ graphs, output SQNR against float (dB, held-out inputs), what runs in float"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("configuration")
+    table.add_column("QDQ\nnodes", justify="right")
+    table.add_column("Quantize\nLinear", justify="right")
+    table.add_column("SQNR dB\nheld out", justify="right")
+    table.add_column("weights\n8-bit", justify="right")
+    table.add_column("ORT all runs (measured)", no_wrap=True)
+    table.add_column("in float on an int8\nNPU (predicted)")
+    for r in result.rows:
+        f = r.int8
+        if f is None:
+            continue
+        if r.error and not f.qdq_nodes:
+            table.add_row(f"{r.label} [red]failed[/red]", "-", "-", "-", "-", "", "")
+            continue
+        sqnr = f"{f.sqnr_db:.1f}" if math.isfinite(f.sqnr_db) else "-"
+        weights = "-" if f.weights_8bit_fraction is None else f"{100 * f.weights_8bit_fraction:.0f}%"
+        runs = ""
+        if f.runtime_ops:
+            runs = f"{f.runtime_int8} int8 kernels"
+            bn = f.runtime_ops.get("BatchNormalization", 0)
+            if bn:
+                runs += f", {bn} BN in float"
+        in_float = ", ".join(f"{n} {_short(op)}" for op, n in sorted(f.float_ops.items(), key=lambda kv: -kv[1]))
+        table.add_row(r.label, str(f.qdq_nodes), str(f.quantize_linear), sqnr, weights, runs, in_float or "nothing")
+    return table
+
+
+def _short(op: str) -> str:
+    return "BN" if op == "BatchNormalization" else op
 
 
 def op_profile_table(result) -> Table:
@@ -185,10 +257,32 @@ def footnotes(result) -> list[str]:
     if result.measurement is not None:
         lines.append("- speed-up vs none: median over rounds of none's time / this row's in the same "
                      "round; the A/A control row shows how far from 1.00x noise alone goes")
+        control = result.row(CONTROL)
+        if control is not None and control.timing is not None and len(control.timing.ratios) > 1:
+            lo, hi = control.timing.ratio_spread
+            lines.append(f"- A/A control: {_speedup(control.timing.ratio)}, half of its rounds between "
+                         f"{_speedup(hi)} and {_speedup(lo)}: differences of that size are noise")
+        if any(r.level == "all" and r.kind != "runtime" for r in result.rows):
+            lines.append("- ORT level: the ONNX Runtime graph-optimisation level a row ran at; speed-up vs ORT "
+                         "all: the same paired ratio against the original model at all, the like-for-like "
+                         "comparison for rows at all (a QDQ model gets ONNX Runtime's int8 kernels only with "
+                         "its optimisations on: from extended, and at all in the NHWC layout they prefer)")
     if result.profiles:
         lines.append("- predicted rows: roofline (max of compute and DRAM time) + launch overhead per "
                      "kernel, plus spills; a model of an accelerator, not a measurement "
                      "(opfuse/targets/accelerator.py)")
+        if any(r.int8 is not None and r.predictions for r in result.rows):
+            peaks = ", ".join(f"{p.name} {p.peak('int8') / 1e9:g}" for p in result.profiles.values())
+            lines.append("- predicted int8 rows: the QDQ graph as an NPU that runs int8 natively would run it "
+                         "(opfuse/targets/int8.py): each conv, add or pooling between DequantizeLinear and "
+                         "QuantizeLinear one int8 kernel moving 1-byte activations and weights (int32 bias); "
+                         "an op with no int8 kernel (BatchNormalization) runs in float with conversion "
+                         f"kernels around it. int8 peak GOP/s ({peaks}) is an assumption of each profile, "
+                         "not calibrated: the chapter gives float only. int8 vs its float: against the "
+                         "float configuration it was quantised from ("
+                         + ", ".join(f"{r.label} vs {FLOAT_SOURCE[r.key]}" for r in result.rows
+                                     if r.key in FLOAT_SOURCE and r.int8 is not None)
+                         + "; ONNX Runtime's quantiser also drops each Relu into the requantisation)")
     if result.chapter_applies and "npu-chapter" in result.profiles:
         lines.append("- the chapter's GB/s column is one byte count (~227 MB) over each latency, as if "
                      "fusion moved no fewer bytes; the model's is each configuration's own traffic")

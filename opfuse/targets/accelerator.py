@@ -28,6 +28,13 @@ configuration's graph into one latency per kernel:
                x bandwidth)) + launch
     latency  = sum of t_k (kernels run one after another); bandwidth = DRAM bytes / latency
 
+int8: a quantised (QDQ) graph is read as a chip that runs int8 natively runs it
+(:mod:`opfuse.targets.int8`): each Conv / Gemm / Add / pooling between DQ and Q nodes is
+one int8 kernel moving 1-byte activations and weights and int32 biases, computing at the
+profile's ``int8`` peak; Q/DQ nodes cost nothing except where they convert to and from
+float around an op that runs in float (an unfolded BatchNormalization: three kernels and
+a float round trip instead of none).
+
 Every term is non-increasing in bandwidth, buffer size, spill efficiency and peak compute
 and non-decreasing in launch overhead, so a better chip is never predicted slower (tests check this).
 
@@ -65,6 +72,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from opfuse.targets.int8 import int8_traffic, is_qdq
 from opfuse.targets.onnxruntime import read_fused
 from opfuse.targets.profiles import HardwareProfile, list_profiles, load_profile
 from opfuse.targets.traffic import TensorInfo, Traffic
@@ -91,6 +99,7 @@ class Kernel:
     attributes: dict[str, Any]
     epilogue: tuple[str, ...] = ()  # e.g. ("Add", "Relu")
     layer: str = ""
+    precision: str = ""  # "int8": computes at the profile's int8 peak (opfuse.targets.int8)
 
     @property
     def label(self) -> str:
@@ -98,7 +107,13 @@ class Kernel:
 
 
 def kernels_of(traffic: Traffic) -> list[Kernel]:
-    """The kernels a configuration's graph launches (Constant nodes launch nothing)."""
+    """The kernels a configuration's graph launches (Constant nodes launch nothing).
+
+    A quantised (QDQ) graph is read as an int8 accelerator runs it
+    (:func:`opfuse.targets.int8.int8_traffic`): Q/DQ folded into int8 kernels.
+    """
+    if is_qdq(traffic) and not any(n.precision for n in traffic.nodes):
+        traffic = int8_traffic(traffic)
     out = []
     for n in traffic.nodes:
         if n.no_traffic:
@@ -108,7 +123,7 @@ def kernels_of(traffic: Traffic) -> list[Kernel]:
             op, epilogue = view.base_op, view.epilogue
         else:
             op, epilogue = op_label(n.domain, n.op_type), ()
-        out.append(Kernel(n.name, op, n.inputs, n.outputs, n.attributes, epilogue, n.layer))
+        out.append(Kernel(n.name, op, n.inputs, n.outputs, n.attributes, epilogue, n.layer, n.precision))
     return out
 
 
@@ -225,7 +240,7 @@ def cost_kernel(k: Kernel, profile: HardwareProfile) -> KernelCost:
         spill = int(math.ceil((ws - profile.buffer_bytes) * (tiles - 1)))
         if k.epilogue and k.outputs:
             spill += 2 * profile.nbytes(k.outputs[0]) * len(k.epilogue)
-    dtype = k.outputs[0].dtype if k.outputs else None
+    dtype = k.precision or (k.outputs[0].dtype if k.outputs else None)
     flops = kernel_flops(k)
     return KernelCost(
         name=k.name,

@@ -1,7 +1,8 @@
 """Hardware profiles: what the accelerator model knows of a chip, read from TOML.
 
 A profile (``opfuse/targets/hardware/*.toml``, shipped as package data; or any TOML file
-by path) gives DRAM bandwidth, on-chip buffer size, peak compute per dtype, per-kernel
+by path) gives DRAM bandwidth, on-chip buffer size, peak compute per dtype (``int8`` for
+the int8 kernels of a quantised graph, :mod:`opfuse.targets.int8`), per-kernel
 launch overhead, the tile height the chip works in, an optional execution dtype (an NPU
 running a float32 model in float16) and the efficiency of spilled traffic. Every field is
 validated on load: a bad profile is one :class:`~opfuse.errors.BadInputError` naming the
@@ -35,6 +36,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli ba
 
 PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "hardware"
 EXECUTION_DTYPES = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8}
+INT8_DTYPES = frozenset({"int8", "uint8"})  # an int8 kernel's dtypes: [peak_gflops] int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class HardwareProfile:
     dram_bandwidth_gbps: float  # GB/s, 1e9 bytes per second
     onchip_buffer_kib: float
     launch_overhead_us: float
-    peak_gflops: dict[str, float]  # dtype -> sustained GFLOP/s
+    peak_gflops: dict[str, float]  # dtype -> sustained GFLOP/s (int8: GOP/s)
     tile_rows: int = 4
     execution_dtype: str | None = None  # float tensors are costed at this width
     spill_efficiency: float = 0.5  # spilled bytes move at this fraction of the bandwidth
@@ -66,8 +68,14 @@ class HardwareProfile:
         return self.launch_overhead_us * 1e-6
 
     def peak(self, dtype: str | None) -> float:
-        """FLOP/s for ``dtype`` (the execution dtype wins); float32's when the dtype is not listed."""
-        key = self.execution_dtype or dtype or "float32"
+        """Operations per second for ``dtype``: an int8 kernel's (``int8``/``uint8``) at the
+        ``int8`` entry; otherwise, and for int8 on a profile without that entry, the
+        execution dtype's when set (a float16 NPU runs float32 in float16), else the
+        dtype's own; float32's when the entry is not listed."""
+        if dtype in INT8_DTYPES and "int8" in self.peak_gflops:
+            key = "int8"
+        else:
+            key = self.execution_dtype or dtype or "float32"
         value = self.peak_gflops.get(key, self.peak_gflops.get("float32"))
         return float(value) * 1e9
 

@@ -16,6 +16,10 @@ The rule (one for every op, including ``com.microsoft`` FusedConv / FusedGemm)
    whose shape is still unknown is reported by name and counted as zero: never guessed.
 4. Subgraphs (If/Loop/Scan bodies) and function bodies are not opened: the calling node
    reads its inputs and writes its outputs like any other.
+5. A quantised (QDQ) graph is counted as written by this rule; how an accelerator that
+   runs int8 natively would run it (Q/DQ folded into int8 kernels that move 1-byte
+   activations and weights and int32 biases, conversions only around float ops) is
+   :func:`opfuse.targets.int8.int8_traffic`, which rewrites this module's node list.
 
 The ideal lower bound
 =====================
@@ -54,6 +58,7 @@ __all__ = [
     "Traffic",
     "analyse_traffic",
     "align_layers",
+    "with_layers",
     "INPUT_LAYER",
 ]
 
@@ -113,6 +118,7 @@ class NodeTraffic:
     layer: str = ""  # the node whose activation this node works on (itself for a layer)
     metadata_only: bool = False  # Shape/Size: reads no data
     no_traffic: bool = False  # Constant
+    precision: str = ""  # "int8": an int8 kernel read from a QDQ graph (opfuse.targets.int8)
 
     @property
     def is_layer(self) -> bool:
@@ -167,6 +173,7 @@ class NodeTraffic:
             "written": self.written,
             "total": self.total,
             "unknown": self.unknown,
+            **({"precision": self.precision} if self.precision else {}),
         }
 
 
@@ -180,6 +187,7 @@ class Traffic:
     ideal_weight_bytes: int  # every weight read once
     activations: int  # number of activations (see the module docstring)
     graph_outputs: tuple[str, ...] = ()
+    graph_inputs: tuple[TensorInfo, ...] = ()  # the graph's (non-weight) inputs
 
     @property
     def kernels(self) -> list[NodeTraffic]:
@@ -275,15 +283,16 @@ def analyse_traffic(
             metadata_only=is_op(node, *METADATA_ONLY_OPS),
             no_traffic=is_op(node, *NO_TRAFFIC_OPS),
         ))
-    act_bytes, weight_bytes, count = _ideal_and_layers(graph, nodes, weights, shapes)
-    return Traffic(
+    inputs = tuple(_info(v, shapes, False) for v in graph.inputs if v not in weights)
+    return with_layers(Traffic(
         model=graph.name or "<model>",
         nodes=nodes,
-        ideal_activation_bytes=act_bytes,
-        ideal_weight_bytes=weight_bytes,
-        activations=count,
+        ideal_activation_bytes=0,
+        ideal_weight_bytes=0,
+        activations=0,
         graph_outputs=tuple(v.name for v in graph.outputs),
-    )
+        graph_inputs=inputs,
+    ))
 
 
 def align_layers(traffics: Mapping[str, Traffic]) -> tuple[list[str], dict[str, list[int | None]]]:
@@ -437,46 +446,46 @@ def _weight_values(graph: ir.Graph) -> set[ir.Value]:
 
 # -- activations, layers and the ideal bound ------------------------------------------
 
-def _ideal_and_layers(
-    graph: ir.Graph, nodes: list[NodeTraffic], weights: set[ir.Value], shapes
-) -> tuple[int, int, int]:
-    """Assign every node its layer; return (ideal activation bytes, ideal weight bytes, count)."""
+def with_layers(traffic: Traffic) -> Traffic:
+    """``traffic`` with every node's layer assigned and the ideal bound computed (in place).
+
+    Works on the node list alone (tensor names, shapes, dtypes, which inputs are weights),
+    so a rewritten node list (:func:`opfuse.targets.int8.int8_traffic`) gets its layers
+    and ideal by the same rule as a graph.
+    """
     root: dict[str, str] = {}  # tensor name -> name of the tensor that started its activation
     layer_of_root: dict[str, str] = {}  # activation root -> layer (producer node) name
     size: dict[str, int | None] = {}
     read: set[str] = set()
     written: set[str] = set()
 
-    for value in graph.inputs:
-        if value in weights:
-            continue
-        root[value.name] = value.name
-        layer_of_root[value.name] = INPUT_LAYER
-        size[value.name] = _info(value, shapes, False).nbytes
+    for t in traffic.graph_inputs:
+        root[t.name] = t.name
+        layer_of_root[t.name] = INPUT_LAYER
+        size[t.name] = t.nbytes
 
     weight_bytes: dict[str, int] = {}
-    for node, info in zip(graph, nodes):
+    for info in traffic.nodes:
         if info.no_traffic:
             info.layer = info.name
             continue
-        acts = [(v, t) for v, t in zip(node.inputs, info.inputs)
-                if v is not None and t is not None and not t.is_weight]
-        for v, t in zip(node.inputs, info.inputs):
-            if v is not None and t is not None and t.is_weight and not info.metadata_only:
+        acts = [t for t in info.inputs if t is not None and not t.is_weight]
+        for t in info.inputs:
+            if t is not None and t.is_weight and not info.metadata_only:
                 weight_bytes[t.name] = t.nbytes or 0
         joined, carrier = None, None
-        if (op_kind(node) in ELEMENTWISE_KINDS
+        if (op_kind(info) in ELEMENTWISE_KINDS
                 and len(info.outputs) >= 1 and info.outputs[0].shape is not None):
             out = info.outputs[0]
-            for k, (v, t) in enumerate(acts):
-                if t.shape == out.shape and t.dtype == out.dtype and v.name in root:
-                    joined, carrier = root[v.name], k
+            for k, t in enumerate(acts):
+                if t.shape == out.shape and t.dtype == out.dtype and t.name in root:
+                    joined, carrier = root[t.name], k
                     break
         if not info.metadata_only:
             # an element-wise op continuing an activation works on it on chip: not a read
-            for k, (v, _) in enumerate(acts):
+            for k, t in enumerate(acts):
                 if k != carrier:
-                    read.add(root.get(v.name, v.name))
+                    read.add(root.get(t.name, t.name))
         if joined is not None:
             info.layer = layer_of_root[joined]
             root[info.outputs[0].name] = joined
@@ -488,8 +497,10 @@ def _ideal_and_layers(
                 _new_activation(t, info.name, root, layer_of_root, size, written)
 
     roots = set(root.values())
-    act_bytes = sum((size.get(r) or 0) * ((r in written) + (r in read)) for r in roots)
-    return act_bytes, sum(weight_bytes.values()), len(roots)
+    traffic.ideal_activation_bytes = sum((size.get(r) or 0) * ((r in written) + (r in read)) for r in roots)
+    traffic.ideal_weight_bytes = sum(weight_bytes.values())
+    traffic.activations = len(roots)
+    return traffic
 
 
 def _new_activation(t: TensorInfo, producer: str, root, layer_of_root, size, written) -> None:
