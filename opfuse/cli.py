@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "below it on the held-out samples: exit 1, nothing written")
     qnt.add_argument("--holdout", type=int, metavar="N", help="samples held out for verification (default: a quarter)")
     qnt.add_argument("--no-bias-correction", action="store_true", help="skip the empirical bias correction")
+    qnt.add_argument("--calibrate", choices=("auto", "minmax", "percentile", "entropy"), default="auto",
+                     help="how activation ranges are read off the calibration data; auto tries minmax and "
+                          "percentile (99.99) and keeps the better (default: %(default)s)")
     qnt.add_argument("--max-steps", type=int, default=12, help="mixed-precision steps at most (default: %(default)s)")
     qnt.add_argument("--report", metavar="FILE", help="write the report as JSON (also on failure)")
     qnt.add_argument("--seed", type=int, default=0, help="seed for random:N calibration")
@@ -266,7 +269,8 @@ def _quantize(args) -> int:
     start = time.perf_counter()
     _, report = quantize(
         args.input, args.calibration, preset=args.preset, equalize=args.equalize, min_sqnr=args.min_sqnr,
-        bias_correction=not args.no_bias_correction, holdout=args.holdout, max_steps=args.max_steps,
+        bias_correction=not args.no_bias_correction, calibrate=args.calibrate, holdout=args.holdout,
+        max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
     )
     if args.quiet:

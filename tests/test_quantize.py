@@ -244,3 +244,25 @@ def test_cli_writes_a_model_onnx_runtime_runs(tmp_path, capsys, preset):
     data = json.loads(rep.read_text())
     assert data["preset"] == preset and data["summary"]["verified"] is True
     assert data["fusion"]["summary"]["applied"] == {"Conv+BatchNormalization": 3}
+
+
+def test_calibration_auto_tries_minmax_and_percentile_and_keeps_the_better():
+    """One activation with rare huge values: MinMax spends its 256 steps on them, the
+    99.99th percentile clips them; auto measures both and keeps the better model."""
+    r = rng(5)
+    data = []
+    for i in range(12):
+        x = r.uniform(0, 1, (1, 3, 12, 12)).astype(np.float32)
+        if i % 3 == 0:
+            x[0, 0, 0, 0] = 400.0  # a rare outlier in the calibration data
+        data.append({"x": x})
+    _, auto = opfuse.quantize(small_net(), data)
+    notes = " ".join(auto.notes)
+    assert "minmax" in notes and "percentile" in notes and auto.calibration in ("minmax", "percentile")
+    assert {s.calibration for s in auto.search} == {"minmax", "percentile"}
+    chosen = {s.calibration: s.sqnr_db for s in auto.search}
+    assert chosen[auto.calibration] == max(chosen.values())
+    _, fixed = opfuse.quantize(small_net(), data, calibrate="minmax")
+    assert fixed.calibration == "minmax" and {s.calibration for s in fixed.search} == {"minmax"}
+    with pytest.raises(BadInputError, match="unknown calibration method"):
+        opfuse.quantize(small_net(), data, calibrate="median")

@@ -14,17 +14,24 @@ pass of the float model collects (x is the float model's tensor, so each layer's
 is its own, not the sum of the errors upstream, and all layers can be corrected at once).
 The correction subtracts e from the quantised bias: ``bq_int -= round(e / bias_scale)``.
 
+Each layer's error is measured alone, against the float model's input; upstream errors and
+the activations the quantiser folds into a conv's output range make the shift the
+network really sees differ, and on PP-OCRv4 rec some single corrections lower the output
+SQNR by up to 3.8 dB while others raise it by 2.8 dB. So :func:`select_corrections`
+keeps a layer's correction only if it raises the output SQNR on the calibration samples,
+layer by layer in graph order (greedy, each one measured with those kept before it).
+
 Legality: the layer's input is per-tensor quantised, its weight and bias are constant
 DequantizeLinear inputs (ONNX Runtime quantises a bias as int32 with scale x_scale *
 w_scale), and every calibration sample has the same shape (the means are per position).
 A layer without a bias, a MatMul (no bias input) or one whose samples differ in shape is
-left as it is, with the reason in the report. The pipeline keeps the corrections only if
-they raise the output SQNR on the calibration samples.
+left as it is, with the reason in the report. The pipeline keeps only the
+corrections that raise the output SQNR on the calibration samples.
 """
 
 from __future__ import annotations
 
-__all__ = ["BiasCorrection", "compute_corrections", "apply_corrections"]
+__all__ = ["BiasCorrection", "compute_corrections", "apply_corrections", "select_corrections"]
 
 import dataclasses
 
@@ -213,3 +220,23 @@ def apply_corrections(qdq: onnx.ModelProto, correction: BiasCorrection) -> int:
         tensor.CopyFrom(numpy_helper.from_array(new, tensor.name))
         changed += 1
     return changed
+
+
+def select_corrections(qdq: onnx.ModelProto, correction: BiasCorrection, score) -> tuple[onnx.ModelProto, BiasCorrection]:
+    """(a copy of ``qdq`` with the helpful corrections applied, those corrections): each
+    layer's, in graph order, kept when ``score(model)`` (higher is better) rises."""
+    current = onnx.ModelProto()
+    current.CopyFrom(qdq)
+    best = score(current)
+    kept: dict[str, np.ndarray] = {}
+    skipped = dict(correction.skipped)
+    for name, error in correction.layers.items():
+        trial = onnx.ModelProto()
+        trial.CopyFrom(current)
+        apply_corrections(trial, BiasCorrection({name: error}, {}))
+        value = score(trial)
+        if value > best:
+            current, best, kept[name] = trial, value, error
+        else:
+            skipped[name] = "its correction did not raise the output SQNR on the calibration samples"
+    return current, BiasCorrection(kept, skipped)

@@ -31,12 +31,18 @@ __all__ = ["search", "keep_variant", "SENSITIVITY_SAMPLES"]
 
 import onnx
 
-from opfuse.quantization.bias_correction import BiasCorrection, apply_corrections, compute_corrections
+from opfuse.quantization.bias_correction import (
+    BiasCorrection,
+    apply_corrections,
+    compute_corrections,
+    select_corrections,
+)
 from opfuse.quantization.qdq import WEIGHTED_OPS, Quantizer, _read_float_inputs, qdq_layers
 from opfuse.quantization.report import LayerRow, QuantReport, SearchStep
 from opfuse.quantization.sqnr import INFINITE, OutputReference, layer_costs, layer_pairs, measure
 from opfuse.runtime import create_session
 
+AUTO_METHODS = ("minmax", "percentile")  # --calibrate auto tries these
 SENSITIVITY_SAMPLES = 8  # calibration samples each candidate's sensitivity is measured on
 LAYER_SAMPLES = 16  # samples of the per-layer SQNR table (every intermediate tensor exposed)
 
@@ -64,7 +70,8 @@ def keep_variant(qdq: onnx.ModelProto, float_model: onnx.ModelProto, names) -> o
 
 
 def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: QuantReport, *,
-           min_sqnr, metric, min_metric, bias_correction: bool, max_steps: int) -> onnx.ModelProto:
+           min_sqnr, metric, min_metric, bias_correction: bool, max_steps: int,
+           calibrate: str = "auto") -> onnx.ModelProto:
     """The module docstring's steps; fills the report's layers, search and bias fields.
 
     Returns the best trial: the first that meets the target, else the one that came
@@ -72,29 +79,30 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
     """
     reference = OutputReference(float_model, calib)
     kept_as = "int16 activations" if quantizer.preset.keep_as == "int16" else "float"
-    correction: BiasCorrection | None = None
+    subset = OutputReference(float_model, calib[:LAYER_SAMPLES])  # for choosing which corrections to keep
+    corrections: dict[str, BiasCorrection | None] = {}  # per calibration method, decided by its first trial
+    bias_facts: dict[str, tuple] = {}  # method -> (layers corrected, skipped, (SQNR without, with))
 
     def trial(keep: list[str]):
-        nonlocal correction, bias_correction
+        method = quantizer.method
         qdq = quantizer.quantize(keep)
-        if bias_correction:  # the first trial decides whether the correction helps
-            bias_correction = False
-            correction = compute_corrections(float_model, qdq, calib)
-            report.bias_skipped = dict(correction.skipped)
+        if bias_correction and method not in corrections:  # a method's first trial decides
             without_db = reference.sqnr(qdq)
-            report.bias_corrected = apply_corrections(qdq, correction)
-            sqnr = reference.sqnr(qdq)
-            report.bias_sqnr_db = (without_db, sqnr)
-            if sqnr < without_db:  # it did not help on this model: undo it
-                report.notes.append(f"bias correction lowered the calibration output SQNR "
-                                    f"({without_db:.1f} -> {sqnr:.1f} dB), so it was not applied")
-                correction, report.bias_corrected = None, 0
-                qdq = quantizer.quantize(keep)
-        elif correction is not None:
-            apply_corrections(qdq, correction)
+            corrected, correction = select_corrections(qdq, compute_corrections(float_model, qdq, calib),
+                                                       subset.sqnr)
+            with_db = reference.sqnr(corrected)
+            if with_db > without_db:
+                qdq = corrected
+            else:  # it did not help on every calibration sample
+                correction = None
+            corrections[method] = correction
+            bias_facts[method] = (len(correction.layers) if correction else 0,
+                                  dict(correction.skipped) if correction else {}, (without_db, with_db))
+        elif corrections.get(method) is not None:
+            apply_corrections(qdq, corrections[method])
         sqnr = reference.sqnr(qdq)
         value = metric(create_session(qdq, "all")) if metric else None
-        report.search.append(SearchStep(kept=list(keep), sqnr_db=sqnr, metric=value))
+        report.search.append(SearchStep(kept=list(keep), sqnr_db=sqnr, metric=value, calibration=method))
         return qdq, sqnr, value
 
     def score(sqnr, value):
@@ -104,7 +112,27 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
     why: dict[str, str] = {}
     gain_of: dict[str, float] = {}
     rejected: set[str] = set()
-    qdq, sqnr, value = trial(keep)
+    if calibrate == "auto":  # the first trial with each method; the better one stays
+        tried = {}
+        for method in AUTO_METHODS:
+            quantizer.method = method
+            tried[method] = trial(keep)
+        best = max(tried, key=lambda m: score(*tried[m][1:]))
+        quantizer.method = best
+        qdq, sqnr, value = tried[best]
+        report.notes.append("calibration: " + ", ".join(
+            f"{m} {tried[m][1]:.1f} dB" + (f" (metric {tried[m][2]:.4g})" if tried[m][2] is not None else "")
+            for m in tried) + f" output SQNR on the calibration samples; {best} kept")
+    else:
+        quantizer.method = calibrate
+        qdq, sqnr, value = trial(keep)
+    report.calibration = quantizer.method
+    if quantizer.method in bias_facts:
+        report.bias_corrected, report.bias_skipped, report.bias_sqnr_db = bias_facts[quantizer.method]
+        if corrections.get(quantizer.method) is None:
+            without_db, with_db = report.bias_sqnr_db
+            report.notes.append(f"bias correction did not raise the calibration output SQNR "
+                                f"({without_db:.1f} -> {with_db:.1f} dB), so it was not applied")
     steps = 0
     while steps < max_steps:
         met = (min_sqnr is None or sqnr >= min_sqnr) and (min_metric is None or value >= min_metric)

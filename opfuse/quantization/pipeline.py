@@ -9,7 +9,11 @@ The steps, in order (each its own module):
    (:mod:`opfuse.passes.equalize`): after folding, each weight is quantised once;
 3. prepare (:mod:`.qdq`): nodes named, a zero bias where a Conv or Gemm has none, the
    opset raised where the preset's QDQ needs it;
-4. calibrate once and insert QDQ with ONNX Runtime's quantiser (:mod:`.presets`);
+4. calibrate and insert QDQ with ONNX Runtime's quantiser (:mod:`.presets`); ``calibrate``
+   "auto" (the default) calibrates with MinMax and with the 99.99th percentile and keeps
+   the one whose model has the better output SQNR on the calibration samples (or metric):
+   MinMax lets one outlier widen every step of a tensor's range (PP-OCRv4 rec: 71% exact
+   match with MinMax, 97.5% with the percentile; float 98%);
 5. empirical bias correction (:mod:`.bias_correction`), kept only if it raises the output
    SQNR on the calibration samples;
 6. mixed precision (:mod:`.mixed`): while the output SQNR on the calibration samples is
@@ -43,7 +47,7 @@ from opfuse.pipeline import optimize
 from opfuse.quantization.calibration import CalibrationSource, load_calibration, split
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
 from opfuse.quantization.mixed import search
-from opfuse.quantization.qdq import Quantizer, prepare, weight_storage
+from opfuse.quantization.qdq import CALIBRATION_METHODS, Quantizer, prepare, weight_storage
 from opfuse.quantization.report import QuantReport, QuantVerification
 from opfuse.quantization.sqnr import output_sqnr
 from opfuse.runtime import create_session
@@ -62,6 +66,7 @@ def quantize(
     metric: Metric | None = None,
     min_metric: float | None = None,
     bias_correction: bool = True,
+    calibrate: str = "auto",
     holdout: int | None = None,
     max_steps: int = 12,
     output: str | os.PathLike | None = None,
@@ -79,6 +84,9 @@ def quantize(
     :class:`~opfuse.errors.VerificationError` (exit 1) when the held-out SQNR is below
     ``min_sqnr`` or the metric below ``min_metric``: nothing is written but the report.
     """
+    if calibrate != "auto" and calibrate not in CALIBRATION_METHODS:
+        raise BadInputError(f"unknown calibration method {calibrate!r}; choose from auto, "
+                            + ", ".join(CALIBRATION_METHODS))
     if preset not in PRESETS:
         raise BadInputError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     if (min_metric is None) != (metric is None):
@@ -101,7 +109,8 @@ def quantize(
     with tempfile.TemporaryDirectory(prefix="opfuse-quantize-") as tmp:
         quantizer = Quantizer(float_model, chosen, calib, tmp)
         qdq = search(quantizer, float_model, calib, report, min_sqnr=min_sqnr, metric=metric,
-                      min_metric=min_metric, bias_correction=bias_correction, max_steps=max_steps)
+                     min_metric=min_metric, bias_correction=bias_correction, max_steps=max_steps,
+                     calibrate=calibrate)
 
     outputs, total = output_sqnr(float_model, qdq, held, qdq_level="all")
     report.verification = QuantVerification(

@@ -10,7 +10,15 @@ preset         activations        weights            granularity  a costly layer
 =============  =================  =================  ===========  ========================
 
 All three write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops), calibrated
-with MinMax, through ONNX Runtime's quantiser. Per-channel weights need
+with MinMax, through ONNX Runtime's quantiser.
+
+What ``cpu`` and ``per-tensor`` quantise (:data:`CPU_OPS`): the layers with weights, the
+activations ONNX Runtime folds into them (Relu, Clip), and the ops that only move or pool
+8-bit values. Element-wise arithmetic (Add, Mul, Div, Sub, Pow, Softmax, Sigmoid, the
+pieces of a decomposed LayerNorm or HardSwish) stays in float: in 8 bits each such op
+rounds its result again, and on PP-OCRv4 rec quantising them as well took exact-match
+accuracy from 82% to 76% (``benchmarks/quantize.py``), for little time saved on a CPU.
+``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float. Per-channel weights need
 DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants opset 11 or later
 (:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly layer in
 int8 weights with 16-bit activations instead of leaving it in float.
@@ -18,7 +26,7 @@ int8 weights with 16-bit activations instead of leaving it in float.
 
 from __future__ import annotations
 
-__all__ = ["Preset", "PRESETS", "DEFAULT_PRESET"]
+__all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "CPU_OPS"]
 
 import dataclasses
 
@@ -32,17 +40,25 @@ class Preset:
     per_channel: bool
     qnn: bool = False  # the configuration comes from ONNX Runtime's get_qnn_qdq_config
     keep_as: str = "float"  # how the mixed-precision search keeps a layer: "float" or "int16"
+    op_types: tuple[str, ...] | None = None  # what ONNX Runtime's quantiser may touch (None: its default)
 
     @property
     def min_opset(self) -> int:
         return 13 if self.per_channel else 11
 
 
+CPU_OPS = (
+    "Conv", "ConvTranspose", "Gemm", "MatMul",  # the layers with weights
+    "Relu", "Clip",  # folded into the conv's output range
+    "MaxPool", "AveragePool", "GlobalAveragePool", "Concat", "Reshape", "Transpose", "Flatten",
+    "Squeeze", "Unsqueeze", "Resize", "Split", "Slice", "Pad", "Gather",  # move or pool 8-bit values
+)
+
 PRESETS: dict[str, Preset] = {
     "cpu": Preset("cpu", "int8 symmetric per-channel weights, uint8 activations",
-                  "uint8", "int8", per_channel=True),
+                  "uint8", "int8", per_channel=True, op_types=CPU_OPS),
     "per-tensor": Preset("per-tensor", "int8 symmetric per-tensor weights, uint8 activations",
-                         "uint8", "int8", per_channel=False),
+                         "uint8", "int8", per_channel=False, op_types=CPU_OPS),
     "qnn": Preset("qnn", "ONNX Runtime's get_qnn_qdq_config: uint8 activations and weights, per tensor",
                   "uint8", "uint8", per_channel=False, qnn=True, keep_as="int16"),
 }

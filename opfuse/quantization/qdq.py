@@ -23,7 +23,8 @@ How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers
 
 from __future__ import annotations
 
-__all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS"]
+__all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS",
+           "CALIBRATION_METHODS"]
 
 import dataclasses
 import logging
@@ -127,17 +128,34 @@ class _Reader(ortq.CalibrationDataReader):
         self._it = iter(self._samples)
 
 
-class Quantizer:
-    """ONNX Runtime's static quantiser for one float model, preset and calibration set."""
+# --calibrate: how activation ranges are read off the calibration data
+CALIBRATION_METHODS = {
+    "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
+    "percentile": (ortq.CalibrationMethod.Percentile, {"CalibPercentile": 99.99}),  # clips the rarest 0.01%
+    "entropy": (ortq.CalibrationMethod.Entropy, {}),  # KL divergence of the histograms (TensorRT's choice)
+}
 
-    def __init__(self, float_model: onnx.ModelProto, preset: Preset, samples, workdir: str | pathlib.Path):
+
+class Quantizer:
+    """ONNX Runtime's static quantiser for one float model, preset and calibration set.
+
+    Each calibration method's ranges are computed once (cached in ``workdir``), whatever
+    number of QDQ models the search asks for; ``method`` selects the one in use.
+    """
+
+    def __init__(self, float_model: onnx.ModelProto, preset: Preset, samples, workdir: str | pathlib.Path,
+                 method: str = "minmax"):
         self.preset = preset
         self.workdir = pathlib.Path(workdir)
         self.float_path = self.workdir / "float.onnx"
         onnx.save(float_model, self.float_path, save_as_external_data=float_model.ByteSize() > 2**30)
-        self.cache = self.workdir / "calibration.json"
         self.samples = list(samples)
+        self.method = method
         self.trials = 0
+
+    @property
+    def cache(self) -> pathlib.Path:
+        return self.workdir / f"calibration-{self.method}.json"
 
     def quantize(self, keep: Iterable[str] = ()) -> onnx.ModelProto:
         """A QDQ model with the nodes named in ``keep`` out of int8 (see the module docstring)."""
@@ -167,14 +185,15 @@ class Quantizer:
             from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (QNN helpers load only for this preset)
 
             overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(keep)}
+            method, extra = CALIBRATION_METHODS[self.method]
             config = get_qnn_qdq_config(str(self.float_path), reader or _Reader(self.samples),
-                                        init_overrides=overrides or None)
+                                        calibrate_method=method, init_overrides=overrides or None)
             return dict(
                 calibration_data_reader=reader, quant_format=config.quant_format,
                 activation_type=config.activation_type, weight_type=config.weight_type,
                 op_types_to_quantize=config.op_types_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
                 per_channel=config.per_channel, calibrate_method=config.calibrate_method,
-                extra_options=config.extra_options,
+                extra_options={**config.extra_options, **extra},
             )
         return dict(
             calibration_data_reader=reader,
@@ -182,9 +201,10 @@ class Quantizer:
             activation_type=ortq.QuantType.QUInt8,
             weight_type=ortq.QuantType.QInt8 if preset.weight == "int8" else ortq.QuantType.QUInt8,
             per_channel=preset.per_channel,
-            calibrate_method=ortq.CalibrationMethod.MinMax,
+            calibrate_method=CALIBRATION_METHODS[self.method][0],
+            op_types_to_quantize=list(preset.op_types) if preset.op_types else None,
             nodes_to_exclude=keep,
-            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
+            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False, **CALIBRATION_METHODS[self.method][1]},
         )
 
     def _outputs_of(self, names: list[str]) -> list[str]:

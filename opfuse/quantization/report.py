@@ -50,6 +50,7 @@ class SearchStep:
     kept: list[str]  # layers kept out of int8 in this trial
     sqnr_db: float  # output SQNR on the calibration samples
     metric: float | None = None
+    calibration: str = ""  # the calibration method of this trial
 
 
 @dataclasses.dataclass
@@ -75,6 +76,7 @@ class QuantVerification:
 class QuantReport:
     model: str = ""
     preset: str = ""
+    calibration: str = ""  # the calibration method used: minmax, percentile or entropy
     fusion: FusionReport = dataclasses.field(default_factory=FusionReport)
     calibration_samples: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -119,6 +121,7 @@ class QuantReport:
         out = {
             "model": self.model,
             "preset": self.preset,
+            "calibration_method": self.calibration,
             "summary": {
                 "layers": len(self.layers),
                 "kept": len(self.kept()),
@@ -150,7 +153,7 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
     console = console or Console()
     print_report(report.fusion, console, verbose=verbose)
     console.print(f"[bold]quantisation[/bold]  preset={report.preset}  "
-                  f"calibration={report.calibration_samples} sample(s)")
+                  f"calibration={report.calibration_samples} sample(s), {report.calibration}")
     rows = report.layers if verbose else report.costliest(12)
     if rows:
         title = "Layers" if verbose else f"Layers, costliest first ({len(report.layers)} in all; -v lists every one)"
@@ -166,7 +169,7 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
                           r.reason, style=style)
         console.print(table)
     if report.search and len(report.search) > 1:
-        steps = "; ".join(f"{len(s.kept)} kept: {s.sqnr_db:.1f} dB" for s in report.search)
+        steps = "; ".join(f"{s.calibration}, {len(s.kept)} kept: {s.sqnr_db:.1f} dB" for s in report.search)
         console.print(f"mixed precision: {steps}")
     if report.bias_sqnr_db is not None:
         before, after = report.bias_sqnr_db
