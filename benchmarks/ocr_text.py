@@ -1,0 +1,267 @@
+"""Text lines for PP-OCRv4 rec: render, preprocess, decode, score (a helper for benchmarks).
+
+    python benchmarks/ocr_text.py [--cache DIR] [--lines 200] [--seed 1] [--show-errors]
+
+prints the float model's exact-match accuracy on the evaluation lines. As a module (with
+``benchmarks/`` on ``sys.path``)::
+
+    from ocr_text import rec_model, characters, render_lines, accuracy, calibration_npz
+
+The model is ``ch_PP-OCRv4_rec_infer.onnx`` from the ``rapidocr-onnxruntime`` wheel of
+``benchmarks/wild.py`` (downloaded once with ``pip download --no-deps``, extracted into the
+same cache). Its input ``x`` is [N, 3, 48, W], its output [N, W/8, 6625] softmax over the
+CTC alphabet, which RapidOCR builds from the model's ``character`` metadata (6623 lines):
+index 0 the blank, then the metadata characters, then a space (PaddleOCR's
+``use_space_char=True``); 1 + 6623 + 1 = 6625, the model's class count.
+
+Text lines are drawn with Pillow's default font (Aileron, ``ImageFont.load_default(size=)``)
+in black on white, tightly cropped with a margin; ``preprocess`` follows RapidOCR's
+``TextRecognizer.resize_norm_img`` for a batch whose widest line fits 320 pixels: height
+48, aspect ratio kept, width capped at 320 (longer lines are squeezed), (x/255 - 0.5)/0.5,
+zero padding on the right to 320, channels in BGR order as cv2 reads them. The one
+difference is the resampler: Pillow's bilinear (antialiased when shrinking) instead of
+cv2's INTER_LINEAR (cv2 is not a dependency). Evaluation lines use seed 1, calibration
+lines seed 2 (:data:`EVAL_SEED`, :data:`CALIBRATION_SEED`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CALIBRATION_SEED", "EVAL_SEED", "HEIGHT", "MODEL_NAME", "WIDTH",
+    "accuracy", "calibration_npz", "characters", "ctc_greedy", "decode_batch",
+    "predictions", "preprocess", "rec_model", "render_lines",
+]
+
+import argparse
+import math
+import pathlib
+import sys
+import zipfile
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from PIL import Image, ImageDraw, ImageFont
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from wild import DEFAULT_CACHE, WHEELS, fetch  # noqa: E402
+
+MODEL_NAME = "ch_PP-OCRv4_rec_infer.onnx"
+WHEEL = next(spec for spec in WHEELS if spec.startswith("rapidocr-onnxruntime=="))
+HEIGHT, WIDTH = 48, 320
+EVAL_SEED, CALIBRATION_SEED = 1, 2
+
+# Rendering: Pillow's default font at this size, this many pixels of white around the ink.
+FONT_SIZE = 40
+MARGIN_X, MARGIN_Y = 3, 8
+MIN_CHARS, MAX_CHARS = 4, 25
+
+
+# -- the model and its alphabet ----------------------------------------------------------------
+
+
+def rec_model(cache: pathlib.Path | str = DEFAULT_CACHE) -> pathlib.Path:
+    """``ch_PP-OCRv4_rec_infer.onnx``, extracted once into ``cache`` (the wheel fetched once)."""
+    cache = pathlib.Path(cache)
+    target = cache / MODEL_NAME
+    if target.exists():
+        return target
+    name, version = WHEEL.split("==")
+    wheels = sorted(cache.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:  # wild.fetch downloads every wheel it lists, each once
+        wheels = [w for w in fetch(cache) if w.name.startswith(name.replace("-", "_") + "-")]
+    with zipfile.ZipFile(wheels[0]) as z:
+        member = next(n for n in z.namelist() if n.endswith("/" + MODEL_NAME))
+        partial = target.with_suffix(".partial")
+        partial.write_bytes(z.read(member))
+        partial.replace(target)
+    return target
+
+
+def characters(model_path: pathlib.Path | str) -> list[str]:
+    """The CTC alphabet as RapidOCR's ``CTCLabelDecode`` builds it: "blank", the metadata
+    characters (``str.splitlines``, as RapidOCR reads them), then " "."""
+    proto = onnx.load(str(model_path), load_external_data=False)
+    meta = {p.key: p.value for p in proto.metadata_props}
+    return ["blank", *meta["character"].splitlines(), " "]
+
+
+# -- text lines -----------------------------------------------------------------------------
+
+_WORDS = """
+the of and to in is was for on that with as by at from his her they this which are have
+had not but were one all their there been has when who will more would two into time can
+only new some could these may first then do any like other people over such our after
+also made most well many before must through back years where much your way down should
+because each just those how too little state good very make world still own see men work
+long here get both between life being under never day same another know while last might
+great old year off come since against go came right used take three states himself few
+house use during without again place around however home small found thought went say part
+once general high upon school every does got united left number course war until always
+away something fact though water less public put think almost hand enough far took head
+yet government system better set told nothing night end why called eyes find going look
+asked later point knew city next program business give group toward young days let room
+president side social given present several order national possible rather second face per
+among form important often things looked early white case john become large big need four
+within felt along children saw best church ever least power development light thing seemed
+family interest want members mind country area others done turned although open problem
+free market model layer batch weight tensor kernel graph input output float quant scale
+""".split()
+_CLOSING = ",.;:!?)"
+_OPENING = "("
+_SYMBOLS = "#%+-/=@$"  # "*" and "&" in this font read as "+" and "8"
+
+
+def _token(rng: np.random.Generator) -> str:
+    kind = rng.choice(["lower", "capital", "upper", "number", "code"], p=[0.45, 0.2, 0.1, 0.18, 0.07])
+    if kind == "number":
+        form = rng.integers(5)
+        if form == 0:
+            return str(rng.integers(0, 10 ** rng.integers(1, 6)))
+        if form == 1:
+            return f"{rng.integers(0, 1000)}.{rng.integers(0, 100):02d}"
+        if form == 2:
+            return f"{rng.integers(1, 24)}:{rng.integers(0, 60):02d}"
+        if form == 3:
+            return f"{rng.integers(1990, 2031)}-{rng.integers(1, 13):02d}-{rng.integers(1, 29):02d}"
+        return f"{rng.integers(0, 101)}%"
+    if kind == "code":  # an identifier such as "AB-1234" or "x7/k2"
+        letters = "".join(chr(c) for c in rng.integers(ord("A"), ord("Z") + 1, rng.integers(1, 4)))
+        return f"{letters}{rng.choice(list(_SYMBOLS))}{rng.integers(0, 10000)}"
+    word = str(rng.choice(_WORDS))
+    word = {"lower": word, "capital": word.capitalize(), "upper": word.upper()}[kind]
+    if rng.random() < 0.2:
+        word += str(rng.choice(list(_CLOSING)))
+    elif rng.random() < 0.04:
+        word = f"{_OPENING}{word})"
+    return word
+
+
+def _text(rng: np.random.Generator) -> str:
+    length = int(rng.integers(MIN_CHARS, MAX_CHARS + 1))
+    words: list[str] = []
+    while len(" ".join(words)) < length:
+        words.append(_token(rng))
+    text = " ".join(words)[:length].strip().rstrip(_OPENING).rstrip()
+    return text if len(text) >= MIN_CHARS else _text(rng)
+
+
+def _draw(text: str, font: ImageFont.FreeTypeFont) -> np.ndarray:
+    left, top, right, bottom = font.getbbox(text)
+    width, height = right - left + 2 * MARGIN_X, bottom - top + 2 * MARGIN_Y
+    image = Image.new("RGB", (width, height), "white")
+    ImageDraw.Draw(image).text((MARGIN_X - left, MARGIN_Y - top), text, fill="black", font=font)
+    return np.asarray(image)
+
+
+def render_lines(n: int, seed: int) -> list[tuple[str, np.ndarray]]:
+    """``n`` random text lines (words in three cases, numbers, codes, punctuation; 4-25
+    characters), each an RGB uint8 image [H, W, 3] tightly cropped around the ink plus a
+    margin. A deterministic function of ``n`` and ``seed``."""
+    rng = np.random.default_rng(seed)
+    font = ImageFont.load_default(size=FONT_SIZE)
+    lines = []
+    for _ in range(n):
+        text = _text(rng)
+        lines.append((text, _draw(text, font)))
+    return lines
+
+
+# -- model input and output -----------------------------------------------------------------
+
+
+def preprocess(image: np.ndarray) -> np.ndarray:
+    """One RGB uint8 image [H, W, 3] as the model's input [1, 3, 48, 320] float32."""
+    h, w = image.shape[:2]
+    resized_w = min(WIDTH, int(math.ceil(HEIGHT * w / h)))
+    resized = Image.fromarray(image).resize((resized_w, HEIGHT), Image.Resampling.BILINEAR)
+    pixels = np.asarray(resized, dtype=np.float32)[:, :, ::-1]  # RGB -> BGR, as cv2 gives it
+    pixels = (pixels.transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+    out = np.zeros((1, 3, HEIGHT, WIDTH), dtype=np.float32)
+    out[0, :, :, :resized_w] = pixels
+    return out
+
+
+def ctc_greedy(logits: np.ndarray, chars: list[str]) -> str:
+    """Greedy CTC decoding of one line's [T, classes] scores: argmax per step, repeats
+    collapsed, blanks (index 0) dropped."""
+    best = np.asarray(logits).argmax(axis=-1)
+    keep = np.ones(best.shape, dtype=bool)
+    keep[1:] = best[1:] != best[:-1]
+    keep &= best != 0
+    return "".join(chars[i] for i in best[keep])
+
+
+def decode_batch(logits: np.ndarray, chars: list[str]) -> list[str]:
+    return [ctc_greedy(row, chars) for row in logits]
+
+
+def _session(model, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    elif isinstance(model, pathlib.Path):
+        model = str(model)
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def predictions(model, lines, *, chars: list[str] | None = None, batch: int = 8,
+                threads: int = 2) -> list[str]:
+    """The decoded text of every line. ``model``: a path, serialized bytes or a ModelProto;
+    ``chars`` defaults to the alphabet of ``model`` (pass it for a quantised model that lost
+    the metadata)."""
+    if chars is None:
+        if isinstance(model, (bytes, onnx.ModelProto)):
+            proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
+            meta = {p.key: p.value for p in proto.metadata_props}
+            chars = ["blank", *meta["character"].splitlines(), " "]
+        else:
+            chars = characters(model)
+    session = _session(model, threads)
+    name = session.get_inputs()[0].name
+    texts: list[str] = []
+    for start in range(0, len(lines), batch):
+        x = np.concatenate([preprocess(image) for _, image in lines[start:start + batch]])
+        texts += decode_batch(session.run(None, {name: x})[0], chars)
+    return texts
+
+
+def accuracy(model, lines, *, chars: list[str] | None = None, **kwargs) -> float:
+    """Exact-match share of ``lines`` (text, image) that ``model`` reads right, on ONNX Runtime's
+    CPU provider, greedy CTC."""
+    got = predictions(model, lines, chars=chars, **kwargs)
+    return sum(g == text for g, (text, _) in zip(got, lines)) / len(lines)
+
+
+def calibration_npz(path: pathlib.Path | str, lines, input_name: str = "x") -> pathlib.Path:
+    """Writes ``lines``' preprocessed images as one array ``input_name`` [samples, 1, 3, 48, 320]."""
+    data = np.stack([preprocess(image) for _, image in lines])
+    np.savez(path, **{input_name: data})
+    return pathlib.Path(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE)
+    parser.add_argument("--lines", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=EVAL_SEED)
+    parser.add_argument("--show-errors", action="store_true", help="print every misread line")
+    args = parser.parse_args()
+    model = rec_model(args.cache)
+    lines = render_lines(args.lines, args.seed)
+    got = predictions(model, lines)
+    right = sum(g == text for g, (text, _) in zip(got, lines))
+    print(f"{MODEL_NAME} (float): {right}/{len(lines)} = {100 * right / len(lines):.1f}% exact match "
+          f"(seed {args.seed}, Pillow default font size {FONT_SIZE})")
+    if args.show_errors:
+        for g, (text, image) in zip(got, lines):
+            if g != text:
+                print(f"  {text!r:30} -> {g!r}  ({image.shape[1]}x{image.shape[0]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
