@@ -8,7 +8,10 @@ from __future__ import annotations
 
 __all__ = ["optimize", "inspect_model", "run_passes", "Inspection", "epsilon_notes"]
 
+import contextlib
 import dataclasses
+import functools
+import gc
 import os
 import pathlib
 from collections import defaultdict
@@ -26,7 +29,7 @@ from opfuse.passes.cleanup import CleanupPass
 from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.targets.accelerator import fusion_veto
-from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph
+from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph, takes_residual
 from opfuse.save import (
     declared_types,
     needs_external_data,
@@ -76,13 +79,23 @@ def run_fusion(
 
     Fusions the layout check rejects are excluded and the fusion is redone (a rejected
     fusion can change what the next block's Z comes from); returns the fused model, which
-    is a new object at level "all".
+    is a new object when the check ran. A model where no fusion can take a residual input
+    needs no check (:func:`~opfuse.targets.onnxruntime.takes_residual`).
     """
     if runtime_level != "all":
         run_passes(model, names, report, veto=veto)
         report.notes.append(
             f"runtime level {runtime_level}: ONNX Runtime applies no layout pass below "
             "ENABLE_ALL, so every legal epilogue fusion is emitted"
+        )
+        return model
+    if not (any(getattr(pass_class(n), "residual", False) for n in names) and takes_residual(model)):
+        run_passes(model, names, report, veto=veto)
+        report.notes.append(
+            "runtime level all: no conv output here reaches an Add, so no fused kernel takes a "
+            "residual input (Z); ONNX Runtime's NCHWc layout pass converts a FusedConv without Z "
+            "exactly as it converts the Conv, so no fusion can cost a conv that layout and every "
+            "legal epilogue fusion is emitted"
         )
         return model
     baseline_graph = runtime_graph(model)
@@ -113,6 +126,29 @@ def run_fusion(
     return trial
 
 
+@contextlib.contextmanager
+def young_collections_only():
+    """No full garbage collection inside: Python's collector walks every live object on
+    each one, and an onnx-ir graph is millions of small objects (about a fifth of the CPU
+    time of a 48k-node run went there). Young objects are still collected; cycles that
+    outlive the run are freed by the first full collection after it."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], 1_000_000))
+    try:
+        yield
+    finally:
+        if gc.get_threshold()[2] == max(thresholds[2], 1_000_000):  # (unless changed meanwhile)
+            gc.set_threshold(*thresholds)
+
+
+def _young_collections_only(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with young_collections_only():
+            return fn(*args, **kwargs)
+    return run
+
+
 def epsilon_notes(model: ir.Model) -> list[str]:
     """A warning when BatchNormalization epsilons differ across layers."""
     by_eps: dict[float, list[str]] = defaultdict(list)
@@ -131,6 +167,7 @@ def epsilon_notes(model: ir.Model) -> list[str]:
     ]
 
 
+@_young_collections_only
 def optimize(
     model: ModelSource,
     *,
@@ -197,7 +234,7 @@ def optimize(
     input_was_external = needs_external_data(work)  # before the folds replace its tensors
     declared = declared_types(work)
 
-    tidy = CleanupPass(report) if cleanup else None
+    tidy = CleanupPass(report, infer_shapes=keep_shapes) if cleanup else None
     if tidy is not None:
         tidy(work)  # constant subexpressions become initializers the folds can absorb
     run_passes(work, [n for n in names if n not in fusion], report)

@@ -24,7 +24,7 @@ import tempfile
 
 import onnx_ir as ir
 
-from opfuse.analyse import iter_scopes
+from opfuse.analyse import iter_scopes, tensor_nbytes
 from opfuse.errors import BadInputError
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # headroom below protobuf's 2 GiB for the graph itself
@@ -54,6 +54,8 @@ def declared_types(model: ir.Model) -> Declared:
     """The type and shape of every value that had them, by name, as the model declares them."""
     out: Declared = {}
     for value in _all_values(model):
+        if value.is_initializer() and not value.is_graph_input():
+            continue  # restored to none (its tensor says both), so nothing would read it
         if value.name and (value.type is not None or value.shape is not None):
             shape = None if value.shape is None else ir.Shape(list(value.shape))
             out.setdefault(value.name, (value.type, shape))
@@ -79,7 +81,7 @@ def restore_declared_types(model: ir.Model, declared: Declared) -> None:
 def needs_external_data(model: ir.Model) -> bool:
     total, external = 0, False
     for tensor in _tensors(model):
-        total += tensor.nbytes
+        total += tensor_nbytes(tensor)
         external = external or isinstance(tensor, ir.ExternalTensor)
     return external or total >= PROTOBUF_LIMIT
 

@@ -12,7 +12,12 @@ Steps, each a well-kept pass where one exists:
    constant is evaluated and replaced by its value, including shape arithmetic on static
    shapes and the slices an exporter takes of a weight (inputs up to 4M elements,
    outputs within onnxscript's limit); never the quantisation ops, whose Q/DQ pairs a
-   quantised runtime reads;
+   quantised runtime reads. The folder infers shapes node by node (onnx's inference per
+   node: ~100 us each, most of this stage) only where a folding decision can read one:
+   when the model has an op whose partial evaluation reads a shape or a type (Reshape,
+   Shape, Size, Cast, Concat, Expand...; see :func:`_shape_readers`), or when the shapes
+   are wanted in the output (``--keep-shapes``). Otherwise it folds the same nodes
+   without, and a pass that needs a shape infers it;
 2. constant lifting - onnx-ir's ``LiftConstantsToInitializersPass``: Constant nodes
    become initializers (ONNX Runtime does this itself when it loads a model);
 3. Identity elimination - ``y = Identity(x)`` is removed and its readers read ``x``;
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 __all__ = ["CleanupPass"]
 
+import inspect
 import logging
 
 import numpy as np
@@ -40,26 +46,27 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxscript.optimizer
 
-from opfuse.analyse import iter_scopes
+from opfuse.analyse import iter_scopes, tensor_nbytes
 from opfuse.passes.base import OpfusePass
-from opfuse.vocabulary import count_ops, is_onnx, is_op
+from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_onnx, is_op
 
 logger = logging.getLogger(__name__)
 
 
 class CleanupPass(OpfusePass):
     name = "cleanup"
-    options = frozenset({"fold_constants"})
+    options = frozenset({"fold_constants", "infer_shapes"})
 
-    def __init__(self, report=None, fold_constants: bool = True, **options):
+    def __init__(self, report=None, fold_constants: bool = True, infer_shapes: bool = False, **options):
         super().__init__(report, **options)
         self.fold_constants = fold_constants
+        self.infer_shapes = infer_shapes  # node by node while folding, also where no decision reads one
         self.removed: dict[str, int] = {}  # op label -> nodes gone, over all runs
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         before = _all_ops(model)
         if self.fold_constants:
-            _fold_constants(model)
+            _fold_constants(model, before, self.infer_shapes or _inference_matters(before))
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
         common.RemoveUnusedNodesPass()(model)
@@ -82,6 +89,8 @@ class CleanupPass(OpfusePass):
 KEEP = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")  # a quantised model's structure
 FILL_LIMIT = 1 << 16  # ConstantOfShape outputs folded up to this many elements
 INPUT_LIMIT = 1 << 22  # constant inputs up to this many elements (a weight sliced by an exporter)
+# onnxscript's own input limit (8192 elements in 0.7), the default of its public fold_constants
+DEFAULT_INPUT_LIMIT = inspect.signature(onnxscript.optimizer.fold_constants_ir).parameters["input_size_limit"].default
 GROWTH_LIMIT = 1.01  # folding may grow the stored constants by 1% at most
 
 
@@ -90,32 +99,93 @@ def _constant_bytes(model: ir.Model) -> int:
     for scope in iter_scopes(model):
         for value in getattr(scope.graph, "initializers", {}).values():
             if value.const_value is not None:
-                total += value.const_value.nbytes
+                total += tensor_nbytes(value.const_value)
         for node in scope.graph:
             if is_op(node, "Constant") and node.outputs[0].const_value is not None:
-                total += node.outputs[0].const_value.nbytes
+                total += tensor_nbytes(node.outputs[0].const_value)
     return total
 
 
-def _fold_constants(model: ir.Model) -> None:
+# Ops onnxscript's folder evaluates partially (0.7) without reading any value's shape or
+# type: symbolic shape values (Abs, Add, Gather, Squeeze), sequences, If on a constant,
+# Dropout at inference, Identity (it only copies shapes backwards).
+SHAPE_FREE = frozenset({"Abs", "Add", "ConcatFromSequence", "Dropout", "Gather", "Identity", "If",
+                        "SequenceAt", "SequenceConstruct", "Squeeze"})
+
+
+def _shape_readers() -> frozenset[str] | None:
+    """Default-domain ops whose partial evaluation in onnxscript's folder may read a shape
+    or a type: every op it has an evaluator for that is not known to read neither (a new
+    evaluator counts as a reader). None when its registry cannot be read: always infer."""
+    try:
+        from onnxscript.optimizer import _constant_folding  # private: inside the try, so another version falls back
+
+        ops = {op for domain, op in _constant_folding.registry.op_evaluators if domain in ONNX_DOMAINS}
+    except Exception:  # noqa: BLE001 - another onnxscript: infer everywhere, as before
+        return None
+    return frozenset(ops - SHAPE_FREE)
+
+
+SHAPE_READERS = _shape_readers()
+
+
+def _inference_matters(ops) -> bool:
+    """Whether per-node shape inference can change what the folder does in a model with
+    these op counts (by :func:`~opfuse.vocabulary.op_label`: a default-domain op by name)."""
+    return SHAPE_READERS is None or any(op in SHAPE_READERS for op in ops)
+
+
+def _fold_constants(model: ir.Model, ops, infer: bool) -> None:
     """Fold with large inputs allowed, unless that grows the weights (a weight another
-    branch still reads in full would be stored twice); then with onnxscript's own limit."""
+    branch still reads in full would be stored twice); then with onnxscript's own limit.
+
+    The two differ only where a node with all-constant inputs has one above onnxscript's
+    limit, so the model is folded in place with onnxscript's limit first, noting whether
+    such a node came up; only then is a copy folded again with large inputs allowed and
+    adopted if the weights do not grow (O(model) either way; no copy for most models).
+    A failure keeps what was folded before it (``ops``: the op counts before folding).
+    ``infer``: with per-node shape inference.
+    """
     before = _constant_bytes(model)
-    for limit in (INPUT_LIMIT, None):
-        work = model.clone() if limit is not None else model
-        try:
-            onnxscript.optimizer.fold_constants(
-                work, should_fold=_foldable,
-                onnx_shape_inference=True, **({"input_size_limit": limit} if limit else {}))
-        except Exception as e:  # noqa: BLE001 - a folding failure only leaves constants unfolded
-            logger.info("constant folding skipped: %s", e)
-            return
-        if limit is None:
-            return
-        common.RemoveUnusedNodesPass()(work)
-        if _constant_bytes(work) <= before * GROWTH_LIMIT + 4096:
-            _adopt(model, work)
-            return
+    large: list[ir.Node] = []
+
+    def should_fold(node: ir.Node) -> bool | None:
+        verdict = _foldable(node)
+        if verdict is None and not large and _has_large_input(node):
+            large.append(node)  # the input limit decides this node
+        return verdict
+
+    if not _try_fold(model, should_fold, None, ops, infer) or not large:
+        return
+    work = model.clone()
+    if not _try_fold(work, _foldable, INPUT_LIMIT, None, infer):
+        return
+    common.RemoveUnusedNodesPass()(work)
+    if _constant_bytes(work) <= before * GROWTH_LIMIT + 4096:
+        _adopt(model, work)
+
+
+def _try_fold(model: ir.Model, should_fold, limit: int | None, ops, infer: bool) -> bool:
+    """onnxscript's constant folding (``infer``: with per-node shape inference); False if it failed.
+
+    onnxscript gives the values it creates unique names when it finishes; after a failure
+    in the middle, the same is done here if anything was folded (the op counts changed).
+    """
+    try:
+        onnxscript.optimizer.fold_constants(
+            model, should_fold=should_fold,
+            onnx_shape_inference=infer, **({"input_size_limit": limit} if limit else {}))
+    except Exception as e:  # noqa: BLE001 - a folding failure only leaves constants unfolded
+        logger.info("constant folding stopped: %s", e)
+        if ops is not None and _all_ops(model) != ops:
+            common.NameFixPass()(model)
+        return False
+    return True
+
+
+def _has_large_input(node: ir.Node) -> bool:
+    return any(v is not None and v.const_value is not None and v.const_value.size > DEFAULT_INPUT_LIMIT
+               for v in node.inputs)
 
 
 def _adopt(model: ir.Model, work: ir.Model) -> None:
@@ -147,9 +217,10 @@ def _all_ops(model: ir.Model):
 
 
 def _eliminate_identities(model: ir.Model) -> int:
-    outputs_anywhere = {id(v) for scope in iter_scopes(model) for v in scope.graph.outputs}
+    scopes = list(iter_scopes(model))
+    outputs_anywhere = {id(v) for scope in scopes for v in scope.graph.outputs}
     removed = 0
-    for scope in iter_scopes(model):
+    for scope in scopes:
         graph = scope.graph
         for node in list(graph):
             if not is_op(node, "Identity") or not node.inputs or node.inputs[0] is None:

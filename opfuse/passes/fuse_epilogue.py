@@ -21,7 +21,10 @@ Legality, each failure a refusal with its reason:
 3. Residual: Z has exactly the conv output's shape and dtype (no broadcasting), which
    needs shape information: a proven mismatch (two different integers, two ranks) and
    a match opfuse cannot prove (a symbolic or unknown dimension on one side, such as
-   ``[1, 8, 1, 1]`` against ``[-1, 8, 1, 1]``) are refused with different reasons. Z is computed before the fused node by construction (it feeds
+   ``[1, 8, 1, 1]`` against ``[-1, 8, 1, 1]``) are refused with different reasons (onnx's
+   shape inference runs at the start of the pass when the model has an Add after a conv,
+   an anchor of unknown dtype, or a hardware veto). Z is computed before the fused node by
+   construction (it feeds
    the Add, which the conv output reaches only through the Add), so no cycle can form; the
    fused node takes the place of the last op it absorbs. When both inputs of the Add come
    from convs that could absorb it, the later one in graph order does (nothing moves), and
@@ -60,6 +63,7 @@ from opfuse.targets.onnxruntime import (
     describe_epilogue,
     merge_activations,
     read_activation,
+    residual_add,
 )
 from opfuse.vocabulary import MS_DOMAIN, ONNX_DOMAINS, OpKind, op_kind
 from opfuse.vocabulary import is_op as _is_op
@@ -100,8 +104,8 @@ class EpilogueFusionPass(OpfusePass):
     # -- the pass ----------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._names = NameTable(model)
-        if self.residual:
-            infer_shapes(model)
+        if self.veto is not None or _reads_inferred_types(model, self.residual):
+            infer_shapes(model)  # before any rewrite: onnx cannot infer through the contrib ops
         modified = False
         explained: set[ir.Node] = set()
         for scope in list(iter_scopes(model)):
@@ -235,11 +239,7 @@ class EpilogueFusionPass(OpfusePass):
 
     def _kernel_problem(self, anchor: ir.Node, kernel) -> str | None:
         weight = anchor.inputs[1] if len(anchor.inputs) > 1 else None
-        dtype = None
-        for v in (anchor.outputs[0], weight, anchor.inputs[0]):
-            if v is not None and v.dtype is not None:
-                dtype = v.dtype
-                break
+        dtype = _dtype_of(anchor, weight)  # output, weight and input share one dtype (T)
         if dtype is None:
             return f"the dtype of {describe(anchor)} is unknown"
         name = str(dtype.numpy()) if dtype != ir.DataType.BFLOAT16 else "bfloat16"
@@ -319,6 +319,27 @@ class ActivationFusionPass(EpilogueFusionPass):
 
     name = "fuse-activation"
     residual = False
+
+
+def _reads_inferred_types(model: ir.Model, residual: bool) -> bool:
+    """Whether the pass will read a shape or dtype only onnx's inference gives: an Add reads
+    a conv's output (the residual check, when ``residual``), or an anchor's dtype is
+    unknown. (The hardware veto reads shapes too: with a veto, the pass always infers.)"""
+    for scope in iter_scopes(model):
+        for node in scope.graph:
+            if residual and residual_add(node):
+                return True
+            if node.op_type in KERNELS and node.domain in ONNX_DOMAINS:
+                if _dtype_of(node, node.inputs[1] if len(node.inputs) > 1 else None) is None:
+                    return True
+    return False
+
+
+def _dtype_of(anchor: ir.Node, weight: ir.Value | None):
+    for v in (anchor.outputs[0], weight, anchor.inputs[0]):
+        if v is not None and v.dtype is not None:
+            return v.dtype
+    return None
 
 
 def _is_epilogue_op(node: ir.Node) -> bool:
