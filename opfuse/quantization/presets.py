@@ -18,6 +18,11 @@ activations ONNX Runtime folds into them (Relu, Clip), and the ops that only mov
 pieces of a decomposed LayerNorm or HardSwish) stays in float: in 8 bits each such op
 rounds its result again, and on PP-OCRv4 rec quantising them as well took exact-match
 accuracy from 82% to 76% (``benchmarks/quantize.py``), for little time saved on a CPU.
+That includes residual Adds (and a Relu after one): ONNX Runtime could run them as
+QLinearAdd, but quantising them cost PP-OCRv4 rec half a point (97.0% -> 96.5% exact
+match, float 98.0%), so ResNet-style skip connections run in float between a
+DequantizeLinear and a QuantizeLinear: a few more kernels per block, measured in the int8
+rows of ``opfuse bench``.
 ``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float. Per-channel weights need
 DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants opset 11 or later
 (:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly layer in

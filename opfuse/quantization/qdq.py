@@ -26,7 +26,9 @@ from __future__ import annotations
 __all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS",
            "CALIBRATION_METHODS"]
 
+import contextlib
 import dataclasses
+import io
 import logging
 import pathlib
 from collections.abc import Iterable
@@ -166,8 +168,10 @@ class Quantizer:
         root = logging.getLogger()
         level = root.level
         root.setLevel(logging.ERROR)  # its advice to pre-process: opfuse has folded and prepared the model
-        try:
-            ortq.quantize_static(str(self.float_path), str(out), calibration_cache_path=str(self.cache), **kwargs)
+        try:  # its histogram calibrators print progress to stdout, which may be a --json - stream
+            with contextlib.redirect_stdout(io.StringIO()):
+                ortq.quantize_static(str(self.float_path), str(out), calibration_cache_path=str(self.cache),
+                                     **kwargs)
         except Exception as e:  # noqa: BLE001 - the quantiser raises many kinds
             raise BadInputError(f"ONNX Runtime's quantiser failed on this model: {first_line(e, 200)}") from None
         finally:
