@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import epsilon_census, op_counts
+from opfuse.analyse import NameTable, epsilon_census, op_counts
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
@@ -98,6 +98,7 @@ def run_fusion(
             "legal epilogue fusion is emitted"
         )
         return model
+    _name_anchors(model)  # fusions are excluded by their conv's name
     baseline_graph = runtime_graph(model)
     exclude: dict[str, str] = {}
     for _ in range(LAYOUT_ATTEMPTS):
@@ -124,6 +125,16 @@ def run_fusion(
             + ". For runtimes below ENABLE_ALL use --runtime-level extended (or lower) to fuse everything."
         )
     return trial
+
+
+def _name_anchors(model: ir.Model) -> None:
+    """Give unnamed convs and Gemms a name (many exporters write none): the layout check
+    excludes a fusion by its conv's name, and an empty one would name none or all."""
+    table = None
+    for node in model.graph:
+        if not node.name and node.op_type in ("Conv", "ConvTranspose", "Gemm"):
+            table = table or NameTable(model)
+            node.name = table.fresh(node.op_type)
 
 
 @contextlib.contextmanager

@@ -287,7 +287,20 @@ def test_layout_check_leaves_a_fusion_that_would_lose_nchwc_to_the_runtime():
         assert "left to the runtime" in report.notes[-1]
     else:  # no layout pass on this machine: nothing to lose
         assert report.applied("Conv+Add+Relu")
-        assert "no NCHWc layout pass" in report.notes[-1]
+        assert "none of this model's convolutions in its NCHWc layout" in report.notes[-1]
+    assert_same(m, out)
+
+
+def test_layout_check_excludes_an_unnamed_conv_by_the_name_it_is_given():
+    """Exporters leave nodes unnamed; the check excludes fusions by the conv's name."""
+    m = residual_model(other_from="input")
+    for node in m.graph.node:
+        node.name = ""
+    out, report = fuse(m, runtime_level="all")
+    if has_layout_pass(runtime_graph(ir.serde.deserialize_model(m))):
+        assert not report.applied("Conv+Add+Relu")
+        assert "NCHWc" in " ".join(r.reason for r in report.refusals)
+        assert "FusedConv" not in ops(out)
     assert_same(m, out)
 
 
