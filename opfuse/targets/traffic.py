@@ -360,6 +360,7 @@ def _infer_shapes(
             for attr in [a for a in node.attributes if a not in kept]:
                 node.attributes.pop(attr)
     # Initializers become typed inputs without data: shape inference needs only their shapes.
+    present = {id(v) for v in graph.inputs}  # (a set: list membership would be O(inputs) each)
     for value in list(graph.initializers.values()):
         tensor = value.const_value
         if tensor is not None:
@@ -367,7 +368,7 @@ def _infer_shapes(
                 value.shape = tensor.shape
             if value.dtype is None:
                 value.dtype = tensor.dtype
-        if value not in graph.inputs:
+        if id(value) not in present:
             graph.inputs.append(value)
         graph.initializers.pop(value.name)
         value.const_value = None
