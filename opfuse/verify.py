@@ -31,13 +31,27 @@ wrong rewrite still fails at its own tensor, where no floor applies.
 A rewrite's own tensor gets a floor too when the rewritten node sums many products (a
 Conv, ConvTranspose, Gemm or MatMul, fused or not)::
 
-    floor = 4 * eps(dtype) * sqrt(K) * scale      K = the products summed per output
+    floor = 8 * eps(dtype) * sqrt(K) * scale      K = the products summed per output
 
 Two exact-in-theory computations of a K-term sum (the folded weights against the original
 conv and BatchNormalization; a FusedConv against Conv then Relu) round in different
-places, and float32 rounding grows like eps * sqrt(K) relative to the scale: ResNet-50's
-last 3x3 convs (K = 4608) differ by 1.04e-5 of their scale, just above ``atol``. A wrong
-fold (a shifted bias, a wrong epsilon, a transposed weight) is off by a percent or more.
+places, and float32 rounding grows like eps * sqrt(K) times the size of the terms, which
+exceeds the result's where the terms cancel: ResNet-50's last 3x3 convs (K = 4608) differ
+by 1.04e-5 of their scale, a torch-exported MobileNetV2's 1x1 convs with statistics from
+data (K = 576) by 1.36e-5, both over ``atol`` (the floor: 6.5e-5 and 2.3e-5 of the scale).
+A wrong fold (a shifted bias, a wrong epsilon, a transposed weight) is off by 1e-3 of the
+scale or more.
+
+Where the terms cancel harder still (BatchNormalization statistics from data, small
+variances, large scales), the rounding is measured instead of modelled: the original
+model also runs with ONNX Runtime's own EXTENDED optimisations (its Conv+BatchNormalization
+and Conv+activation fusions are the same rewrites), and a rewrite's tensor may differ
+from the original by twice what the runtime's own rewrite of it differs::
+
+    floor = max(8 * eps * sqrt(K) * scale, 2 * max |original - original at EXTENDED|)
+
+so a fold as exact as the runtime's own passes, and one that is wrong by more than twice
+the runtime's rounding fails.
 
 Integer and boolean tensors must match exactly; NaNs must sit in the same places.
 
@@ -184,7 +198,7 @@ def compare_tensor(name: str, ref: np.ndarray, got: np.ndarray, *, floor: float 
     limit = np.maximum(atol * scale + rtol * np.abs(a), floor)
     scaled = float(np.max(err / limit))
     ok = bool(scaled <= 1.0)
-    source = "the rewrite's sum of products" if rewrite else "the last operator's inputs"
+    source = "rounding: its sum of products, the runtime's own fusion" if rewrite else "the last operator's inputs"
     floor_text = f", floor {floor:.3g} from {source}" if floor > atol * scale else ""
     problem = "" if ok else (
         f"max |diff| {float(err.max()):.3g} exceeds the {dtype} tolerance "
@@ -302,6 +316,7 @@ def verify_models(
 
     result = Verification(runtime=_runtime_name(), inputs="")
     sets = _input_sets(original, run_original, inputs, dims, seed, result)
+    runtime_noise = _runtime_rounding(original_x, sets, [t for t, _ in probes])
     try:
         run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
@@ -325,8 +340,9 @@ def verify_models(
         for tensor, rewrite in probes:
             if tensor in expected and tensor in actual:
                 ref = np.asarray(expected[tensor])
+                floor = max(_sum_floor(ref, fan_in.get(tensor)), 2 * runtime_noise.get((label, tensor), 0.0))
                 result.rewrites.append(compare_tensor(tensor, ref, np.asarray(actual[tensor]), rewrite=rewrite,
-                                                      inputs=label, floor=_sum_floor(ref, fan_in.get(tensor))))
+                                                      inputs=label, floor=floor))
         for name in graph_outputs:
             ref = np.asarray(expected[name])
             if name not in actual:
@@ -338,6 +354,32 @@ def verify_models(
                                                  inputs=label))
     _coverage(result, records, original, taken)
     return result
+
+
+def _runtime_rounding(original_x: ir.Model, sets, tensors: list[str]) -> dict[tuple[str, str], float]:
+    """(input set, tensor) -> max |original - original at ONNX Runtime EXTENDED| of each
+    rewrite's tensor: how far the runtime's own fusions of the same ops round."""
+    if not tensors:
+        return {}
+    try:
+        session = create_session(original_x, "extended")
+    except Exception:  # noqa: BLE001 - no measured floor then; the modelled one stands
+        return {}
+    names = [o.name for o in session.get_outputs()]
+    wanted = [t for t in tensors if t in names]
+    out = {}
+    for label, feeds, expected in sets:
+        try:
+            got = dict(zip(wanted, session.run(wanted, dict(feeds))))
+        except Exception:  # noqa: BLE001
+            continue
+        for tensor in wanted:
+            ref = np.asarray(expected.get(tensor))
+            value = np.asarray(got[tensor])
+            if ref.shape == value.shape and ref.dtype.kind == "f" and ref.size:
+                diff = np.abs(ref.astype(np.float64) - value.astype(np.float64))
+                out[(label, tensor)] = float(np.nanmax(np.where(np.isfinite(diff), diff, 0.0)))
+    return out
 
 
 def _fan_in(model: ir.Model) -> dict[str, int]:
@@ -373,7 +415,7 @@ def _sum_floor(ref: np.ndarray, k: int | None) -> float:
         return 0.0
     finite = ref[np.isfinite(ref)]
     scale = float(np.max(np.abs(finite))) if finite.size else 0.0
-    return 4 * EPSILON[dtype] * float(np.sqrt(k)) * scale
+    return 8 * EPSILON[dtype] * float(np.sqrt(k)) * scale
 
 
 def _floor(ref: np.ndarray, sources: Iterable[str], expected: Mapping[str, np.ndarray]) -> float:
