@@ -40,6 +40,7 @@ __all__ = [
     "opset_of",
     "NameTable",
     "infer_shapes",
+    "initializers_as_inputs",
     "tensor_nbytes",
 ]
 
@@ -307,6 +308,22 @@ def infer_shapes(model: ir.Model) -> None:
     _merge_inferred(model, ir.serde.deserialize_model(inferred))
 
 
+def initializers_as_inputs(graph: ir.Graph, initializers) -> None:
+    """Make ``initializers`` typed graph inputs, as onnx's shape inference reads them:
+    each gets its tensor's dtype and shape where it has none. O(inputs + initializers)."""
+    present = {id(v) for v in graph.inputs}  # (a set: membership in the list is O(inputs))
+    for value in initializers:
+        tensor = value.const_value
+        if tensor is not None:
+            if value.shape is None:
+                value.shape = tensor.shape
+            if value.dtype is None:
+                value.dtype = tensor.dtype
+        if id(value) not in present:
+            graph.inputs.append(value)
+            present.add(id(value))
+
+
 def _inference_proto(model: ir.Model) -> onnx.ModelProto:
     """The model as onnx's inference needs it: initializers as typed graph inputs, those
     above 1 KB without data. The model is left as it was (initializers get the dtype and
@@ -315,18 +332,10 @@ def _inference_proto(model: ir.Model) -> onnx.ModelProto:
     initializers = tuple(graph.initializers.values())
     tensors = {v.name: v.const_value for v in initializers}
     n_inputs = len(graph.inputs)
-    present = {id(v) for v in graph.inputs}  # (a set: membership in the list is O(inputs))
     try:
+        initializers_as_inputs(graph, initializers)
         for value in initializers:
             tensor = value.const_value
-            if tensor is not None:
-                if value.shape is None:
-                    value.shape = tensor.shape
-                if value.dtype is None:
-                    value.dtype = tensor.dtype
-            if id(value) not in present:
-                graph.inputs.append(value)
-                present.add(id(value))
             if tensor is None:
                 graph.initializers.pop(value.name)
             elif tensor_nbytes(tensor) > _BIG_TENSOR:

@@ -72,6 +72,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from opfuse.analyse import initializers_as_inputs
 from opfuse.targets.onnxruntime import read_fused
 from opfuse.vocabulary import ELEMENTWISE_KINDS, dtype_name, is_onnx, is_op, op_kind, plain_attributes
 
@@ -360,16 +361,9 @@ def _infer_shapes(
             for attr in [a for a in node.attributes if a not in kept]:
                 node.attributes.pop(attr)
     # Initializers become typed inputs without data: shape inference needs only their shapes.
-    present = {id(v) for v in graph.inputs}  # (a set: list membership would be O(inputs) each)
-    for value in list(graph.initializers.values()):
-        tensor = value.const_value
-        if tensor is not None:
-            if value.shape is None:
-                value.shape = tensor.shape
-            if value.dtype is None:
-                value.dtype = tensor.dtype
-        if id(value) not in present:
-            graph.inputs.append(value)
+    initializers = list(graph.initializers.values())
+    initializers_as_inputs(graph, initializers)
+    for value in initializers:
         graph.initializers.pop(value.name)
         value.const_value = None
     # The values' own (declared) shapes first, then whatever inference adds.
