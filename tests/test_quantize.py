@@ -266,3 +266,28 @@ def test_calibration_auto_tries_minmax_and_percentile_and_keeps_the_better():
     assert fixed.calibration == "minmax" and {s.calibration for s in fixed.search} == {"minmax"}
     with pytest.raises(BadInputError, match="unknown calibration method"):
         opfuse.quantize(small_net(), data, calibrate="median")
+
+
+def test_a_model_computing_inside_if_branches_says_nothing_was_quantised_and_keeps_stderr_quiet(tmp_path, capfd):
+    """silero-vad computes inside an If: ONNX Runtime's quantiser does not enter subgraphs
+    (and its calibration sessions log every unused initializer to stderr)."""
+    r = rng(9)
+    branch = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["y_then"])], "then", [],
+        [vinfo("y_then", [1, 4, 8, 8])], [tensor("w", r.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32))])
+    other = helper.make_graph([helper.make_node("Identity", ["z"], ["y_else"])], "else", [],
+                              [vinfo("y_else", [1, 4, 8, 8])])
+    nodes = [helper.make_node("If", ["flag"], ["y"], then_branch=branch, else_branch=other, name="if")]
+    net = model(nodes, [vinfo("x", [1, 3, 8, 8]), vinfo("z", [1, 4, 8, 8]), vinfo("flag", [], TensorProto.BOOL)],
+                [vinfo("y", [1, 4, 8, 8])])
+    src = tmp_path / "m.onnx"
+    onnx.save(net, src)
+    data = [{"x": r.normal(size=(1, 3, 8, 8)).astype(np.float32), "z": r.normal(size=(1, 4, 8, 8)).astype(np.float32),
+             "flag": np.array(True)} for _ in range(6)]
+    np.savez(tmp_path / "c.npz", **{k: np.stack([d[k] for d in data]) for k in data[0]})
+    assert main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration", str(tmp_path / "c.npz"),
+                 "--report", str(tmp_path / "r.json")]) == 0
+    out, err = capfd.readouterr()
+    assert "nothing was quantised" in out and "If and Loop bodies" in out
+    assert err == ""

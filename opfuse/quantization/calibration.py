@@ -70,7 +70,7 @@ def load_calibration(
         )
     else:
         try:
-            samples = [dict(s) for s in source]
+            samples = [{k: np.asarray(v) for k, v in dict(s).items()} for s in source]
         except (TypeError, ValueError) as e:
             raise BadInputError(f"calibration: not an iterable of {{input: array}} mappings ({e})") from None
         where = "the calibration samples"
@@ -105,7 +105,7 @@ def _read_path(path: pathlib.Path) -> list[Sample]:
             + ", ".join(f"{k} {tuple(v.shape)}" for k, v in stacked.items())
         )
     count = next(iter(lengths.values()))
-    return [{name: a[i] for name, a in stacked.items()} for i in range(count)]
+    return [{name: np.asarray(a[i]) for name, a in stacked.items()} for i in range(count)]  # (a 0-d sample too)
 
 
 def _read_npz(path: pathlib.Path) -> Sample:

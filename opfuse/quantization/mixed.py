@@ -31,6 +31,7 @@ __all__ = ["search", "keep_variant", "SENSITIVITY_SAMPLES"]
 
 import onnx
 
+from opfuse.errors import BadInputError
 from opfuse.quantization.bias_correction import (
     BiasCorrection,
     apply_corrections,
@@ -113,10 +114,17 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
     gain_of: dict[str, float] = {}
     rejected: set[str] = set()
     if calibrate == "auto":  # the first trial with each method; the better one stays
-        tried = {}
+        tried, failed = {}, {}
         for method in AUTO_METHODS:
             quantizer.method = method
-            tried[method] = trial(keep)
+            try:
+                tried[method] = trial(keep)
+            except BadInputError as e:  # one method's failure (an empty histogram) leaves the other
+                failed[method] = str(e)
+        if not tried:
+            raise BadInputError(next(iter(failed.values())))
+        for method, why in failed.items():
+            report.notes.append(f"calibration: {method} failed, not used ({why})")
         best = max(tried, key=lambda m: score(*tried[m][1:]))
         quantizer.method = best
         qdq, sqnr, value = tried[best]

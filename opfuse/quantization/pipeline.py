@@ -121,6 +121,11 @@ def quantize(
     report.weights_8bit, report.weights_total = weight_storage(float_model, qdq)
     report.bytes_float, report.bytes_quantized = float_model.ByteSize(), qdq.ByteSize()
     report.quantize_linear = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
+    if not report.quantize_linear:
+        subgraphs = any(a.type == onnx.AttributeProto.GRAPH for n in float_model.graph.node for a in n.attribute)
+        report.notes.append("nothing was quantised: ONNX Runtime's quantiser found no layer it quantises in the "
+                            "main graph" + (" (it does not enter If and Loop bodies, where this model computes)"
+                                            if subgraphs else ""))
 
     if not report.verification.ok:
         if report_path is not None:

@@ -36,6 +36,7 @@ from collections.abc import Iterable
 import numpy as np
 import onnx
 import onnx.version_converter
+import onnxruntime as ort
 from onnx import numpy_helper
 from onnxruntime import quantization as ortq
 
@@ -168,14 +169,17 @@ class Quantizer:
         root = logging.getLogger()
         level = root.level
         root.setLevel(logging.ERROR)  # its advice to pre-process: opfuse has folded and prepared the model
+        ort.set_default_logger_severity(3)  # its calibration sessions log every unused initializer
         try:  # its histogram calibrators print progress to stdout, which may be a --json - stream
             with contextlib.redirect_stdout(io.StringIO()):
                 ortq.quantize_static(str(self.float_path), str(out), calibration_cache_path=str(self.cache),
                                      **kwargs)
         except Exception as e:  # noqa: BLE001 - the quantiser raises many kinds
-            raise BadInputError(f"ONNX Runtime's quantiser failed on this model: {first_line(e, 200)}") from None
+            raise BadInputError(f"ONNX Runtime's quantiser failed on this model ({self.method} "
+                                f"calibration): {first_line(e, 200)}") from None
         finally:
             root.setLevel(level)
+            ort.set_default_logger_severity(2)  # the runtime's default
         model = onnx.load(out)
         out.unlink()
         if keep and self.preset.keep_as == "float":
