@@ -535,7 +535,8 @@ def test_bench_end_to_end_on_a_tiny_builtin(tmp_path, capsys):
         assert facts["held_out_samples"] == 4 and facts["weights_8bit_fraction"] == 1.0
         assert facts["runtime_int8_kernels"] > 0  # ONNX Runtime ran int8 kernels at all
     assert unfolded["quantize_linear"] > folded["quantize_linear"]  # BN got its own Q/DQ
-    assert unfolded["float_ops"] == {"BatchNormalization": 20}
+    assert unfolded["float_ops"]["BatchNormalization"] == 20
+    assert set(unfolded["float_ops"]) - {"BatchNormalization"} <= {"Add", "Relu"}
     # folded: only the residual path stays float (opfuse's cpu preset keeps element-wise Adds, and
     # the Relu after them, out of int8: opfuse.quantization.presets)
     assert set(folded["float_ops"]) <= {"Add", "Relu"}

@@ -4,7 +4,7 @@
 row                what runs
 =================  =========================================================================
 ``int8``           BN folded: opfuse's default folds, then ``opfuse.quantize`` (preset cpu,
-                   bias correction off, so the two rows differ by the folding alone)
+                   MinMax, bias correction off, so the two rows differ by the folding alone)
 ``int8-unfolded``  BN unfolded: ONNX Runtime's ``quantize_static`` on the model as given;
                    each BatchNormalization gets its own Q/DQ pair and runs in float
 ``all-ort-all``    the float reference at the same level: opfuse's ``all`` configuration as
@@ -12,7 +12,8 @@ row                what runs
 =================  =========================================================================
 
 Both int8 flows use the same settings (QDQ, int8 symmetric per-channel weights, uint8
-asymmetric activations, MinMax calibration) on the same samples: the bench's own seeded
+asymmetric activations, MinMax calibration, the op types of opfuse's cpu preset) on the
+same samples: the bench's own seeded
 random inputs (:func:`opfuse.verify.make_inputs`), :data:`CALIBRATION` to calibrate and
 :data:`HELD_OUT` held out for the output SQNR against the float model. Random data is
 fine for latency (int8 kernels take as long whatever the scales), not for accuracy: the
@@ -44,6 +45,7 @@ from onnxruntime import quantization as ortq
 
 from opfuse.pipeline import optimize
 from opfuse.quantization import quantize
+from opfuse.quantization.presets import CPU_OPS
 from opfuse.quantization.qdq import weight_storage
 from opfuse.quantization.sqnr import output_sqnr
 from opfuse.verify import make_inputs
@@ -137,7 +139,8 @@ def _opfuse_flow(model: ir.Model, samples, held_out: int) -> Int8Model:
         # outputs as it measures; this row reports its SQNR): opfuse.quantize then finds nothing
         # left to fold, and its own float check of the folds cannot stop the row.
         folded, _ = optimize(model, target="onnx", verify=False)
-        qmodel, report = quantize(folded, samples, preset="cpu", holdout=held_out, bias_correction=False)
+        qmodel, report = quantize(folded, samples, preset="cpu", holdout=held_out, bias_correction=False,
+                                  calibrate="minmax")
     except Exception as e:  # noqa: BLE001 - the quantiser and ONNX Runtime raise many kinds
         return Int8Model(INT8, "int8 folded", note, None, facts, error=first_line(e))
     facts.quantize_s = time.perf_counter() - start
@@ -189,6 +192,8 @@ def _quantize_static(float_proto: onnx.ModelProto, calib) -> onnx.ModelProto:
                 weight_type=ortq.QuantType.QInt8,
                 per_channel=True,
                 calibrate_method=ortq.CalibrationMethod.MinMax,
+                # the ops opfuse's cpu preset quantises, and BatchNormalization as ORT does by default
+                op_types_to_quantize=[*CPU_OPS, "BatchNormalization"],
                 extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
             )
         finally:
