@@ -382,8 +382,17 @@ def test_a_clip_bound_computed_at_run_time_is_refused():
     m.graph.initializer.remove(next(t for t in m.graph.initializer if t.name == "act.hi"))
     m.graph.input.append(vinfo("act.hi", []))
     refusal = refused(m, "upper bound", "graph input", "Clip bound")
+    assert refusal.node == "conv1" and refusal.anchor == "conv2"
     feeds = {"x": rng(1).normal(size=(2, 3, 6, 6)).astype(np.float32), "act.hi": np.array(6, np.float32)}
     assert ort_run(m, feeds)  # the model still runs as it was
+
+
+def test_a_bound_per_position_not_per_channel_is_refused():
+    m = pair_model("relu-min-6")
+    six = next(t for t in m.graph.initializer if t.name == "act.six")
+    width = m.graph.input[0].type.tensor_type.shape.dim[-1].dim_value
+    six.CopyFrom(tensor("act.six", np.linspace(5, 7, width).astype(np.float32)))  # shape [W]: one per column
+    refused(m, "does not broadcast", "channels")
 
 
 def test_a_batchnorm_between_asks_for_folding_first():

@@ -443,7 +443,8 @@ def _read_step(node: ir.Node, x: ir.Value, opset: int, channels: int, rank: int,
             return f"{found}, and {op}(x/s, y) != {op}(x, y)/s unless y is a constant to rescale"
         shape = found.array.shape
         try:
-            fits = len(shape) <= rank and bool(np.broadcast_shapes(shape, (channels,) + (1,) * (rank - 2)))
+            per_channel = (1, channels) + (1,) * (rank - 2)  # one value per channel at most
+            fits = len(shape) <= rank and np.broadcast_shapes(shape, per_channel) == per_channel
         except ValueError:
             fits = False
         if not fits or found.array.dtype != dtype:
