@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 import dataclasses
+import functools
 import logging
 import math
 from collections import Counter
@@ -237,16 +238,11 @@ class NameTable:
         self._model = model
         self._next: dict[str, int] = {}  # base -> the suffix to try next (O(1) per name)
 
-    def __getattr__(self, name: str):
-        if name == "_taken":  # first use: the set of taken names, read from the model
-            self._taken: set[str] = self._read(self._model)
-            return self._taken
-        raise AttributeError(name)
-
-    @staticmethod
-    def _read(model: ir.Model) -> set[str]:
+    @functools.cached_property
+    def _taken(self) -> set[str]:
+        """The set of taken names, read from the model on first use."""
         taken: set[str] = set()
-        for scope in iter_scopes(model):
+        for scope in iter_scopes(self._model):
             container = scope.container
             taken.update(v.name for v in container.inputs if v.name)
             if scope.function is None:

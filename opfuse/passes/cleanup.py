@@ -89,8 +89,19 @@ class CleanupPass(OpfusePass):
 KEEP = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")  # a quantised model's structure
 FILL_LIMIT = 1 << 16  # ConstantOfShape outputs folded up to this many elements
 INPUT_LIMIT = 1 << 22  # constant inputs up to this many elements (a weight sliced by an exporter)
-# onnxscript's own input limit (8192 elements in 0.7), the default of its public fold_constants
-DEFAULT_INPUT_LIMIT = inspect.signature(onnxscript.optimizer.fold_constants_ir).parameters["input_size_limit"].default
+
+
+def _default_input_limit() -> int:
+    """onnxscript's own input limit (8192 elements in 0.7), the default of its public
+    fold_constants; 8192 when its signature says otherwise."""
+    try:
+        default = inspect.signature(onnxscript.optimizer.fold_constants_ir).parameters["input_size_limit"].default
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return 8192
+    return default if isinstance(default, int) else 8192
+
+
+DEFAULT_INPUT_LIMIT = _default_input_limit()
 GROWTH_LIMIT = 1.01  # folding may grow the stored constants by 1% at most
 
 
