@@ -40,8 +40,9 @@ import zipfile
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from PIL import Image, ImageDraw, ImageFont
+
+from opfuse.runtime import create_session
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from wild import DEFAULT_CACHE, WHEELS, fetch  # noqa: E402
@@ -78,10 +79,15 @@ def rec_model(cache: pathlib.Path | str = DEFAULT_CACHE) -> pathlib.Path:
     return target
 
 
-def characters(model_path: pathlib.Path | str) -> list[str]:
+def characters(model: pathlib.Path | str | bytes | onnx.ModelProto) -> list[str]:
     """The CTC alphabet as RapidOCR's ``CTCLabelDecode`` builds it: "blank", the metadata
     characters (``str.splitlines``, as RapidOCR reads them), then " "."""
-    proto = onnx.load(str(model_path), load_external_data=False)
+    if isinstance(model, bytes):
+        proto = onnx.load_from_string(model)
+    elif isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        proto = onnx.load(str(model), load_external_data=False)
     meta = {p.key: p.value for p in proto.metadata_props}
     return ["blank", *meta["character"].splitlines(), " "]
 
@@ -196,31 +202,14 @@ def decode_batch(logits: np.ndarray, chars: list[str]) -> list[str]:
     return [ctc_greedy(row, chars) for row in logits]
 
 
-def _session(model, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
-    elif isinstance(model, pathlib.Path):
-        model = str(model)
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-
 def predictions(model, lines, *, chars: list[str] | None = None, batch: int = 8,
                 threads: int = 2) -> list[str]:
     """The decoded text of every line. ``model``: a path, serialized bytes or a ModelProto;
     ``chars`` defaults to the alphabet of ``model`` (pass it for a quantised model that lost
     the metadata)."""
     if chars is None:
-        if isinstance(model, (bytes, onnx.ModelProto)):
-            proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
-            meta = {p.key: p.value for p in proto.metadata_props}
-            chars = ["blank", *meta["character"].splitlines(), " "]
-        else:
-            chars = characters(model)
-    session = _session(model, threads)
+        chars = characters(model)
+    session = create_session(str(model) if isinstance(model, pathlib.Path) else model, "all", threads)
     name = session.get_inputs()[0].name
     texts: list[str] = []
     for start in range(0, len(lines), batch):

@@ -28,7 +28,7 @@ weights (``quantize_static``), unless it is opfuse's own command:
 - fold, ORT: ``opfuse.optimize`` first (opset raised to 13 for per-channel when below),
   then ``quantize_static``: the weights are quantised once;
 - opfuse quantize: ``opfuse.quantize(model, calibration, preset=..., equalize=...)``;
-  when that API is not importable or raises, the row says "not available" and why.
+  when it raises, the row says "error" and why.
 
 Measures: for PP-OCRv4 rec (``ocr``; see ``benchmarks/ocr_text.py``), exact-match accuracy
 on 200 rendered text lines (seed 1; calibration on 64 others, seed 2), and for every model
@@ -59,9 +59,7 @@ import collections
 import contextlib
 import dataclasses
 import io
-import json
 import logging
-import math
 import pathlib
 import statistics
 import sys
@@ -87,6 +85,10 @@ import ocr_text  # noqa: E402
 from wild import DEFAULT_CACHE  # noqa: E402
 
 import opfuse  # noqa: E402
+from opfuse.quantization.qdq import SampleReader  # noqa: E402
+from opfuse.quantization.sqnr import sqnr_db  # noqa: E402
+from opfuse.report import json_text  # noqa: E402
+from opfuse.runtime import create_session  # noqa: E402
 
 MODELS = ("ocr", "mobilenetv2", "resnet18", "torch-mobilenetv2", "torch-resnet18")
 CALIBRATION_SAMPLES, HELD_OUT_SAMPLES = 64, 32
@@ -213,14 +215,6 @@ def torch_case(name: str, size: int, work: pathlib.Path) -> Case:
 # -- the flows ----------------------------------------------------------------------------------
 
 
-class _Reader(ortq.CalibrationDataReader):
-    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
-        self.feeds = iter(feeds)
-
-    def get_next(self):
-        return next(self.feeds, None)
-
-
 @contextlib.contextmanager
 def quiet():
     """ORT's quantiser logs a warning per missing bias and per hint; keep stderr for progress."""
@@ -244,7 +238,7 @@ def ort_static(model: pathlib.Path | onnx.ModelProto, out: pathlib.Path, case: C
         onnx.save(model, saved)
         model = saved
     with quiet():
-        ortq.quantize_static(str(model), str(out), _Reader(case.calibration),
+        ortq.quantize_static(str(model), str(out), SampleReader(case.calibration),
                              quant_format=ortq.QuantFormat.QDQ, per_channel=per_channel,
                              activation_type=ortq.QuantType.QUInt8, weight_type=ortq.QuantType.QInt8,
                              calibrate_method=ortq.CalibrationMethod.MinMax,
@@ -269,16 +263,16 @@ def fold(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _fake_quant(w: np.ndarray, axis: int | None) -> np.ndarray:
-    """int8 symmetric round trip as ORT computes it (scale 2 max|w| / 255, zero point 0),
-    per slice along ``axis`` or per tensor."""
+    """int8 symmetric round trip as ORT computes it for symmetric weights (range [-127, 127],
+    scale max|w| / 127, zero point 0), per slice along ``axis`` or per tensor."""
     w64 = w.astype(np.float64)
     if axis is None:
         absmax = np.abs(w64).max(keepdims=True)
     else:
         axis %= w.ndim
         absmax = np.abs(w64).max(axis=tuple(a for a in range(w.ndim) if a != axis), keepdims=True)
-    scale = np.where(absmax > 0, 2 * absmax / 255, 1.0)
-    return (np.clip(np.round(w64 / scale), -128, 127) * scale).astype(w.dtype)
+    scale = np.where(absmax > 0, absmax / 127, 1.0)
+    return (np.clip(np.round(w64 / scale), -127, 127) * scale).astype(w.dtype)
 
 
 def fake_quantized(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -358,15 +352,16 @@ def flow_fold_first(case: Case, out: pathlib.Path, per_channel: bool) -> pathlib
     return ort_static(model, out, case, per_channel, "fold" + suffix)
 
 
-def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool) -> pathlib.Path:
+def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool) -> tuple[pathlib.Path, str]:
+    """(the quantised model's path, its report's summary)."""
     with quiet():
         _, report = opfuse.quantize(str(case.path), calibration=case.opfuse_calibration, preset=preset,
                                     equalize=equalize, output=str(out))
-    flow_opfuse.last_summary = report.summary()
-    return out
+    return out, report.summary()
 
 
-# label -> build function (case, output path) -> quantised model path; None: the float model
+# label -> build function (case, output path) -> quantised model path (or (path, summary));
+# None: the float model
 FLOWS: list[tuple[str, Callable | None]] = [
     ("float", None),
     ("float (A/A)", None),
@@ -392,12 +387,7 @@ FLOWS: list[tuple[str, Callable | None]] = [
 
 
 def session(path: pathlib.Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return create_session(str(path), "all", threads)
 
 
 def run_all(sess: ort.InferenceSession, feeds: list[dict[str, np.ndarray]], batch: int = 8) -> list[np.ndarray]:
@@ -409,10 +399,11 @@ def run_all(sess: ort.InferenceSession, feeds: list[dict[str, np.ndarray]], batc
     return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
-def sqnr_db(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
+def output_db(reference: list[np.ndarray], got: list[np.ndarray]) -> float:
+    """SQNR over all outputs, as opfuse quantize reports it."""
     signal = sum(float(np.sum(np.square(f.astype(np.float64)))) for f in reference)
     noise = sum(float(np.sum(np.square(q.astype(np.float64) - f))) for f, q in zip(reference, got))
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    return sqnr_db(signal, noise)
 
 
 def structure(path: pathlib.Path) -> dict:
@@ -474,15 +465,13 @@ def measure_case(case: Case, flows, work: pathlib.Path, *, rounds: int, threads:
             path, sess = case.path, (float_session if label == "float" else session(case.path, threads))
         else:
             out = work / f"{case.name}.{label.replace(' ', '_').replace(',', '').replace('+', 'plus')}.onnx"
-            flow_opfuse.last_summary = None
             try:
-                path = build(case, out)
+                built = build(case, out)
             except Exception as exc:  # noqa: BLE001 - a flow's failure is its cell
-                prefix = "not available" if label.startswith("opfuse") else "error"
-                row["error"] = f"{prefix}: {first_line(exc)}"
+                row["error"] = f"error: {first_line(exc)}"
                 progress(f"{case.name}: {label}: {row['error']}")
                 continue
-            row["opfuse_summary"] = flow_opfuse.last_summary
+            path, row["opfuse_summary"] = built if isinstance(built, tuple) else (built, None)
             try:
                 sess = session(path, threads)
             except Exception as exc:  # noqa: BLE001 - an invalid model is a result
@@ -499,12 +488,13 @@ def measure_case(case: Case, flows, work: pathlib.Path, *, rounds: int, threads:
             row["error"] = f"fails to run: {first_line(exc)}"
             progress(f"{case.name}: {label}: {row['error']}")
             continue
-        row["sqnr_db"] = sqnr_db(reference, outputs)
+        row["sqnr_db"] = None if build is None else output_db(reference, outputs)  # None: a float row
         if case.score is not None:
             row["accuracy"] = case.score(outputs)
         sessions[label] = sess
         shown = f", accuracy {row['accuracy']:.1%}" if "accuracy" in row else ""
-        progress(f"{case.name}: {label}: SQNR {row['sqnr_db']:.1f} dB{shown} ({time.perf_counter() - start:.1f} s)")
+        db = "float" if row["sqnr_db"] is None else f"SQNR {row['sqnr_db']:.1f} dB"
+        progress(f"{case.name}: {label}: {db}{shown} ({time.perf_counter() - start:.1f} s)")
     progress(f"{case.name}: timing {len(sessions)} entries, {rounds} interleaved rounds")
     times = time_rounds(sessions, case.held_out[0], rounds)
     for row in rows:
@@ -543,7 +533,7 @@ def table(case: Case, rows: list[dict], rounds: int, threads: int) -> tuple[Tabl
             cells.append(f"{row['accuracy']:.1%}")
         lat = row.get("latency_ms")
         cells += [
-            "float" if math.isinf(row["sqnr_db"]) else f"{row['sqnr_db']:.1f}",
+            "float" if row["sqnr_db"] is None else f"{row['sqnr_db']:.1f}",
             str(row["quantize_linear"]), f"{row['int8_weights']}/{row['weighted_ops']}", str(row["batchnorm"]),
             f"{row['size_ratio']:.2f}x",
             f"{lat['median']:.2f}" if lat else "-", f"{lat['min']:.2f}-{lat['max']:.2f}" if lat else "-",
@@ -551,17 +541,6 @@ def table(case: Case, rows: list[dict], rounds: int, threads: int) -> tuple[Tabl
         ]
         t.add_row(*cells)
     return t, notes
-
-
-def _finite(value):
-    """JSON has no infinity: the float rows' SQNR is written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 def main() -> int:
@@ -604,9 +583,9 @@ def main() -> int:
             console.print()
             everything.append({"model": name, "about": case.note, "notes": case.notes, "rows": rows})
     if args.json:
-        args.json.write_text(json.dumps({"command": sys.argv, "rounds": args.rounds, "threads": args.threads,
-                                         "image_size": args.image_size, "onnxruntime": ort.__version__,
-                                         "models": _finite(everything)}, indent=2, default=str) + "\n")
+        args.json.write_text(json_text({"command": sys.argv, "rounds": args.rounds, "threads": args.threads,
+                                        "image_size": args.image_size, "onnxruntime": ort.__version__,
+                                        "models": everything}) + "\n")
     return 0
 
 
