@@ -246,10 +246,14 @@ def find_sizes(
     fixed: Mapping[str, int] | None = None,
     seed: int = 0,
     integers: Mapping[str, int] | None = None,
+    purpose: str = "cannot verify",
+    advice: str = ("set sizes with --dim NAME=N or --dim INPUT:AXIS=N, or give inputs with "
+                   "--inputs FILE.npz (or skip with --no-verify)"),
 ) -> tuple[dict[str, np.ndarray], dict[str, int], object]:
     """The smallest sizes at which ``run(feeds)`` succeeds: (feeds, sizes, run's result).
 
-    Raises :class:`BadInputError` (one line naming the dimensions) when none does.
+    Raises :class:`BadInputError` (one line naming the dimensions, ``purpose: ...;
+    advice``) when none does.
     """
     dims = free_dims(model)
     fixed = dict(fixed or {})
@@ -266,8 +270,7 @@ def find_sizes(
             last = e
     shown = ", ".join(f"{k}" for k in dims) or "none"
     raise BadInputError(
-        f"cannot verify: ONNX Runtime cannot run the input model on random inputs at any of "
+        f"{purpose}: ONNX Runtime cannot run the input model on random inputs at any of "
         f"{tried} size(s) tried (free dimensions: {shown}; last error: "
-        f"{first_line(last, limit=160) if last else 'none'}); set sizes with --dim NAME=N or "
-        "--dim INPUT:AXIS=N, or give inputs with --inputs FILE.npz (or skip with --no-verify)"
+        f"{first_line(last, limit=160) if last else 'none'}); {advice}"
     )

@@ -10,7 +10,6 @@ __all__ = ["optimize", "inspect_model", "run_passes", "Inspection", "epsilon_not
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import os
 import pathlib
@@ -31,6 +30,7 @@ from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.targets.accelerator import fusion_veto
 from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph, takes_residual
 from opfuse.save import (
+    check_destinations,
     declared_types,
     needs_external_data,
     restore_declared_types,
@@ -152,14 +152,6 @@ def young_collections_only():
             gc.set_threshold(*thresholds)
 
 
-def _young_collections_only(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with young_collections_only():
-            return fn(*args, **kwargs)
-    return run
-
-
 def epsilon_notes(model: ir.Model) -> list[str]:
     """A warning when BatchNormalization epsilons differ across layers."""
     by_eps: dict[float, list[str]] = defaultdict(list)
@@ -178,7 +170,7 @@ def epsilon_notes(model: ir.Model) -> list[str]:
     ]
 
 
-@_young_collections_only
+@young_collections_only()  # (a context manager from contextlib is a decorator too)
 def optimize(
     model: ModelSource,
     *,
@@ -233,6 +225,7 @@ def optimize(
                 f"{output}: refusing to overwrite the input model; choose another output "
                 "or pass --overwrite"
             )
+    check_destinations(output, report_path)
 
     work, display = load_model(model)
     if verify and inputs is None:

@@ -19,6 +19,7 @@ __all__ = [
 
 import dataclasses
 import json
+import math
 import re
 from collections import Counter
 from typing import Any
@@ -162,7 +163,7 @@ class FusionReport:
         }
 
     def to_json(self, indent: int = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+        return json_text(self.to_dict(), indent)
 
     def summary(self) -> str:
         """One line: what was applied and refused."""
@@ -172,11 +173,26 @@ class FusionReport:
         return f"{applied}; {len(self.refusals)} refused; nodes {before} -> {after}"
 
 
-def _json_default(obj: Any) -> Any:
+def json_text(data: Any, indent: int = 2) -> str:
+    """``data`` as strict JSON: a NaN or infinite float (an SQNR of an exact or a failed
+    match, a row that was not measured) is ``null``, numpy scalars are numbers, sets and
+    tuples are lists (Python's ``json`` would write ``NaN``, which JSON readers reject)."""
+    return json.dumps(_plain(data), indent=indent, allow_nan=False)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item"):  # numpy scalars
+        obj = obj.item()
     if isinstance(obj, float):
-        return repr(obj)
-    if hasattr(obj, "item"):
-        return obj.item()
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (str, int, bool)):
+        return obj
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 

@@ -15,7 +15,7 @@ tensor, and a dimension the user left unnamed is not given a name like ``unk__54
 from __future__ import annotations
 
 __all__ = ["save_model", "write_text_atomic", "needs_external_data", "declared_types",
-           "restore_declared_types"]
+           "restore_declared_types", "check_destinations"]
 
 import os
 import pathlib
@@ -84,6 +84,19 @@ def needs_external_data(model: ir.Model) -> bool:
         total += tensor_nbytes(tensor)
         external = external or isinstance(tensor, ir.ExternalTensor)
     return external or total >= PROTOBUF_LIMIT
+
+
+def check_destinations(*paths: str | os.PathLike | None) -> None:
+    """Before any work: each path given can be written (its directory exists, it is not a
+    directory), so a long run does not end in an error with half its files written."""
+    for path in paths:
+        if path is None:
+            continue
+        path = pathlib.Path(path)
+        if not path.resolve().parent.is_dir():
+            raise BadInputError(f"{path}: the directory does not exist")
+        if path.is_dir():
+            raise BadInputError(f"{path}: is a directory")
 
 
 def save_model(

@@ -655,3 +655,15 @@ def test_plot_without_matplotlib_fails_before_measuring(tmp_path, monkeypatch, c
     assert main(["bench", "--model", "resnet18", "--plot", str(tmp_path / "p.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "opfuse[plot]" in err[0] and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_unwritable_destination_fails_before_measuring(flag, tmp_path, monkeypatch, capsys):
+    import opfuse.bench.run
+    from opfuse.cli import main
+
+    monkeypatch.setattr(opfuse.bench.run, "run_bench", lambda *a, **k: pytest.fail("measured anyway"))
+    target = tmp_path / "missing" / ("r.json" if flag == "--json" else "p.png")
+    assert main(["bench", "--model", "resnet18", flag, str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0], err

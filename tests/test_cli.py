@@ -133,6 +133,20 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, tmp_path, capsys):
     assert not list(tmp_path.glob(".opfuse-*"))
 
 
+@pytest.mark.parametrize("where", ["output", "report"])
+def test_an_unwritable_destination_is_refused_before_any_work(where, good, tmp_path, capsys):
+    out, rep = tmp_path / "out.onnx", tmp_path / "r.json"
+    if where == "output":
+        out = tmp_path / "missing" / "out.onnx"
+    else:
+        rep = tmp_path / "missing" / "r.json"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rc = main(["optimize", str(good), "-o", str(out), "--report", str(rep)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "directory does not exist" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # the model was not written either
+
+
 def test_bad_input_through_the_real_entry_point(tmp_path):
     rc, stdout, stderr = run_cli("optimize", tmp_path / "missing.onnx", "-o", tmp_path / "o.onnx")
     assert rc == 2 and stderr.startswith("opfuse: error:") and "Traceback" not in stderr

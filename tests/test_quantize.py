@@ -145,13 +145,18 @@ def test_opset_upgrade_for_per_channel_weights():
     assert not any("opset upgraded" in n for n in per_tensor.notes)
 
 
-def test_mixed_precision_keeps_the_worst_layer_in_float():
+def strict_json(path):
+    return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_mixed_precision_keeps_the_worst_layer_in_float(tmp_path):
     net = small_net(outlier_conv=1)
     _, plain = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False)
     worst = plain.costliest(1)[0]
     assert worst.name == "conv1", [(r.name, r.own_sqnr_db) for r in plain.costliest(3)]
     target = plain.verification.sqnr_db + 6
-    q, report = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False, min_sqnr=target)
+    q, report = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False, min_sqnr=target,
+                                report_path=tmp_path / "r.json")
     kept = report.kept()
     assert kept and kept[0].name == "conv1" and kept[0].precision == "float"
     assert "keeping it alone raised the calibration output SQNR" in kept[0].reason
@@ -163,6 +168,8 @@ def test_mixed_precision_keeps_the_worst_layer_in_float():
     weight_producer = [n for n in proto.graph.node if conv1.input[1] in n.output]
     assert not weight_producer, "a layer kept in float reads its float weight directly"
     assert report.weights_8bit_fraction < 1.0
+    written = strict_json(tmp_path / "r.json")  # a kept layer's unmeasured SQNR is null, not NaN
+    assert any(row["precision"] == "float" for row in written["layers"])
 
 
 def test_bias_correction_lowers_the_mean_error():
@@ -291,3 +298,90 @@ def test_a_model_computing_inside_if_branches_says_nothing_was_quantised_and_kee
     out, err = capfd.readouterr()
     assert "nothing was quantised" in out and "If and Loop bodies" in out
     assert err == ""
+
+
+def test_auto_goes_on_with_the_method_that_works_when_the_other_fails(monkeypatch):
+    """--calibrate auto: a method whose calibration fails (an empty histogram) is noted, and
+    the other one is used."""
+    from opfuse.quantization.qdq import Quantizer
+
+    real = Quantizer.quantize
+
+    def failing_percentile(self, keep=()):
+        if self.method == "percentile":
+            raise BadInputError("ONNX Runtime's quantiser failed on this model (percentile calibration): empty")
+        return real(self, keep)
+
+    monkeypatch.setattr(Quantizer, "quantize", failing_percentile)
+    _, report = opfuse.quantize(small_net(), samples())
+    assert report.calibration == "minmax" and report.verification.ok
+    assert any("percentile failed, not used" in n for n in report.notes)
+    assert {s.calibration for s in report.search} == {"minmax"}
+
+
+def reshaping_net() -> onnx.ModelProto:
+    """a[1, 'n'] + b[1, 'n'] -> Reshape to [2, 3]: runs only where n is 6."""
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+             helper.make_node("Reshape", ["s", "shape"], ["y"], name="reshape")]
+    return model(nodes, [vinfo("a", [1, "n"]), vinfo("b", [1, "n"])], [vinfo("y", [2, 3])],
+                 [tensor("shape", np.array([2, 3], np.int64))])
+
+
+def test_a_named_dimension_has_one_size_per_sample(tmp_path, capsys):
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(reshaping_net(), src)
+    (tmp_path / "d").mkdir()
+    for i in range(4):
+        np.savez(tmp_path / "d" / f"{i}.npz", a=np.ones((1, 6), np.float32), b=np.ones((1, 6 if i != 2 else 5), np.float32))
+    assert main(["quantize", str(src), "-o", str(out), "--calibration", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sample 2" in err[0] and "dimension 'n' is 6" in err[0], err
+    assert not out.exists()
+
+
+def test_a_sample_the_model_cannot_run_on_is_named_before_any_work(tmp_path, capsys):
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(reshaping_net(), src)
+    data = [{"a": np.ones((1, 5 if i == 3 else 6), np.float32), "b": np.ones((1, 5 if i == 3 else 6), np.float32)}
+            for i in range(4)]
+    (tmp_path / "d").mkdir()
+    for i, d in enumerate(data):
+        np.savez(tmp_path / "d" / f"{i}.npz", **d)
+    assert main(["quantize", str(src), "-o", str(out), "--calibration", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "calibration sample 3: ONNX Runtime cannot run the model" in err[0], err
+    assert not out.exists()
+
+
+def test_a_missing_output_directory_is_refused_before_any_work(tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(small_net(), src)
+    data = npz(tmp_path / "c.npz", samples(4))
+    for args in (["-o", str(tmp_path / "no" / "q.onnx")],
+                 ["-o", str(tmp_path / "q.onnx"), "--report", str(tmp_path / "no" / "r.json")]):
+        assert main(["quantize", str(src), "--calibration", data, *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "directory does not exist" in err[0], err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "m.onnx"]
+
+
+def test_sqnr_of_a_model_computing_nan_or_overflowing_is_the_worst():
+    from opfuse.quantization.sqnr import INFINITE, Accumulator, sqnr_db
+
+    assert sqnr_db(1.0, float("nan")) == -INFINITE
+    assert sqnr_db(1.0, float("inf")) == -INFINITE
+    assert sqnr_db(float("inf"), 1.0) == -INFINITE
+    assert sqnr_db(1.0, 0.0) == INFINITE and abs(sqnr_db(100.0, 1.0) - 20.0) < 1e-12
+    acc = Accumulator()
+    f = np.ones((1, 2, 3, 3), np.float32)
+    acc.add("t", f, np.where(f > 0, np.nan, 0).astype(np.float32), axis=1)
+    assert acc.db("t") == -INFINITE and acc.channel_db("t") == -INFINITE
+
+
+def test_reports_are_strict_json():
+    """NaN and infinities (an unmeasured or exact SQNR) are null; numpy scalars are numbers."""
+    from opfuse.report import json_text
+
+    text = json_text({"a": float("nan"), "b": [np.float32(1.5), float("inf")], "c": (1, {2})})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == \
+        {"a": None, "b": [1.5, None], "c": [1, [2]]}

@@ -30,9 +30,7 @@ __all__ = ["INT8", "INT8_UNFOLDED", "FLOAT_AT_ALL", "FLOAT_SOURCE", "CALIBRATION
            "quantize_rows", "runtime_int8_kernels"]
 
 import dataclasses
-import logging
 import math
-import pathlib
 import tempfile
 import time
 from collections import Counter
@@ -41,12 +39,11 @@ from typing import Any
 
 import onnx
 import onnx_ir as ir
-from onnxruntime import quantization as ortq
 
 from opfuse.pipeline import optimize
 from opfuse.quantization import quantize
-from opfuse.quantization.presets import CPU_OPS
-from opfuse.quantization.qdq import weight_storage
+from opfuse.quantization.presets import CPU_OPS, PRESETS
+from opfuse.quantization.qdq import Quantizer, weight_storage
 from opfuse.quantization.sqnr import output_sqnr
 from opfuse.verify import make_inputs
 from opfuse.vocabulary import first_line
@@ -169,36 +166,14 @@ def _ort_flow(float_proto: onnx.ModelProto, calib, held) -> Int8Model:
     return Int8Model(INT8_UNFOLDED, "int8 unfolded", note, qdq, facts)
 
 
-class _Samples(ortq.CalibrationDataReader):
-    def __init__(self, samples):
-        self._it = iter(list(samples))
-
-    def get_next(self):
-        return next(self._it, None)
+# ORT's quantiser as the cpu preset runs it, on the model as given, with BatchNormalization
+# quantised too as ORT does by default (opfuse folds it away; here each BN keeps its Q/DQ)
+UNFOLDED = dataclasses.replace(PRESETS["cpu"], op_types=(*CPU_OPS, "BatchNormalization"))
 
 
 def _quantize_static(float_proto: onnx.ModelProto, calib) -> onnx.ModelProto:
     with tempfile.TemporaryDirectory(prefix="opfuse-bench-int8-") as tmp:
-        src, dst = pathlib.Path(tmp, "float.onnx"), pathlib.Path(tmp, "int8.onnx")
-        onnx.save(float_proto, src, save_as_external_data=float_proto.ByteSize() > 2**30)
-        root = logging.getLogger()
-        level = root.level
-        root.setLevel(logging.ERROR)  # its advice to pre-process: the point is the model as given
-        try:
-            ortq.quantize_static(
-                str(src), str(dst), _Samples(calib),
-                quant_format=ortq.QuantFormat.QDQ,
-                activation_type=ortq.QuantType.QUInt8,
-                weight_type=ortq.QuantType.QInt8,
-                per_channel=True,
-                calibrate_method=ortq.CalibrationMethod.MinMax,
-                # the ops opfuse's cpu preset quantises, and BatchNormalization as ORT does by default
-                op_types_to_quantize=[*CPU_OPS, "BatchNormalization"],
-                extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
-            )
-        finally:
-            root.setLevel(level)
-        return onnx.load(dst)
+        return Quantizer(float_proto, UNFOLDED, calib, tmp, method="minmax").quantize()
 
 
 def _count(facts: Int8Facts, proto: onnx.ModelProto) -> None:

@@ -10,10 +10,9 @@ separate fields, and :meth:`BenchResult.to_dict` labels predictions as such.
 
 from __future__ import annotations
 
-__all__ = ["Row", "BenchResult", "json_default"]
+__all__ = ["Row", "BenchResult"]
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -149,12 +148,3 @@ def _speedup(result: BenchResult, profile: str, key: str) -> float | None:
         return None
     return base.predictions[profile].latency_s / row.predictions[profile].latency_s
 
-
-def json_default(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    raise TypeError(f"cannot serialise {type(obj).__name__}")

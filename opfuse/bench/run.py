@@ -21,7 +21,6 @@ from __future__ import annotations
 
 __all__ = ["run", "run_bench"]
 
-import json
 import os
 import re
 import sys
@@ -39,9 +38,10 @@ from opfuse.bench.int8 import CALIBRATION, FLOAT_AT_ALL, HELD_OUT, quantize_rows
 from opfuse.bench.measure import Variant, measure, profile_op_types
 from opfuse.bench.options import BASELINE, CONTROL, BenchOptions, options_from_args
 from opfuse.bench.plot import plot_result
-from opfuse.bench.result import BenchResult, Row, json_default
+from opfuse.bench.result import BenchResult, Row
 from opfuse.bench.table import print_result
 from opfuse.errors import BadInputError
+from opfuse.report import json_text
 from opfuse.load import load_model
 from opfuse.models import build
 from opfuse.save import write_text_atomic
@@ -61,7 +61,7 @@ def run(args) -> int:
     progress_console = Console(stderr=True)
     result = run_bench(options, progress_console=progress_console)
     if options.json_path:
-        text = json.dumps(result.to_dict(), indent=2, default=json_default)
+        text = json_text(result.to_dict())
         if to_stdout_json:
             sys.stdout.write(text + "\n")
         else:

@@ -50,11 +50,6 @@ class BiasCorrection:
     layers: dict[str, np.ndarray]  # node name -> error per output channel (float)
     skipped: dict[str, str]  # node name -> why it was not corrected
 
-    @property
-    def mean_abs_shift(self) -> float:
-        values = [np.abs(e).mean() for e in self.layers.values()]
-        return float(np.mean(values)) if values else 0.0
-
 
 @dataclasses.dataclass
 class _Site:

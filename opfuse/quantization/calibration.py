@@ -25,7 +25,7 @@ reported and checked against ``--min-sqnr`` is measured on it alone.
 
 from __future__ import annotations
 
-__all__ = ["Sample", "load_calibration", "split", "MIN_SAMPLES"]
+__all__ = ["Sample", "load_calibration", "split", "check_runs", "run_sample", "MIN_SAMPLES"]
 
 import os
 import pathlib
@@ -131,10 +131,20 @@ def _check(samples: list[Sample], model: ir.Model, where: str) -> None:
                 + (f"; missing {', '.join(missing)}" if missing else "")
                 + (f"; not inputs of the model: {', '.join(unknown)}" if unknown else "")
             )
+        sizes: dict[str, tuple[str, int]] = {}  # named dimension -> (where first seen, its size)
         for name, value in inputs.items():
-            problem = _mismatch(np.asarray(sample[name]), value)
+            array = np.asarray(sample[name])
+            problem = _mismatch(array, value)
             if problem:
                 raise BadInputError(f"{where}: sample {index}, input '{name}': {problem}")
+            for axis, dim in enumerate(value.shape or ()):
+                if isinstance(dim, ir.SymbolicDim) and dim.value:  # one size per sample, like --dim
+                    seen = sizes.setdefault(dim.value, (f"'{name}' axis {axis}", array.shape[axis]))
+                    if seen[1] != array.shape[axis]:
+                        raise BadInputError(
+                            f"{where}: sample {index}: dimension '{dim.value}' is {seen[1]} in {seen[0]} "
+                            f"but {array.shape[axis]} in '{name}' axis {axis}; a named dimension has one "
+                            "size per sample")
 
 
 def _mismatch(array: np.ndarray, value: ir.Value) -> str | None:
@@ -161,12 +171,26 @@ def _show(shape) -> str:
 def _random_samples(model: ir.Model, count: int, seed: int) -> list[Sample]:
     if count < MIN_SAMPLES:
         raise BadInputError(f"random:{count}: quantisation needs at least {MIN_SAMPLES} samples")
-    session = {}
-
-    def run(feeds):  # sizes at which the model runs, as verification finds them
-        if "s" not in session:
-            session["s"] = create_session(model, "disabled")
-        return session["s"].run(None, feeds)
-
-    _, sizes, _ = find_sizes(model, run, seed=seed)
+    session = create_session(model, "disabled")
+    _, sizes, _ = find_sizes(  # sizes at which the model runs, as verification finds them
+        model, lambda feeds: session.run(None, feeds), seed=seed,
+        purpose=f"random:{count}", advice="give calibration data: --calibration DATA.npz")
     return [make_feeds(model, sizes, seed=seed + i) for i in range(count)]
+
+
+def check_runs(model: ir.Model, samples: list[Sample]) -> None:
+    """Every sample runs on the model (ONNX Runtime, no graph optimisation), before any work:
+    a sample it cannot run on is bad input (exit 2), named by its index."""
+    session = create_session(model, "disabled")
+    for index, sample in enumerate(samples):
+        run_sample(session, None, sample, index)
+
+
+def run_sample(session, names: list[str] | None, sample: Mapping[str, np.ndarray], index: int) -> list:
+    """``session.run`` on one calibration sample; a sample the model cannot run on is bad
+    input (exit 2), named by its index."""
+    try:
+        return session.run(names, sample)
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own kinds
+        raise BadInputError(f"calibration sample {index}: ONNX Runtime cannot run the model on it "
+                            f"({first_line(e, 200)})") from None

@@ -80,7 +80,8 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
     """
     reference = OutputReference(float_model, calib)
     kept_as = "int16 activations" if quantizer.preset.keep_as == "int16" else "float"
-    subset = OutputReference(float_model, calib[:LAYER_SAMPLES])  # for choosing which corrections to keep
+    subset = reference.head(LAYER_SAMPLES)  # for choosing which corrections to keep
+    sensitivity = reference.head(SENSITIVITY_SAMPLES)
     corrections: dict[str, BiasCorrection | None] = {}  # per calibration method, decided by its first trial
     bias_facts: dict[str, tuple] = {}  # method -> (layers corrected, skipped, (SQNR without, with))
 
@@ -93,15 +94,16 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
                                                        subset.sqnr)
             with_db = reference.sqnr(corrected)
             if with_db > without_db:
-                qdq = corrected
+                qdq, sqnr = corrected, with_db
             else:  # it did not help on every calibration sample
-                correction = None
+                correction, sqnr = None, without_db
             corrections[method] = correction
             bias_facts[method] = (len(correction.layers) if correction else 0,
                                   dict(correction.skipped) if correction else {}, (without_db, with_db))
-        elif corrections.get(method) is not None:
-            apply_corrections(qdq, corrections[method])
-        sqnr = reference.sqnr(qdq)
+        else:
+            if corrections.get(method) is not None:
+                apply_corrections(qdq, corrections[method])
+            sqnr = reference.sqnr(qdq)
         value = metric(create_session(qdq, "all")) if metric else None
         report.search.append(SearchStep(kept=list(keep), sqnr_db=sqnr, metric=value, calibration=method))
         return qdq, sqnr, value
@@ -123,8 +125,8 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
                 failed[method] = str(e)
         if not tried:
             raise BadInputError(next(iter(failed.values())))
-        for method, why in failed.items():
-            report.notes.append(f"calibration: {method} failed, not used ({why})")
+        for method, error in failed.items():
+            report.notes.append(f"calibration: {method} failed, not used ({error})")
         best = max(tried, key=lambda m: score(*tried[m][1:]))
         quantizer.method = best
         qdq, sqnr, value = tried[best]
@@ -147,7 +149,7 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
         if met:
             break
         gains: dict[str, float] = {}
-        order = [(label, names) for label, names in _rank(qdq, float_model, calib, gains, skip=set(keep))
+        order = [(label, names) for label, names in _rank(qdq, float_model, sensitivity, gains, skip=set(keep))
                  if label not in rejected]
         if not order:
             break
@@ -185,11 +187,11 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
     return qdq
 
 
-def _rank(qdq: onnx.ModelProto, float_model: onnx.ModelProto, calib, gains: dict[str, float], *,
-          skip: set[str]) -> list[tuple]:
-    """Candidates that raise the output SQNR when kept alone, largest gain first: a list of
-    (label, node names); ``gains`` gets each label's gain in dB. Nodes in ``skip`` (kept
-    already) are no candidates."""
+def _rank(qdq: onnx.ModelProto, float_model: onnx.ModelProto, subset: OutputReference,
+          gains: dict[str, float], *, skip: set[str]) -> list[tuple]:
+    """Candidates that raise the output SQNR on ``subset`` when kept alone, largest gain
+    first: a list of (label, node names); ``gains`` gets each label's gain in dB. Nodes in
+    ``skip`` (kept already) are no candidates."""
     layers = qdq_layers(float_model, qdq)
     units: dict[str, tuple[str, ...]] = {}
     for layer in layers:
@@ -200,7 +202,6 @@ def _rank(qdq: onnx.ModelProto, float_model: onnx.ModelProto, calib, gains: dict
         else:
             units.setdefault(f"every {layer.op_type}", ())
             units[f"every {layer.op_type}"] += (layer.name,)
-    subset = OutputReference(float_model, calib[:SENSITIVITY_SAMPLES])
     base = subset.sqnr(qdq)
     for label, names in units.items():
         gains[label] = subset.sqnr(keep_variant(qdq, float_model, names)) - base

@@ -44,14 +44,14 @@ from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
 from opfuse.passes import DEFAULT_PASSES
 from opfuse.pipeline import optimize
-from opfuse.quantization.calibration import CalibrationSource, load_calibration, split
+from opfuse.quantization.calibration import CalibrationSource, check_runs, load_calibration, split
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
 from opfuse.quantization.mixed import search
 from opfuse.quantization.qdq import CALIBRATION_METHODS, Quantizer, prepare, weight_storage
 from opfuse.quantization.report import QuantReport, QuantVerification
 from opfuse.quantization.sqnr import output_sqnr
 from opfuse.runtime import create_session
-from opfuse.save import save_model, write_text_atomic
+from opfuse.save import check_destinations, save_model, write_text_atomic
 
 Metric = Callable[[ort.InferenceSession], float]
 
@@ -94,10 +94,12 @@ def quantize(
     if output is not None and isinstance(model, (str, os.PathLike)) and not overwrite:
         if pathlib.Path(output).resolve() == pathlib.Path(model).resolve():
             raise BadInputError(f"{output}: refusing to overwrite the input model; choose another output")
+    check_destinations(output, report_path)
     chosen = PRESETS[preset]
     work, display = load_model(model)
     samples, notes = load_calibration(calibration, work, seed=seed)
     calib, held = split(samples, holdout)
+    check_runs(work, samples)  # before any work: a sample the model cannot run on is named
 
     passes = [*DEFAULT_PASSES, *(["equalize"] if equalize else [])]
     folded, fusion = optimize(work, passes=passes, target="onnx", inputs=held[0])
@@ -112,7 +114,7 @@ def quantize(
                      min_metric=min_metric, bias_correction=bias_correction, max_steps=max_steps,
                      calibrate=calibrate)
 
-    outputs, total = output_sqnr(float_model, qdq, held, qdq_level="all")
+    outputs, total = output_sqnr(float_model, qdq, held, qdq_level="all", first_index=len(calib))
     report.verification = QuantVerification(
         samples=len(held), outputs=outputs, sqnr_db=total, min_sqnr_db=min_sqnr,
         runtime="ONNX Runtime CPU, all optimisations (int8 kernels)",

@@ -9,8 +9,9 @@ preset         activations        weights            granularity  a costly layer
                per tensor: its Qualcomm NPU defaults)             with 16-bit activations
 =============  =================  =================  ===========  ========================
 
-All three write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops), calibrated
-with MinMax, through ONNX Runtime's quantiser.
+All three write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops) through
+ONNX Runtime's quantiser, calibrated as ``--calibrate`` says (by default ``auto``: MinMax
+and the 99.99th percentile both tried, the better kept; :mod:`.mixed`).
 
 What ``cpu`` and ``per-tensor`` quantise (:data:`CPU_OPS`): the layers with weights, the
 activations ONNX Runtime folds into them (Relu, Clip), and the ops that only move or pool

@@ -5,10 +5,11 @@ the mixed-precision search address nodes by name) and the opset raised where the
 needs it, with onnx's version converter (per-channel DequantizeLinear needs opset 13;
 ONNX Runtime's own pre-processing leaves an opset-12 model invalid there).
 
-:class:`Quantizer` calibrates once (MinMax ranges of every tensor, cached in a file) and
-then writes as many QDQ models as the mixed-precision search asks for, each keeping a
-different set of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``,
-with 16-bit activations (tensor overrides).
+:class:`Quantizer` calibrates once per method (:data:`CALIBRATION_METHODS`: MinMax, the
+99.99th percentile, entropy; the ranges of every tensor cached in a file) and then writes
+as many QDQ models as the mixed-precision search asks for, each keeping a different set
+of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``, with 16-bit
+activations (tensor overrides).
 
 How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers`):
 
@@ -24,7 +25,7 @@ How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers
 from __future__ import annotations
 
 __all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS",
-           "CALIBRATION_METHODS"]
+           "CALIBRATION_METHODS", "SampleReader"]
 
 import contextlib
 import dataclasses
@@ -116,7 +117,9 @@ def _give_biases(model: onnx.ModelProto) -> int:
     return added
 
 
-class _Reader(ortq.CalibrationDataReader):
+class SampleReader(ortq.CalibrationDataReader):
+    """ONNX Runtime's calibration reader over a list of feed dicts (rewindable)."""
+
     def __init__(self, samples):
         self._samples = list(samples)
         self._it = iter(self._samples)
@@ -150,7 +153,8 @@ class Quantizer:
                  method: str = "minmax"):
         self.preset = preset
         self.workdir = pathlib.Path(workdir)
-        self.float_path = self.workdir / "float.onnx"
+        self.float_model = float_model
+        self.float_path = self.workdir / "float.onnx"  # ONNX Runtime's quantiser reads a file
         onnx.save(float_model, self.float_path, save_as_external_data=float_model.ByteSize() > 2**30)
         self.samples = list(samples)
         self.method = method
@@ -179,22 +183,22 @@ class Quantizer:
                                 f"calibration): {first_line(e, 200)}") from None
         finally:
             root.setLevel(level)
-            ort.set_default_logger_severity(2)  # the runtime's default
+            ort.set_default_logger_severity(2)  # the runtime's default (ONNX Runtime has no getter to restore from)
         model = onnx.load(out)
         out.unlink()
         if keep and self.preset.keep_as == "float":
-            _read_float_inputs(model, set(keep), onnx.load(self.float_path, load_external_data=False))
+            _read_float_inputs(model, set(keep), self.float_model)
         return model
 
     def _config(self, keep: list[str]) -> dict:
         preset = self.preset
-        reader = _Reader(self.samples) if not self.cache.exists() else None
+        reader = SampleReader(self.samples) if not self.cache.exists() else None
         if preset.qnn:
             from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (QNN helpers load only for this preset)
 
             overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(keep)}
             method, extra = CALIBRATION_METHODS[self.method]
-            config = get_qnn_qdq_config(str(self.float_path), reader or _Reader(self.samples),
+            config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
                                         calibrate_method=method, init_overrides=overrides or None)
             return dict(
                 calibration_data_reader=reader, quant_format=config.quant_format,
@@ -217,8 +221,7 @@ class Quantizer:
 
     def _outputs_of(self, names: list[str]) -> list[str]:
         wanted = set(names)
-        model = onnx.load(self.float_path, load_external_data=False)
-        return [o for n in model.graph.node if n.name in wanted for o in n.output if o]
+        return [o for n in self.float_model.graph.node if n.name in wanted for o in n.output if o]
 
 
 def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx.ModelProto) -> None:
@@ -391,9 +394,3 @@ def weight_storage(float_model: onnx.ModelProto, qdq: onnx.ModelProto) -> tuple[
                 eight_bit += int(np.prod(tensor.dims, dtype=np.int64))
     return eight_bit, total
 
-
-def initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray | None:
-    for init in model.graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init)
-    return None

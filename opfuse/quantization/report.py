@@ -13,13 +13,12 @@ from __future__ import annotations
 __all__ = ["LayerRow", "SearchStep", "QuantVerification", "QuantReport", "print_quant_report"]
 
 import dataclasses
-import json
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from opfuse.report import FusionReport, _json_default, print_report
+from opfuse.report import FusionReport, json_text, print_report
 
 
 @dataclasses.dataclass
@@ -146,7 +145,7 @@ class QuantReport:
         return out
 
     def to_json(self, indent: int = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+        return json_text(self.to_dict(), indent)
 
 
 def print_quant_report(report: QuantReport, console=None, *, verbose: bool = False) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from opfuse.quantization.calibration import run_sample
 from opfuse.quantization.qdq import QdqLayer
 from opfuse.runtime import create_session
 
@@ -37,6 +38,10 @@ INFINITE = 200.0  # dB shown for an exact match
 
 
 def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise), within +-:data:`INFINITE`; a NaN or infinite sum (a model
+    that computes NaN or overflows) is the worst, never a pass."""
+    if not (math.isfinite(signal) and math.isfinite(noise)):
+        return -INFINITE
     if noise <= 0.0:
         return INFINITE
     if signal <= 0.0:
@@ -88,7 +93,9 @@ class Accumulator:
         live = s > 1e-12 * max(float(s.max()), 1e-300)
         if not live.any():
             return self.db(name)
-        ratio = np.minimum(n[live] / s[live], 1.0).mean()
+        ratio = float(np.minimum(n[live] / s[live], 1.0).mean())
+        if not math.isfinite(ratio):
+            return -INFINITE
         return INFINITE if ratio <= 0 else min(INFINITE, -10.0 * math.log10(ratio))
 
     def total_db(self, names: Iterable[str]) -> float:
@@ -114,26 +121,29 @@ def measure(
     pairs: Mapping[str, tuple],
     *,
     qdq_level: str = "disabled",
+    first_index: int = 0,
 ) -> Accumulator:
     """SQNR accumulators for ``pairs`` (label -> (float tensor, QDQ tensor[, channel
-    axis])) over ``samples``."""
+    axis])) over ``samples`` (numbered from ``first_index`` in messages)."""
     float_names = sorted({p[0] for p in pairs.values()})
     qdq_names = sorted({p[1] for p in pairs.values()})
     ref = create_session(_exposed(float_model, float_names), "disabled")
     got = create_session(_exposed(qdq_model, qdq_names), qdq_level)
     acc = Accumulator()
-    for sample in samples:
-        f = dict(zip(float_names, ref.run(float_names, dict(sample))))
+    for index, sample in enumerate(samples, first_index):
+        f = dict(zip(float_names, run_sample(ref, float_names, dict(sample), index)))
         q = dict(zip(qdq_names, got.run(qdq_names, dict(sample))))
         for label, (fn, qn, *axis) in pairs.items():
             acc.add(label, f[fn], q[qn], axis[0] if axis else None)
     return acc
 
 
-def output_sqnr(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, samples, *, qdq_level="disabled"):
+def output_sqnr(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, samples, *, qdq_level="disabled",
+                first_index: int = 0):
     """(per-output SQNR in dB, SQNR over all outputs) of the graph outputs."""
     names = [o.name for o in float_model.graph.output]
-    acc = measure(float_model, qdq_model, samples, {n: (n, n) for n in names}, qdq_level=qdq_level)
+    acc = measure(float_model, qdq_model, samples, {n: (n, n) for n in names}, qdq_level=qdq_level,
+                  first_index=first_index)
     return {n: acc.db(n) for n in names}, acc.total_db(names)
 
 
@@ -145,7 +155,13 @@ class OutputReference:
         self.samples = [dict(s) for s in samples]
         self.names = [o.name for o in float_model.graph.output]
         session = create_session(float_model, level)
-        self.values = [session.run(self.names, s) for s in self.samples]
+        self.values = [run_sample(session, self.names, s, i) for i, s in enumerate(self.samples)]
+
+    def head(self, count: int) -> "OutputReference":
+        """The same reference on its first ``count`` samples (nothing is run again)."""
+        head = object.__new__(OutputReference)
+        head.samples, head.names, head.values = self.samples[:count], self.names, self.values[:count]
+        return head
 
     def sqnr(self, qdq_model: onnx.ModelProto, level: str = "disabled") -> float:
         """SQNR over all outputs and samples of ``qdq_model``, in dB."""
