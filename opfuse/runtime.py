@@ -15,7 +15,7 @@ all need:
 
 from __future__ import annotations
 
-__all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "optimized_graph"]
+__all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "serialized", "optimized_graph"]
 
 import os
 import tempfile
@@ -65,6 +65,14 @@ def model_source(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) 
     path = tempfile.mkstemp(suffix=".onnx", dir=workdir)[1]
     ir.save(model, path, external_data=os.path.basename(path) + ".data")
     return path
+
+
+def serialized(model: ir.Model) -> ir.Model | bytes:
+    """``model`` as bytes for :func:`create_session`, serialised once for several sessions
+    (a model that needs external data stays as it is)."""
+    if needs_external_data(model):
+        return model
+    return ir.serde.serialize_model(model).SerializeToString()
 
 
 def create_session(model, level: str = "disabled", threads: int | None = None, **options):

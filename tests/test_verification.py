@@ -297,3 +297,41 @@ def test_a_rewrite_summing_many_products_gets_a_rounding_floor_that_still_catche
     assert compare_tensor("y", ref, rounding, floor=floor).ok
     assert not compare_tensor("y", ref, wrong, floor=floor).ok
     assert _sum_floor(ref, None) == 0.0 == _sum_floor(ref, 0)
+
+
+def cancelling_conv_bn() -> onnx.ModelProto:
+    """Conv with a bias of 1000 per channel, then BatchNormalization whose mean is that
+    1000 (statistics from data) and whose variance is 1e-4: the original rounds at 1000 and
+    scales the rounding by 100, so it and the fold differ by ~1e-4 of the output's scale,
+    over the modelled floor; ONNX Runtime's own Conv+BN fusion differs as much."""
+    r = rng(3)
+    c = 8
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             bn_node("bn", "c", "t"), helper.make_node("Relu", ["t"], ["y"], name="relu")]
+    inits = [tensor("w", r.normal(0, 0.3, (c, 3, 3, 3)).astype(np.float32)),
+             tensor("b", np.full(c, 1000.0, np.float32)),
+             tensor("bn.scale", np.ones(c, np.float32)), tensor("bn.B", np.zeros(c, np.float32)),
+             tensor("bn.mean", (1000.0 + r.normal(0, 0.01, c)).astype(np.float32)),
+             tensor("bn.var", np.full(c, 1e-4, np.float32))]
+    return model(nodes, [vinfo("x", [1, 3, 16, 16])], [vinfo("y", [1, c, 16, 16])], inits)
+
+
+def test_the_runtime_s_own_rounding_is_measured_only_when_the_modelled_floor_fails(monkeypatch):
+    import opfuse.verify
+
+    calls = []
+    real = opfuse.verify._runtime_rounding
+    monkeypatch.setattr(opfuse.verify, "_runtime_rounding", lambda *a: calls.append(a[2]) or real(*a))
+    optimize(conv_bn_chain([1, 3, 16, 16]))  # ordinary statistics: no EXTENDED session
+    assert calls == []
+
+    m = cancelling_conv_bn()
+    work, report = optimize(m)  # passes, on the measured floor
+    assert calls and report.verification.ok
+    check = next(c for c in report.verification.rewrites if c.rewrite)
+    assert check.floor > opfuse.verify._sum_floor(np.ones(1) * check.scale, 27)
+
+    conv = next(n for n in work.graph if n.op_type == "Conv")
+    bad = _tamper(work, conv.inputs[2].name, lambda a: np.roll(a, 1))  # still caught
+    original, _ = load_model(m)
+    assert not verify_models(original, bad, records=report.records).ok
