@@ -385,3 +385,15 @@ def test_reports_are_strict_json():
     text = json_text({"a": float("nan"), "b": [np.float32(1.5), float("inf")], "c": (1, {2})})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == \
         {"a": None, "b": [1.5, None], "c": [1, [2]]}
+
+
+def test_a_low_output_sqnr_without_a_target_suggests_min_sqnr(monkeypatch):
+    import opfuse.quantization.pipeline as qp
+
+    _, fine = opfuse.quantize(small_net(), samples())
+    assert not any("--min-sqnr" in n for n in fine.notes)
+    monkeypatch.setattr(qp, "LOW_SQNR_DB", 1000)  # every result counts as low
+    _, low = opfuse.quantize(small_net(), samples())
+    assert any("is low" in n and "--min-sqnr" in n for n in low.notes)
+    _, targeted = opfuse.quantize(small_net(), samples(), min_sqnr=5)  # the user chose a target
+    assert not any("is low" in n for n in targeted.notes)

@@ -165,8 +165,9 @@ def search(quantizer: Quantizer, float_model: onnx.ModelProto, calib, report: Qu
             for name in names:
                 gain_of[name] = gains[label]
                 why[name] = (f"kept {'in float' if kept_as == 'float' else 'with 16-bit activations'} at step "
-                             f"{steps}: keeping {what} alone raised the calibration output SQNR from "
-                             f"{sqnr:.1f} to {sqnr + gains[label]:.1f} dB, the most of the candidates"
+                             f"{steps}: keeping {what} alone raised the calibration output SQNR by "
+                             f"{gains[label]:+.2f} dB on {SENSITIVITY_SAMPLES} samples, the most of the "
+                             f"candidates; the step took it from {sqnr:.1f} to {new_sqnr:.1f} dB"
                              + (f" (target {min_sqnr:g} dB)" if min_sqnr is not None else ""))
         keep, qdq, sqnr, value = candidate, new_qdq, new_sqnr, new_value
     if rejected:

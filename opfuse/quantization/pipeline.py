@@ -54,6 +54,7 @@ from opfuse.runtime import create_session
 from opfuse.save import check_destinations, save_model, write_text_atomic
 
 Metric = Callable[[ort.InferenceSession], float]
+LOW_SQNR_DB = 10  # below it, with no target given, the report suggests --min-sqnr
 
 
 def quantize(
@@ -120,6 +121,10 @@ def quantize(
         runtime="ONNX Runtime CPU, all optimisations (int8 kernels)",
         metric=metric(create_session(qdq, "all")) if metric else None, min_metric=min_metric,
     )
+    if min_sqnr is None and metric is None and total < LOW_SQNR_DB:
+        report.notes.append(f"output SQNR {total:.1f} dB on the held-out samples is low (under {LOW_SQNR_DB} dB "
+                            "the outputs are far from the float model's); --min-sqnr DB keeps the layers that "
+                            "cost most out of int8 until it is met")
     report.weights_8bit, report.weights_total = weight_storage(float_model, qdq)
     report.bytes_float, report.bytes_quantized = float_model.ByteSize(), qdq.ByteSize()
     report.quantize_linear = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
