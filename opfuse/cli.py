@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _console(stderr: bool = False):
-    return Console(stderr=stderr, soft_wrap=False)
+    # a pipe or file gets 120 columns, as opfuse bench does, rather than rich's 80, which
+    # wraps the report's reasons a word per line
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, soft_wrap=False, width=None if stream.isatty() else 120)
 
 
 def _apply_config(args) -> None:
