@@ -190,11 +190,15 @@ def _optimize(args) -> int:
         cleanup=not args.no_cleanup,
         keep_shapes=args.keep_shapes,
     )
-    elapsed = time.perf_counter() - start
+    return _print_result(args, report, print_report, time.perf_counter() - start)
+
+
+def _print_result(args, report, printer, elapsed: float) -> int:
+    """``-q``: the report's one-line summary; else the whole report, then what was written."""
     if args.quiet:
         print(report.summary())
     else:
-        print_report(report, _console(), verbose=args.verbose)
+        printer(report, _console(), verbose=args.verbose)
         print(f"wrote {args.output} in {elapsed:.2f} s")
     return 0
 
@@ -276,12 +280,7 @@ def _quantize(args) -> int:
         max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
     )
-    if args.quiet:
-        print(report.summary())
-    else:
-        print_quant_report(report, _console(), verbose=args.verbose)
-        print(f"wrote {args.output} in {time.perf_counter() - start:.1f} s")
-    return 0
+    return _print_result(args, report, print_quant_report, time.perf_counter() - start)
 
 
 COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench, "quantize": _quantize}
