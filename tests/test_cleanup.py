@@ -168,3 +168,33 @@ def test_fresh_names_are_unique_without_scanning_every_suffix():
     assert len(set(names)) == len(names)
     assert not {"base", "base_1", "base_3", "x", "y"} & set(names)
     assert names[:3] == ["base_2", "base_4", "base_5"]
+
+
+def sliced_weight(shared: bool) -> onnx.ModelProto:
+    """A conv weight sliced out of a larger constant (36864 elements, over onnxscript's
+    folding limit), as exporters write it; ``shared``: another conv reads the whole one."""
+    r = rng(4)
+    full = r.normal(0, 0.1, (64, 64, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Slice", ["W", "starts", "ends", "axes"], ["Wpart"], name="slice"),
+             helper.make_node("Conv", ["x", "Wpart"], ["y"], pads=[1, 1, 1, 1], name="conv")]
+    outputs = [vinfo("y", [1, 8, 8, 8])]
+    if shared:
+        nodes.append(helper.make_node("Conv", ["x", "W"], ["z"], pads=[1, 1, 1, 1], name="conv_full"))
+        outputs.append(vinfo("z", [1, 64, 8, 8]))
+    inits = [tensor("W", full), tensor("starts", np.array([0], np.int64)), tensor("ends", np.array([8], np.int64)),
+             tensor("axes", np.array([0], np.int64))]
+    return model(nodes, [vinfo("x", [1, 64, 8, 8])], outputs, inits)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_weight_sliced_from_a_large_constant_folds_unless_that_stores_it_twice(shared):
+    m = sliced_weight(shared)
+    out, report = opfuse.optimize(m)
+    assert report.verification.ok
+    sizes = sorted(int(np.prod(v.const_value.shape)) for v in out.graph.initializers.values()
+                   if v.const_value is not None and v.const_value.size > 100)
+    if shared:  # folding would keep the whole weight and its slice: the Slice stays
+        assert "Slice" in ops(out) and sizes == [64 * 64 * 9]
+    else:  # the slice becomes the weight, the whole one goes
+        assert "Slice" not in ops(out) and sizes == [8 * 64 * 9]
+    assert_same(m, out)

@@ -153,11 +153,11 @@ def _fold_constants(model: ir.Model, ops, infer: bool) -> None:
     The two differ only where a node with all-constant inputs has one above onnxscript's
     limit, so the model is folded in place with onnxscript's limit first, noting whether
     such a node came up; only then is a copy folded again with large inputs allowed and
-    adopted if the weights do not grow (O(model) either way; no copy for most models).
+    adopted if its weights are not larger than the model's after the first fold (O(model)
+    either way; no copy and no size count for most models).
     A failure keeps what was folded before it (``ops``: the op counts before folding).
     ``infer``: with per-node shape inference.
     """
-    before = _constant_bytes(model)
     large: list[ir.Node] = []
 
     def should_fold(node: ir.Node) -> bool | None:
@@ -168,6 +168,7 @@ def _fold_constants(model: ir.Model, ops, infer: bool) -> None:
 
     if not _try_fold(model, should_fold, None, ops, infer) or not large:
         return
+    before = _constant_bytes(model)  # (only here: summing every tensor's size is O(model))
     work = model.clone()
     if not _try_fold(work, _foldable, INPUT_LIMIT, None, infer):
         return
