@@ -2,6 +2,7 @@
 
     python benchmarks/startup.py                    against the commit before the layout change
     python benchmarks/startup.py --before REV --runs 7
+    python benchmarks/startup.py --before REV --chain 16000     also the 48k-node chain
 
 Each command runs as a fresh process (what a user waits for), for both trees in turn,
 ``--runs`` rounds, interleaved so that a busy machine slows both alike. Commands:
@@ -61,6 +62,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default=BEFORE_LAYOUT, help="the older revision (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--chain", type=int, metavar="BLOCKS",
+                        help="also time optimize --no-verify on an unnamed Conv+BN+Relu chain of BLOCKS "
+                             "blocks (optimizer_speed.py's), for both trees: tells a slower machine from "
+                             "slower code")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="opfuse-startup-") as tmp:
@@ -78,6 +83,13 @@ def main() -> int:
             "opfuse --help": ["--help"],
             "opfuse optimize resnet50": ["optimize", str(model), "-o", str(tmp / "out.onnx"), "-q"],
         }
+        if args.chain:
+            from optimizer_speed import chain
+
+            path = tmp / "chain.onnx"
+            onnx.save(chain(args.chain, named=False), path)
+            commands[f"optimize chain {args.chain}"] = ["optimize", str(path), "-o", str(tmp / "chain.out.onnx"),
+                                                        "--no-verify", "-q"]
         times: dict[tuple[str, str], list[float]] = {}
         for label, cmd in commands.items():
             for tree in trees.values():
