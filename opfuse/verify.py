@@ -93,7 +93,7 @@ from opfuse.inputs import (
 )
 from opfuse.report import FusionRecord, OutputCheck, Verification
 from opfuse.runtime import create_session, serialized
-from opfuse.vocabulary import first_line
+from opfuse.vocabulary import first_line, int_attr
 
 # dtype -> (rtol, atol relative to the tensor's scale)
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -410,10 +410,10 @@ def _fan_in(model: ir.Model) -> dict[str, int]:
         if op in ("Conv", "FusedConv"):
             k = int(np.prod(shape[1:]))
         elif op == "ConvTranspose":
-            group = node.attributes["group"].value if "group" in node.attributes else 1
+            group = int_attr(node, "group", 1)
             k = int(shape[0] // max(group, 1) * np.prod(shape[2:]))
         elif op in ("Gemm", "FusedGemm"):
-            trans_b = node.attributes["transB"].value if "transB" in node.attributes else 0
+            trans_b = int_attr(node, "transB", 0)
             k = int(shape[1] if trans_b else shape[0])
         elif op == "MatMul":
             k = int(shape[-2])
