@@ -44,6 +44,7 @@ __all__ = [
     "fold_weight",
     "cast_back",
     "output_channels",
+    "products_per_output",
     "channel_major",
 ]
 
@@ -77,6 +78,20 @@ def output_channels(weight_shape: tuple[int, ...], layout: WeightLayout, group: 
     if layout == "iohw":
         return int(weight_shape[1]) * group
     return int(weight_shape[1])  # "kn"
+
+
+def products_per_output(weight_shape: tuple[int, ...], layout: WeightLayout, group: int = 1) -> int:
+    """How many products one output element sums, at most (the weights that reach it):
+    C_in/group x k... for a Conv (``oihw``) and a ConvTranspose (``iohw``, whose weight is
+    [C_in, C_out/group, k...]; a stride makes fewer of them land on each output), K for
+    Gemm and MatMul (``kn``: [K, N]; ``nk``: [N, K])."""
+    if layout == "oihw":
+        return int(np.prod(weight_shape[1:]))
+    if layout == "iohw":
+        return int(weight_shape[0] // max(group, 1) * np.prod(weight_shape[2:]))
+    if layout == "kn":
+        return int(weight_shape[-2])
+    return int(weight_shape[-1])
 
 
 def _channel_broadcast(scale: np.ndarray, shape: tuple[int, ...], layout: WeightLayout, group: int):

@@ -35,6 +35,8 @@ __all__ = [
     "trace_producer",
     "sole_use_problem",
     "describe",
+    "label_unnamed",
+    "node_label",
     "op_counts",
     "epsilon_census",
     "opset_of",
@@ -125,12 +127,32 @@ def _graph_and_subgraphs(
                     )
 
 
+NODE_LABEL = "opfuse.label"  # node meta: the stable label of an unnamed node (never serialised)
+
+
+def label_unnamed(model: ir.Model) -> None:
+    """Give every unnamed node a stable label for the log: its op type and its position in
+    its graph as loaded (``Conv #12``). The model's names are not changed."""
+    for scope in iter_scopes(model):
+        for i, node in enumerate(scope.graph):
+            if not node.name:
+                node.meta[NODE_LABEL] = f"{node.op_type} #{i}"
+
+
+def node_label(node: ir.Node) -> str:
+    """The node's name, else its label from :func:`label_unnamed`, else its op type."""
+    return node.name or node.meta.get(NODE_LABEL) or node.op_type
+
+
 def describe(node: ir.Node | None) -> str:
     """How a node is named in a sentence: ``Conv 'layer1.0.conv1'``."""
     if node is None:
         return "nothing"
     op = op_label(node.domain, node.op_type)
-    return f"{op} '{node.name}'" if node.name else op
+    if node.name:
+        return f"{op} '{node.name}'"
+    label = node.meta.get(NODE_LABEL)
+    return f"{op} ({label.rpartition(' ')[2]})" if label else op
 
 
 def _is_identity(node: ir.Node | None) -> bool:

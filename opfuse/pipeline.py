@@ -6,7 +6,7 @@ the dry run behind ``opfuse inspect``. Neither mutates the caller's model.
 
 from __future__ import annotations
 
-__all__ = ["optimize", "inspect_model", "run_passes", "Inspection", "epsilon_notes"]
+__all__ = ["optimize", "inspect_model", "run_passes", "run_fusion", "Inspection", "epsilon_notes"]
 
 import contextlib
 import dataclasses
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import NameTable, epsilon_census, op_counts
+from opfuse.analyse import epsilon_census, label_unnamed, op_counts
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
@@ -28,7 +28,7 @@ from opfuse.passes.cleanup import CleanupPass
 from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.targets.accelerator import fusion_veto
-from opfuse.targets.onnxruntime import has_layout_pass, layout_losses, runtime_graph, takes_residual
+from opfuse.targets.kernels import Target, load_target
 from opfuse.save import (
     check_destinations,
     declared_types,
@@ -40,7 +40,6 @@ from opfuse.save import (
 from opfuse.verify import verify_models
 
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
-LAYOUT_ATTEMPTS = 3  # fusion redone at most this often to keep the runtime's layout
 
 
 def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **options) -> list:
@@ -67,74 +66,19 @@ def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **op
     return passes
 
 
-def run_fusion(
-    model: ir.Model,
-    names: list[str],
-    report: FusionReport,
-    *,
-    runtime_level: str = "all",
-    veto=None,
-) -> ir.Model:
-    """Run the fuse-* passes; at runtime level "all", keep ONNX Runtime's NCHWc layout.
-
-    Fusions the layout check rejects are excluded and the fusion is redone (a rejected
-    fusion can change what the next block's Z comes from); returns the fused model, which
-    is a new object when the check ran. A model where no fusion can take a residual input
-    needs no check (:func:`~opfuse.targets.onnxruntime.takes_residual`).
-    """
-    if runtime_level != "all":
-        run_passes(model, names, report, veto=veto)
-        report.notes.append(
-            f"runtime level {runtime_level}: ONNX Runtime applies no layout pass below "
-            "ENABLE_ALL, so every legal epilogue fusion is emitted"
-        )
+def run_fusion(model: ir.Model, names: list[str], report: FusionReport, target: Target, *,
+               runtime_level: str = "all", veto=None) -> ir.Model:
+    """Run the fusion passes for ``target``: through the target's own driver when it has
+    one (ONNX Runtime keeps its NCHWc layout), else once. Returns the fused model."""
+    if target.run_fusion is None:
+        run_passes(model, names, report, veto=veto, target=target)
         return model
-    if not (any(getattr(pass_class(n), "residual", False) for n in names) and takes_residual(model)):
-        run_passes(model, names, report, veto=veto)
-        report.notes.append(
-            "runtime level all: no conv output here reaches an Add, so no fused kernel takes a "
-            "residual input (Z); ONNX Runtime's NCHWc layout pass converts a FusedConv without Z "
-            "exactly as it converts the Conv, so no fusion can cost a conv that layout and every "
-            "legal epilogue fusion is emitted"
-        )
-        return model
-    _name_anchors(model)  # fusions are excluded by their conv's name
-    baseline_graph = runtime_graph(model)
-    exclude: dict[str, str] = {}
-    for _ in range(LAYOUT_ATTEMPTS):
-        trial, attempt = model.clone(), FusionReport()
-        passes = run_passes(trial, names, attempt, exclude=exclude, veto=veto)
-        emitted = {k: v for p in passes for k, v in p.emitted.items()}
-        losses = layout_losses(baseline_graph, trial, emitted)
-        if not losses:
-            break
-        exclude.update(losses)
-    report.records.extend(attempt.records)
-    report.refusals.extend(attempt.refusals)
-    if not has_layout_pass(baseline_graph):
-        report.notes.append(
-            "runtime level all: ONNX Runtime at ENABLE_ALL puts none of this model's "
-            "convolutions in its NCHWc layout, so no fusion can cost one its layout; every "
-            "legal epilogue fusion is emitted"
-        )
-    else:
-        report.notes.append(
-            f"runtime level all: {len(emitted)} fused kernel(s) keep ONNX Runtime's NCHWc layout; "
-            f"{len(exclude)} fusion(s) left to the runtime because they would lose it"
-            + (f" ({', '.join(sorted(exclude)[:5])}{', ...' if len(exclude) > 5 else ''})" if exclude else "")
-            + ". For runtimes below ENABLE_ALL use --runtime-level extended (or lower) to fuse everything."
-        )
-    return trial
-
-
-def _name_anchors(model: ir.Model) -> None:
-    """Give unnamed convs and Gemms a name (many exporters write none): the layout check
-    excludes a fusion by its conv's name, and an empty one would name none or all."""
-    table = None
-    for node in model.graph:
-        if not node.name and node.op_type in ("Conv", "ConvTranspose", "Gemm"):
-            table = table or NameTable(model)
-            node.name = table.fresh(node.op_type)
+    return target.run_fusion(
+        model, names, report,
+        run_passes=lambda m, n, r, **options: run_passes(m, n, r, target=target, **options),
+        runtime_level=runtime_level, veto=veto,
+        fuses_residual=any(pass_class(n).fuses_residual for n in names),
+    )
 
 
 @contextlib.contextmanager
@@ -210,11 +154,12 @@ def optimize(
             f"unknown runtime level {runtime_level!r}; choose from {', '.join(RUNTIME_LEVELS)}"
         )
     names = parse_pass_names(passes if passes is not None else TARGET_DEFAULT_PASSES[target])
+    chosen = load_target(target)
     fusion = [n for n in names if pass_class(n).emits_contrib_ops]
-    if fusion and target == "onnx":
+    if fusion and not chosen.kernels:
         raise BadInputError(
-            f"pass {fusion[0]} emits com.microsoft.FusedConv, which portable ONNX cannot run; "
-            "use --target onnxruntime"
+            f"pass {fusion[0]} fuses epilogues into a target's kernels, and {chosen.title} "
+            f"(--target {target}) has none; use --target onnxruntime"
         )
     veto = None
     if hardware is not None:
@@ -228,6 +173,7 @@ def optimize(
     check_destinations(output, report_path)
 
     work, display = load_model(model)
+    label_unnamed(work)  # the log names an unnamed node by op type and position
     if verify and inputs is None:
         resolve_dims(work, dims)  # a --dim the model does not have is a usage error, before any work
     original = work.clone() if verify else None
@@ -243,7 +189,7 @@ def optimize(
         tidy(work)  # constant subexpressions become initializers the folds can absorb
     run_passes(work, [n for n in names if n not in fusion], report)
     if fusion:
-        work = run_fusion(work, fusion, report, runtime_level=runtime_level, veto=veto)
+        work = run_fusion(work, fusion, report, chosen, runtime_level=runtime_level, veto=veto)
     if tidy is not None:
         tidy(work)  # what the rewrites left unused
         if tidy.summary():

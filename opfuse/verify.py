@@ -93,7 +93,9 @@ from opfuse.inputs import (
 )
 from opfuse.report import FusionRecord, OutputCheck, Verification
 from opfuse.runtime import create_session, serialized
-from opfuse.vocabulary import first_line, int_attr
+from opfuse.algebra import products_per_output
+from opfuse.targets.kernels import read_kernel
+from opfuse.vocabulary import OPS, first_line, is_onnx, op_info
 
 # dtype -> (rtol, atol relative to the tensor's scale)
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -398,27 +400,19 @@ def _runtime_rounding(original_x, sets, tensors: list[str]) -> dict[tuple[str, s
 
 def _fan_in(model: ir.Model) -> dict[str, int]:
     """Main-graph tensor -> the products its node sums per output element (the module
-    docstring's K), for Conv, ConvTranspose, Gemm and MatMul (and their fused forms) with a
-    constant weight."""
+    docstring's K), for every weighted layer of the op table with a constant weight, fused
+    or not (a fused kernel is read as the op it extends)."""
     out = {}
     for node in model.graph:
-        op = node.op_type
-        weight = node.inputs[1] if len(node.inputs) > 1 else None
-        shape = None if weight is None or weight.const_value is None else tuple(weight.const_value.shape)
-        if not shape or len(shape) < 2:
+        view = None if is_onnx(node) else read_kernel(node.domain, node.op_type, node.inputs, node.attributes)
+        info = OPS.get(view.anchor) if view is not None else op_info(node)
+        spec = info.weights if info is not None else None
+        if spec is None or len(node.inputs) <= spec.weight or node.inputs[spec.weight] is None:
             continue
-        if op in ("Conv", "FusedConv"):
-            k = int(np.prod(shape[1:]))
-        elif op == "ConvTranspose":
-            group = int_attr(node, "group", 1)
-            k = int(shape[0] // max(group, 1) * np.prod(shape[2:]))
-        elif op in ("Gemm", "FusedGemm"):
-            trans_b = int_attr(node, "transB", 0)
-            k = int(shape[1] if trans_b else shape[0])
-        elif op == "MatMul":
-            k = int(shape[-2])
-        else:
+        weight = node.inputs[spec.weight].const_value
+        if weight is None or len(weight.shape) < 2:
             continue
+        k = products_per_output(tuple(weight.shape), spec.layout_of(node), spec.group_of(node))
         out[node.outputs[0].name] = k
     return out
 

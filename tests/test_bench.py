@@ -266,7 +266,8 @@ def conv_kernel(cin=64, cout=64, size=56, k=3, epilogue=(), residual=False, name
     if residual:
         inputs.append(t("z", (1, cout, size, size), **act))
     return Kernel(name, "Conv", tuple(inputs), (t("y", (1, cout, size, size), **act),),
-                  {"pads": [k // 2] * 4, "strides": [1, 1]}, tuple(epilogue), name, "int8" if int8 else "")
+                  {"pads": [k // 2] * 4, "strides": [1, 1]}, tuple(epilogue), name, "int8" if int8 else "",
+                  residual_input=3 if residual else None)
 
 
 def eltwise_kernel(op, c=64, size=56, name="e"):

@@ -254,7 +254,7 @@ def test_gemm_clip_is_refused_with_the_kernel_reason():
              helper.make_node("Clip", ["y", "lo", "hi"], ["out"], name="act")]
     m = model(nodes, [vinfo("a", [2, 7])], [vinfo("out", [2, 5])], inits)
     out, report = fuse(m)
-    assert "FusedGemm does not run Clip" in report.reason_for("act")
+    assert "FusedGemm runs no Clip epilogue" in report.reason_for("act")
 
 
 # --- targets, levels, layout ----------------------------------------------------------------------

@@ -56,7 +56,8 @@ ACTS = {
 
 def merges(first: str, then: str) -> bool:
     a, b = ACTS[first][1], ACTS[then][1]
-    return (a, b) in {("Relu", "Relu"), ("Relu", "Clip"), ("Clip", "Relu")}
+    # consecutive clamps are one clamp (Relu is Clip(0, inf)); nothing else merges
+    return (a, b) in {("Relu", "Relu"), ("Relu", "Clip"), ("Clip", "Relu"), ("Clip", "Clip")}
 
 
 chains = st.fixed_dictionaries({

@@ -5,6 +5,8 @@ A pass declares, as class attributes:
 - ``name`` - how ``--passes`` and the registry (:mod:`opfuse.passes`) call it;
 - ``emits_contrib_ops`` - whether it writes a target's own kernels (``com.microsoft``),
   which portable ONNX cannot run;
+- ``fuses_residual`` - whether it can give a kernel a residual input (a target's layout
+  policy asks: ONNX Runtime's NCHWc check is needed only then);
 - ``options`` - the keyword options it accepts beyond the report (the fusion passes take
   ``exclude`` and ``veto``), so the pipeline hands each pass only what it declares.
 
@@ -30,7 +32,7 @@ from typing import Any, ClassVar
 
 import onnx_ir as ir
 
-from opfuse.analyse import Scope
+from opfuse.analyse import Scope, node_label
 from opfuse.report import FusionReport, Refusal
 
 
@@ -39,6 +41,7 @@ class OpfusePass(ir.passes.InPlacePass):
 
     name: ClassVar[str] = ""
     emits_contrib_ops: ClassVar[bool] = False
+    fuses_residual: ClassVar[bool] = False
     options: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, report: FusionReport | None = None, **options: Any):
@@ -58,7 +61,7 @@ class OpfusePass(ir.passes.InPlacePass):
                scope: Scope | None = None) -> None:
         """Record that ``node`` was not rewritten (into ``anchor``), and why."""
         self.refusals.append(Refusal(
-            pattern, node.name or "", reason, (anchor.name or "") if anchor is not None else "",
+            pattern, node_label(node), reason, node_label(anchor) if anchor is not None else "",
             scope.label if scope is not None else "main",
         ))
 

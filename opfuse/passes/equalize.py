@@ -67,7 +67,6 @@ __all__ = ["EqualizePass", "ChainBalance", "chain_scales"]
 
 import dataclasses
 import logging
-import math
 import re
 from collections.abc import Sequence
 
@@ -75,11 +74,12 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.algebra import cast_back
-from opfuse.analyse import Constant, NameTable, Scope, describe, find_constant, iter_scopes
+from opfuse.analyse import Constant, NameTable, Scope, describe, find_constant, iter_scopes, node_label
+from opfuse.activations import clip_bounds
+from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
-from opfuse.passes.folding import add_constant
 from opfuse.report import FusionRecord
-from opfuse.vocabulary import ELEMENTWISE_KINDS, OpKind, float_attr, int_attr, is_op, op_kind
+from opfuse.vocabulary import ELEMENTWISE_KINDS, OpKind, int_attr, is_op, op_info, op_kind
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,6 @@ BETWEEN: dict[str, str] = {
     "Min": "bound",  # Min(x/s, c/s) = Min(x, c)/s
     "Max": "bound",  # Max(x/s, c/s) = Max(x, c)/s
 }
-_COMMUTATIVE = frozenset({"Min", "Max", "Add", "Mul", "Sum"})  # the path may enter any input
 # ops that commute with the scale (or would, once folded) but that the pass does not rewrite
 _NOT_HANDLED = {
     "BatchNormalization": "is not folded yet (run fold-batchnorm before equalize)",
@@ -274,14 +273,14 @@ class EqualizePass(OpfusePass):
                     removed[-1].append(step.node.name or step.node.op_type)
                 written[index] += self._rewrite_step(scope, step)
         for old, _ in (w for ws in written for w in ws):
-            _drop_if_unused(old)
+            drop_if_unused(old)
 
         end = chain[-1].node.outputs[0].name or ""
         for index, pair in enumerate(pairs):
             extra = sum(n for old, n in written[index] if old is not None and (old.uses() or old.is_graph_input()))
             after = _spreads(pair, lambda layer: layer.arrays[1])
             self.report.records.append(FusionRecord(
-                pattern=pair.pattern, node=pair.first.node.name or "", removed=tuple(removed[index]),
+                pattern=pair.pattern, node=node_label(pair.first.node), removed=tuple(removed[index]),
                 produced="", graph=scope.label, weight_bytes=sum(n for _, n in written[index]),
                 extra_bytes=extra, detail=_detail(pair, spreads[index], after, balance), output=end,
             ))
@@ -350,7 +349,7 @@ def _candidates(conv: ir.Node, graph: ir.Graph):
             if is_op(node, "Conv") and index == 0:
                 yield path, node
             elif (len(path) < MAX_BETWEEN and op_kind(node) in ELEMENTWISE_KINDS and node.outputs
-                  and (index == 0 or node.op_type in _COMMUTATIVE)):
+                  and (index == 0 or op_info(node).commutative)):
                 stack.append((node.outputs[0], [*path, node]))
 
 
@@ -464,22 +463,9 @@ def _not_commuting(node: ir.Node) -> str:
 
 def _clip_bounds(node: ir.Node, opset: int, dtype) -> tuple[float | None, float | None] | str:
     """(lo, hi) of a Clip, None for a bound that is absent (or the dtype's own limit)."""
-    if opset < 11:
-        bounds = [float_attr(node, "min", -math.inf), float_attr(node, "max", math.inf)]
-    else:
-        bounds = [-math.inf, math.inf]
-        for i, which in ((1, "lower"), (2, "upper")):
-            if i < len(node.inputs) and node.inputs[i] is not None:
-                found = find_constant(node.inputs[i], f"{which} bound of {describe(node)}")
-                if isinstance(found, str):
-                    return f"{found}; equalisation must divide each Clip bound by the channel's scale"
-                if found.array.size != 1:
-                    return f"the {which} bound of {describe(node)} is not a scalar"
-                bounds[i - 1] = float(found.array.reshape(-1)[0])
-    if any(math.isnan(b) for b in bounds):
-        return f"{describe(node)} has a NaN bound"
-    if bounds[0] > bounds[1]:
-        return f"the lower bound of {describe(node)} ({bounds[0]:g}) exceeds its upper bound ({bounds[1]:g})"
+    bounds = clip_bounds(node, opset)
+    if isinstance(bounds, str):
+        return f"{bounds}; equalisation must divide each Clip bound by the channel's scale"
     limit = float(np.finfo(dtype).max)
     lo, hi = (None if abs(b) >= limit else b for b in bounds)
     return lo, hi
@@ -558,19 +544,3 @@ def _detail(pair: _Pair, before: tuple[float, float], after: tuple[float, float]
     return (f"per-channel range spread (max/min): {first} outputs {before[0]:.3g} -> {after[0]:.3g}, "
             f"{second} inputs {before[1]:.3g} -> {after[1]:.3g}; scales {pair.scale.min():.3g}.."
             f"{pair.scale.max():.3g}, {sweeps}")
-
-
-def _drop_if_unused(value: ir.Value | None) -> None:
-    """Remove a constant nobody uses any more (and the Identity/Constant chain behind it)."""
-    if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
-        return
-    if value.is_initializer():
-        if value.graph is not None:
-            value.graph.initializers.pop(value.name, None)
-        return
-    producer = value.producer()
-    if is_op(producer, "Constant", "Identity") and producer.graph is not None:
-        sources = [v for v in producer.inputs if v is not None]
-        producer.graph.remove(producer, safe=True)
-        for source in sources:
-            _drop_if_unused(source)

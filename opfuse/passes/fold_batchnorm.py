@@ -51,7 +51,7 @@ class FoldBatchNormPass(FoldPass):
         problem = _mode_problem(node, opset)
         if problem:
             return problem
-        if cand.kind.op_type == "MatMul" and out.rank != 2:
+        if cand.info.op_type == "MatMul" and out.rank != 2:
             return (
                 f"{describe(cand.producer)}'s output is not known to be 2-D, and "
                 "BatchNormalization normalises axis 1, not necessarily the MatMul's last axis"

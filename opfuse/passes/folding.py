@@ -4,9 +4,9 @@ A fold pass names which consumers it matches (BatchNormalization; constant Add, 
 Div) and how to read each one as ``z = s * y + t`` per output channel; this module does
 the rest, identically for all of them. The algebra is :mod:`opfuse.algebra`.
 
-Producers (the table :data:`PRODUCERS`): Conv, ConvTranspose, Gemm, and MatMul with a
-2-D constant weight (BatchNormalization only; it becomes a Gemm, the only way to carry a
-bias).
+Producers (:data:`PRODUCERS`, read from the op table's weighted ops): Conv, ConvTranspose,
+Gemm, and MatMul with a 2-D constant weight (BatchNormalization only; it becomes a Gemm,
+the only way to carry a bias).
 
 Legality, checked in this order; every failure is a :class:`~opfuse.report.Refusal`:
 
@@ -27,7 +27,7 @@ its name (so a tensor name means the same values before and after). Inputs, outp
 
 from __future__ import annotations
 
-__all__ = ["ChannelAffine", "Producer", "PRODUCERS", "FoldPass", "add_constant"]
+__all__ = ["ChannelAffine", "Producer", "PRODUCERS", "FoldPass"]
 
 import dataclasses
 import re
@@ -44,13 +44,15 @@ from opfuse.analyse import (
     describe,
     find_constant,
     infer_shapes,
+    node_label,
     iter_scopes,
     sole_use_problem,
     trace_producer,
 )
+from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
-from opfuse.vocabulary import FLOAT_DTYPES, ONNX_DOMAINS, float_attr, int_attr
+from opfuse.vocabulary import FLOAT_DTYPES, ONNX_DOMAINS, OPS, WEIGHTED_OPS, WeightSpec, float_attr
 
 # Transient metadata on values (never serialised; dropped by ``release``): on the values a
 # fold creates, the float64 bias and the weight's source array with the product of the
@@ -82,35 +84,37 @@ class ProducerShape:
 
 @dataclasses.dataclass(frozen=True)
 class Producer:
-    """A linear operator whose output channels can absorb an affine map."""
+    """A linear operator whose output channels can absorb an affine map: a weighted op of
+    the op table (:data:`opfuse.vocabulary.OPS`, its :class:`~opfuse.vocabulary.WeightSpec`)."""
 
     op_type: str
-    weight_index: int
-    bias_index: int | None  # None: the op has no bias input (MatMul)
+    spec: WeightSpec
+
+    @property
+    def weight_index(self) -> int:
+        return self.spec.weight
+
+    @property
+    def bias_index(self) -> int | None:  # None: the op has no bias input (MatMul)
+        return self.spec.bias
 
     def layout(self, node: ir.Node) -> algebra.WeightLayout:
-        if self.op_type == "Conv":
-            return "oihw"
-        if self.op_type == "ConvTranspose":
-            return "iohw"
-        if self.op_type == "Gemm":
-            return "nk" if int_attr(node, "transB", 0) else "kn"
-        return "kn"  # MatMul
+        return self.spec.layout_of(node)
 
     def group(self, node: ir.Node) -> int:
-        return int_attr(node, "group", 1) if self.op_type.startswith("Conv") else 1
+        return self.spec.group_of(node)
 
     def output(self, node: ir.Node, weight: np.ndarray) -> ProducerShape | str:
         layout, group = self.layout(node), self.group(node)
-        if self.op_type in ("Conv", "ConvTranspose"):
+        if layout in ("oihw", "iohw"):
             if weight.ndim < 3:
                 return f"the weight of {describe(node)} has rank {weight.ndim}, not 3 or more"
-            if self.op_type == "ConvTranspose" and weight.shape[0] % group:
+            if layout == "iohw" and weight.shape[0] % group:
                 return f"the weight of {describe(node)} does not split into {group} groups"
             return ProducerShape(algebra.output_channels(weight.shape, layout, group), weight.ndim, 1)
         if weight.ndim != 2:
             return f"the weight of {describe(node)} has rank {weight.ndim}, not 2"
-        if self.op_type == "Gemm":
+        if not self.spec.batched:  # Gemm: [M, N]
             return ProducerShape(algebra.output_channels(weight.shape, layout), 2, 1)
         # MatMul: y[..., n] = sum_k a[..., k] * w[k, n]; channels are the last axis.
         a = node.inputs[0]
@@ -118,12 +122,7 @@ class Producer:
         return ProducerShape(int(weight.shape[1]), rank, -1 if rank is None else rank - 1)
 
 
-PRODUCERS: dict[str, Producer] = {
-    "Conv": Producer("Conv", weight_index=1, bias_index=2),
-    "ConvTranspose": Producer("ConvTranspose", weight_index=1, bias_index=2),
-    "Gemm": Producer("Gemm", weight_index=1, bias_index=2),
-    "MatMul": Producer("MatMul", weight_index=1, bias_index=None),
-}
+PRODUCERS: dict[str, Producer] = {op: Producer(op, OPS[op].weights) for op in sorted(WEIGHTED_OPS)}
 
 
 @dataclasses.dataclass
@@ -133,7 +132,7 @@ class _Candidate:
     side: int  # which consumer input carries the producer's output
     producer: ir.Node
     through: list[ir.Node]  # Identity nodes, nearest the consumer first
-    kind: Producer
+    info: Producer  # the producer's row of PRODUCERS
 
 
 class FoldPass(OpfusePass):
@@ -220,7 +219,7 @@ class FoldPass(OpfusePass):
         return False
 
     def _check_and_rewrite(self, cand: _Candidate) -> str | None:
-        node, producer, kind = cand.consumer, cand.producer, cand.kind
+        node, producer, info = cand.consumer, cand.producer, cand.info
         if producer.graph is not node.graph:
             return f"{describe(producer)} is in another graph than {describe(node)}"
         if len(producer.outputs) != 1:
@@ -230,22 +229,22 @@ class FoldPass(OpfusePass):
             problem = sole_use_problem(owner.outputs[0], owner, nxt)
             if problem:
                 return problem
-        weight = find_constant(_input(producer, kind.weight_index), f"weight of {describe(producer)}")
+        weight = find_constant(_input(producer, info.weight_index), f"weight of {describe(producer)}")
         if isinstance(weight, str):
             return weight
         bias: Constant | None = None
-        if kind.bias_index is not None and _input(producer, kind.bias_index) is not None:
-            found = find_constant(_input(producer, kind.bias_index), f"bias of {describe(producer)}")
+        if info.bias_index is not None and _input(producer, info.bias_index) is not None:
+            found = find_constant(_input(producer, info.bias_index), f"bias of {describe(producer)}")
             if isinstance(found, str):
                 return found
             bias = found
         if str(weight.array.dtype) not in FLOAT_DTYPES:
             return f"the weight of {describe(producer)} is {weight.array.dtype}, not floating point"
-        out = kind.output(producer, weight.array)
+        out = info.output(producer, weight.array)
         if not isinstance(out, str) and out.rank is None and not self._shapes_inferred:
             infer_shapes(self._model)  # once per pass, only when a rank is needed and unknown
             self._shapes_inferred = True
-            out = kind.output(producer, weight.array)
+            out = info.output(producer, weight.array)
         if isinstance(out, str):
             return out
         affine = self.affine(cand, out)
@@ -268,11 +267,11 @@ class FoldPass(OpfusePass):
         affine: ChannelAffine,
         out: ProducerShape,
     ) -> str | None:
-        producer, kind, node = cand.producer, cand.kind, cand.consumer
-        layout, group = kind.layout(producer), kind.group(producer)
+        producer, info, node = cand.producer, cand.info, cand.consumer
+        layout, group = info.layout(producer), info.group(producer)
         scale = affine.scale
         b = None if bias is None else bias.value.meta.get(FOLDED_BIAS, bias.array.astype(np.float64))
-        if kind.op_type == "Gemm":
+        if info.op_type == "Gemm":
             # y = alpha * (A.B + (beta / alpha) * C): alpha joins the scale (one pass over B)
             alpha = float_attr(producer, "alpha", 1.0)
             if alpha == 0.0:
@@ -307,8 +306,8 @@ class FoldPass(OpfusePass):
                 return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
 
         scope = cand.scope
-        old_w = _input(producer, kind.weight_index)
-        old_b = _input(producer, kind.bias_index) if kind.bias_index is not None else None
+        old_w = _input(producer, info.weight_index)
+        old_b = _input(producer, info.bias_index) if info.bias_index is not None else None
         new_w = old_w
         if w_arr is not None:
             new_w = self._new_constant(scope, producer, w_arr, f"{_base(old_w, producer)}_folded")
@@ -323,7 +322,7 @@ class FoldPass(OpfusePass):
 
         anchor = producer
         removed = [node, *cand.through]
-        if kind.op_type == "MatMul":
+        if info.op_type == "MatMul":
             anchor = ir.Node(
                 "",
                 "Gemm",
@@ -335,12 +334,12 @@ class FoldPass(OpfusePass):
             removed.append(producer)
         else:
             if new_w is not old_w:
-                producer.replace_input_with(kind.weight_index, new_w)
+                producer.replace_input_with(info.weight_index, new_w)
             if new_b is not None:
-                if len(producer.inputs) <= kind.bias_index:
-                    producer.resize_inputs(kind.bias_index + 1)
-                producer.replace_input_with(kind.bias_index, new_b)
-            if kind.op_type == "Gemm":
+                if len(producer.inputs) <= info.bias_index:
+                    producer.resize_inputs(info.bias_index + 1)
+                producer.replace_input_with(info.bias_index, new_b)
+            if info.op_type == "Gemm":
                 for attr in ("alpha", "beta"):
                     if attr in producer.attributes:
                         producer.attributes[attr] = ir.AttrFloat32(attr, 1.0)
@@ -361,11 +360,11 @@ class FoldPass(OpfusePass):
         for old, new, array in ((old_w, new_w, w_arr), (old_b, new_b, b_arr)):
             if old is None or new is None or old is new:
                 continue
-            if _drop_if_unused(old, dropped) is False:
+            if drop_if_unused(old, dropped) is False:
                 extra += int(array.nbytes)  # the original is shared: both copies stay
                 still_shared.append(old)
         for value in former_inputs:
-            _drop_if_unused(value, dropped)
+            drop_if_unused(value, dropped)
         for value in dropped:  # an original that is gone costs the earlier copies nothing
             self._settle_shared(value)
 
@@ -377,8 +376,8 @@ class FoldPass(OpfusePass):
         self.report.records.append(
             FusionRecord(
                 pattern=f"{producer.op_type}+{node.op_type}",
-                node=producer.name or "",
-                removed=tuple(n.name or n.op_type for n in removed),
+                node=node_label(producer),
+                removed=tuple(node_label(n) for n in removed),
                 produced=anchor.name or "",
                 graph=scope.label,
                 weight_bytes=int((0 if w_arr is None else w_arr.nbytes) + (0 if b_arr is None else b_arr.nbytes)),
@@ -398,20 +397,6 @@ class FoldPass(OpfusePass):
         return add_constant(scope, self._names, before, array, base)
 
 
-def add_constant(scope: Scope, names: NameTable, before: ir.Node, array: np.ndarray, base: str) -> ir.Value:
-    """A new private constant: an initializer, or a Constant node inside a function."""
-    name = names.fresh(base)
-    tensor = ir.Tensor(array, name=name)
-    if scope.function is None:
-        value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
-        scope.graph.register_initializer(value)
-        return value
-    const = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", tensor)], name=name)
-    const.outputs[0].name = name
-    scope.container.insert_before(before, const)
-    return const.outputs[0]
-
-
 def _input(node: ir.Node, index: int | None) -> ir.Value | None:
     if index is None or index >= len(node.inputs):
         return None
@@ -421,30 +406,3 @@ def _input(node: ir.Node, index: int | None) -> ir.Value | None:
 def _base(value: ir.Value | None, producer: ir.Node) -> str:
     name = (value.name if value is not None and value.name else None) or producer.name or "weight"
     return _FOLDED_SUFFIX.sub("", name)  # a second fold into the same weight reuses the stem
-
-
-def _drop_if_unused(value: ir.Value, dropped: list[ir.Value] | None = None) -> bool | None:
-    """Remove a constant nobody uses any more (and the Identity/Constant chain behind it).
-
-    Returns False if it is still used, None if it is not a constant of ours; every value
-    removed is appended to ``dropped``.
-    """
-    if value.uses() or value.is_graph_output() or value.is_graph_input():
-        return False
-    if value.is_initializer():
-        graph = value.graph
-        if graph is not None and value.name in graph.initializers:
-            graph.initializers.pop(value.name)
-        if dropped is not None:
-            dropped.append(value)
-        return True
-    producer = value.producer()
-    if producer is not None and producer.op_type in ("Constant", "Identity") and producer.graph is not None:
-        sources = [v for v in producer.inputs if v is not None]
-        producer.graph.remove(producer, safe=True)
-        if dropped is not None:
-            dropped.append(value)
-        for source in sources:
-            _drop_if_unused(source, dropped)
-        return True
-    return None

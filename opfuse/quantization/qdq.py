@@ -43,11 +43,10 @@ from onnxruntime import quantization as ortq
 
 from opfuse.errors import BadInputError
 from opfuse.quantization.presets import Preset
-from opfuse.vocabulary import ONNX_DOMAINS, first_line
+from opfuse.vocabulary import ONNX_DOMAINS, WEIGHTED_OPS, first_line
 
 logger = logging.getLogger(__name__)
 
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # the layers whose weights count
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 

@@ -1,27 +1,39 @@
-"""What each deployment target can execute, and the passes it runs by default.
+"""The deployment targets, and the passes each runs by default (data: read at start-up).
 
-- ``onnx`` (the default): portable ONNX only; folding, no fused kernels.
-- ``onnxruntime``: folding plus epilogue fusion into ``com.microsoft.FusedConv`` and
-  ``FusedGemm`` (:mod:`opfuse.targets.onnxruntime`, which emits those kernels and reads
-  them back).
-- an accelerator profile (``--hardware``, :mod:`opfuse.targets.accelerator`): the cost
-  model that declines fusions which would spill its on-chip buffer.
+========================  ===========================================================
+``onnx`` (the default)    portable ONNX at the model's opset; folding, standard-op
+                          patterns, no fused kernels (:mod:`opfuse.targets.onnx`)
+``onnxruntime``           ONNX Runtime's CPU provider: folding, its contrib ops for the
+                          patterns, epilogues fused into ``com.microsoft.FusedConv`` /
+                          ``FusedGemm``, its NCHWc layout kept
+                          (:mod:`opfuse.targets.onnxruntime`)
+========================  ===========================================================
 
-This package's ``__init__`` is data only (the command line reads it at start-up); the
-target modules themselves load onnx and ONNX Runtime.
+A target module holds one :class:`~opfuse.targets.kernels.Target` named ``TARGET``: the
+kernels it executes and its fuse / keep / unfuse policy per pattern. Adding a target is
+adding a module and a row here.
+
+Beside the targets, this package holds the measurement models that read them: the memory
+traffic rule (:mod:`.traffic`), the accelerator cost model (:mod:`.accelerator`,
+:mod:`.profiles`, :mod:`.int8`).
 """
 
 from __future__ import annotations
 
-__all__ = ["TARGET_DEFAULT_PASSES", "TARGETS", "RUNTIME_LEVELS"]
+__all__ = ["TARGET_MODULES", "TARGET_DEFAULT_PASSES", "TARGETS", "RUNTIME_LEVELS"]
 
 _FOLDS = ("fold-batchnorm", "fold-arithmetic")
+# target -> the module that declares it
+TARGET_MODULES: dict[str, str] = {
+    "onnx": "opfuse.targets.onnx",
+    "onnxruntime": "opfuse.targets.onnxruntime",
+}
 # target -> the passes ``opfuse optimize --target T`` runs when --passes is not given
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
     "onnx": _FOLDS,
     "onnxruntime": _FOLDS + ("fuse-epilogue",),
 }
-TARGETS = tuple(TARGET_DEFAULT_PASSES)
+TARGETS = tuple(TARGET_MODULES)
 
 # ONNX Runtime graph-optimisation levels, by the names the command line uses
 RUNTIME_LEVELS: dict[str, str] = {

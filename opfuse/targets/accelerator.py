@@ -43,8 +43,9 @@ whose working set does not fit the buffer, and which the model therefore predict
 than the unfused sequence it replaces, is declined, with the sizes and times as the reason.
 (A fusion that spills but still wins, because the unfused conv would spill anyway, stays.)
 
-Fused kernels are read through :func:`opfuse.targets.onnxruntime.read_fused` (the target
-that emits them owns their encoding); the chapter's modelled "Conv+ReLU" row lives with the
+Fused kernels are read through :func:`opfuse.targets.kernels.read_kernel` (each target
+declares its kernels' encoding), and every op fact (weights, window, global reduction)
+comes from the op table (:data:`opfuse.vocabulary.OPS`); the chapter's modelled "Conv+ReLU" row lives with the
 benchmark that reproduces the chapter (:mod:`opfuse.bench.chapter`).
 """
 
@@ -73,16 +74,10 @@ from typing import Any
 import onnx_ir as ir
 
 from opfuse.targets.int8 import int8_traffic, is_qdq
-from opfuse.targets.onnxruntime import read_fused
+from opfuse.targets.kernels import read_kernel
 from opfuse.targets.profiles import HardwareProfile, list_profiles, load_profile
 from opfuse.targets.traffic import TensorInfo, Traffic
-from opfuse.vocabulary import dtype_name, op_label, plain_attributes
-
-WINDOWED_OPS = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"})
-GLOBAL_OPS = frozenset({
-    "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "ReduceMean", "ReduceSum",
-    "ReduceMax", "ReduceMin", "ReduceL2", "ReduceProd",
-})
+from opfuse.vocabulary import OPS, WEIGHTED_OPS, OpKind, dtype_name, op_label, plain_attributes
 MIB = 1024 * 1024
 
 
@@ -100,6 +95,12 @@ class Kernel:
     epilogue: tuple[str, ...] = ()  # e.g. ("Add", "Relu")
     layer: str = ""
     precision: str = ""  # "int8": computes at the profile's int8 peak (opfuse.targets.int8)
+    residual_input: int | None = None  # the input index of a fused kernel's Z
+
+    @property
+    def info(self):
+        """The main op's row of the op table (None for an op it does not know)."""
+        return OPS.get(self.op)
 
     @property
     def label(self) -> str:
@@ -118,12 +119,12 @@ def kernels_of(traffic: Traffic) -> list[Kernel]:
     for n in traffic.nodes:
         if n.no_traffic:
             continue
-        view = read_fused(n.domain, n.op_type, n.inputs, n.attributes)
+        view = read_kernel(n.domain, n.op_type, n.inputs, n.attributes)
         if view is not None:
-            op, epilogue = view.base_op, view.epilogue
+            op, epilogue, z, attrs = view.anchor, view.epilogue, view.residual_input, view.anchor_attributes
         else:
-            op, epilogue = op_label(n.domain, n.op_type), ()
-        out.append(Kernel(n.name, op, n.inputs, n.outputs, n.attributes, epilogue, n.layer, n.precision))
+            op, epilogue, z, attrs = op_label(n.domain, n.op_type), (), None, n.attributes
+        out.append(Kernel(n.name, op, n.inputs, n.outputs, attrs, epilogue, n.layer, n.precision, z))
     return out
 
 
@@ -258,34 +259,40 @@ def cost_kernel(k: Kernel, profile: HardwareProfile) -> KernelCost:
 
 
 def kernel_flops(k: Kernel) -> int:
-    """Floating-point operations of one kernel (see the module docstring)."""
+    """Floating-point operations of one kernel (see the module docstring), by the main op's
+    row of the op table: multiply-adds for a weighted layer, the window for windowed ops,
+    the input for global ones."""
     out = k.outputs[0] if k.outputs else None
     out_elems = out.elements if out is not None and out.shape is not None else 0
     x = k.inputs[0] if k.inputs else None
     w = k.inputs[1] if len(k.inputs) > 1 else None
-    flops = 0
-    if k.op == "Conv" and w is not None and w.shape is not None:
-        flops = 2 * out_elems * math.prod(w.shape[1:])
-        if len(k.inputs) > 2 and k.inputs[2] is not None:
-            flops += out_elems
-    elif k.op == "ConvTranspose" and w is not None and w.shape is not None and x is not None and x.shape:
-        flops = 2 * math.prod(x.shape) * math.prod(w.shape[1:])
-    elif k.op == "Gemm" and x is not None and x.shape is not None and len(x.shape) == 2:
-        depth = x.shape[0] if k.attributes.get("transA", 0) else x.shape[1]
-        flops = 2 * out_elems * depth
-        if len(k.inputs) > 2 and k.inputs[2] is not None:
-            flops += out_elems
-    elif k.op == "MatMul" and x is not None and x.shape:
-        flops = 2 * out_elems * x.shape[-1]
-    elif k.op in WINDOWED_OPS:
+    info = k.info
+    spec = info.weights if info is not None else None
+    flops = out_elems
+    if spec is not None and spec.layout == "iohw":  # each input element scatters over the weights
+        if w is not None and w.shape is not None and x is not None and x.shape:
+            flops = 2 * math.prod(x.shape) * math.prod(w.shape[1:])
+    elif spec is not None and spec.layout == "oihw":  # Conv
+        if w is not None and w.shape is not None:
+            flops = 2 * out_elems * math.prod(w.shape[1:])
+    elif spec is not None and x is not None and x.shape:  # Gemm, MatMul: the depth of x
+        transposed = not spec.batched and k.attributes.get("transA", 0)
+        if spec.batched or len(x.shape) == 2:
+            flops = 2 * out_elems * (x.shape[0] if transposed else x.shape[-1])
+    elif _footprint(k) == "window":
         flops = out_elems * math.prod(k.attributes.get("kernel_shape", [1]))
-    elif k.op in GLOBAL_OPS and x is not None and x.shape is not None:
+    elif _footprint(k) == "global" and x is not None and x.shape is not None:
         flops = math.prod(x.shape)
     elif k.op == "BatchNormalization":
         flops = 2 * out_elems
-    else:
-        flops = out_elems
+    if (spec is not None and spec.layout != "iohw" and spec.bias is not None and len(k.inputs) > spec.bias
+            and k.inputs[spec.bias] is not None):
+        flops += out_elems  # the bias add (Conv, Gemm)
     return int(flops + out_elems * len(k.epilogue))
+
+
+def _footprint(k: Kernel) -> str:
+    return k.info.footprint if k.info is not None else ""
 
 
 def working_set(k: Kernel, profile: HardwareProfile) -> tuple[float, int, dict[str, float]]:
@@ -311,9 +318,9 @@ def working_set(k: Kernel, profile: HardwareProfile) -> tuple[float, int, dict[s
         if t.is_weight:
             parts["weights"] += size
             continue
-        if k.op == "Conv" and i == 3:  # Z: read row for row with the output, no window
-            parts["residual tile"] += _input_tile(dataclasses.replace(k, op="Add"), t, size, out,
-                                                  out_rows, out_h, tiles)
+        if i == k.residual_input:  # Z: read row for row with the output, no window
+            parts["residual tile"] += _input_tile(dataclasses.replace(k, op="Add", residual_input=None), t,
+                                                  size, out, out_rows, out_h, tiles)
         else:
             parts["input tile"] += _input_tile(k, t, size, out, out_rows, out_h, tiles)
     return sum(parts.values()), tiles, parts
@@ -326,7 +333,7 @@ def _input_tile(k: Kernel, t: TensorInfo, size: int, out, out_rows: int, out_h: 
         return size / tiles
     n_in, h_in = max(t.shape[0], 1), max(t.shape[2], 1)
     per_row = size / (n_in * h_in)
-    if k.op in WINDOWED_OPS:
+    if _footprint(k) == "window":
         strides = k.attributes.get("strides") or [1]
         dilations = k.attributes.get("dilations") or [1]
         kernel_h = _kernel_height(k)
@@ -396,10 +403,16 @@ def _unfused_kernels(fused: Kernel, anchor: ir.Node, absorbed: list[ir.Node]) ->
     extra = list(fused.inputs[3:])  # residual operands, in absorption order
     for node in absorbed:
         inputs: tuple = (out,)
-        if node.op_type in ("Add", "Sum", "Mul", "Sub", "Div") and extra:
+        if _binary(node) and extra:
             inputs = (out, extra.pop(0))
         kernels.append(Kernel(node.name or node.op_type, node.op_type, inputs, (out,), {}, (), fused.layer))
     return kernels
+
+
+def _binary(node: ir.Node) -> bool:
+    """An element-wise op over broadcast operands (Add, Mul...): its other operand is read."""
+    info = OPS.get(node.op_type)
+    return info is not None and info.kind is OpKind.BROADCAST and info.activation is None
 
 
 def _mib(n: float) -> str:
@@ -424,7 +437,7 @@ def _tensor_info(value: ir.Value | None, is_weight: bool, shape: tuple[int, ...]
 
 
 def _kernel_from_nodes(anchor: ir.Node, absorbed: list[ir.Node]) -> Kernel | None:
-    if anchor.op_type not in ("Conv", "Gemm", "MatMul") or not anchor.inputs:
+    if anchor.op_type not in WEIGHTED_OPS or not anchor.inputs:
         return None
     attrs = plain_attributes(anchor)
     inputs = [
@@ -450,9 +463,12 @@ def _kernel_from_nodes(anchor: ir.Node, absorbed: list[ir.Node]) -> Kernel | Non
     steps: list[str] = []
     while len(inputs) < 3:
         inputs.append(None)
+    residual = None
     for node in absorbed:
         steps.append(node.op_type)
-        if node.op_type in ("Add", "Sum", "Mul", "Sub", "Div"):
+        if _binary(node):
+            if residual is None and not _is_weight_operand(node, anchor, absorbed):
+                residual = len(inputs)  # the first activation operand read is the kernel's Z
             chain = {anchor.outputs[0], *(n.outputs[0] for n in absorbed)}
             for v in node.inputs:
                 if v is not None and v not in chain:
@@ -466,7 +482,13 @@ def _kernel_from_nodes(anchor: ir.Node, absorbed: list[ir.Node]) -> Kernel | Non
                 if v is not None and (v.is_initializer() or v.const_value is not None):
                     inputs.append(_tensor_info(v, True))
     return Kernel(anchor.name or anchor.op_type, anchor.op_type, tuple(inputs), (out,), attrs,
-                  tuple(steps), anchor.name or "")
+                  tuple(steps), anchor.name or "", residual_input=residual)
+
+
+def _is_weight_operand(node: ir.Node, anchor: ir.Node, absorbed: list[ir.Node]) -> bool:
+    chain = {anchor.outputs[0], *(n.outputs[0] for n in absorbed)}
+    others = [v for v in node.inputs if v is not None and v not in chain]
+    return bool(others) and all(v.is_initializer() or v.const_value is not None for v in others)
 
 
 def _conv_output_shape(x: TensorInfo, w: TensorInfo | None, attrs: dict) -> tuple[int, ...] | None:

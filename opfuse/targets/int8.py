@@ -36,22 +36,16 @@ import dataclasses
 from collections import Counter
 
 from opfuse.targets.traffic import NodeTraffic, TensorInfo, Traffic, with_layers
-from opfuse.vocabulary import FLOAT_DTYPES, MS_DOMAIN, ONNX_DOMAINS
+from opfuse.vocabulary import FLOAT_DTYPES, MS_DOMAIN, ONNX_DOMAINS, OPS
 
-# Ops whose output keeps its input's int8 form and scale: they move or select values.
-INT8_MOVEMENT_OPS = frozenset({
-    "MaxPool", "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Slice",
-    "Split", "Gather", "Pad", "Resize", "DepthToSpace", "SpaceToDepth", "Concat",
-})
-# Ops an int8 accelerator runs as int8 kernels: ONNX Runtime's own int8 set (QLinearConv,
-# QGemm / MatMulInteger, QLinearAdd, QLinearMul, QLinearAveragePool,
-# QLinearGlobalAveragePool, QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax), the
-# activations a requantisation clamps (Relu, Clip), and data movement. Not
-# BatchNormalization: no int8 kernel runs it; folded into the conv, it is gone.
-INT8_OPS = frozenset({
-    "Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "AveragePool", "GlobalAveragePool",
-    "Sigmoid", "LeakyRelu", "Softmax", "Relu", "Clip",
-}) | INT8_MOVEMENT_OPS
+# From the op table's ``int8`` column. "move": the output keeps its input's int8 form and
+# scale (the op moves or selects values). "compute": an int8 accelerator runs it as an int8
+# kernel: ONNX Runtime's own int8 set (QLinearConv, QGemm / MatMulInteger, QLinearAdd,
+# QLinearMul, QLinearAveragePool, QLinearGlobalAveragePool, QLinearSigmoid,
+# QLinearLeakyRelu, QLinearSoftmax) and the activations a requantisation clamps (Relu,
+# Clip). Not BatchNormalization: no int8 kernel runs it; folded into the conv, it is gone.
+INT8_MOVEMENT_OPS = frozenset(op for op, info in OPS.items() if info.int8 == "move")
+INT8_OPS = frozenset(op for op, info in OPS.items() if info.int8)
 QUANTIZE, DEQUANTIZE = "QuantizeLinear", "DequantizeLinear"
 _QDQ_DOMAINS = (*ONNX_DOMAINS, MS_DOMAIN)  # ONNX Runtime also writes them in its own domain
 

@@ -73,7 +73,7 @@ import onnx
 import onnx_ir as ir
 
 from opfuse.analyse import initializers_as_inputs
-from opfuse.targets.onnxruntime import read_fused
+from opfuse.targets.kernels import read_kernel
 from opfuse.vocabulary import ELEMENTWISE_KINDS, dtype_name, is_onnx, is_op, op_kind, plain_attributes
 
 logger = logging.getLogger(__name__)
@@ -352,12 +352,12 @@ def _infer_shapes(
                 bound.append(dim)
         value.shape = ir.Shape(bound)
     for node in graph:
-        view = read_fused(node.domain, node.op_type, node.inputs, node.attributes)
+        view = read_kernel(node.domain, node.op_type, node.inputs, node.attributes)
         if view is not None:  # shape inference knows the standard op it extends
-            node.op_type, node.domain = view.base_op, ""
-            if len(node.inputs) > view.base_inputs:
-                node.resize_inputs(view.base_inputs)
-            kept = view.base_attributes(node.attributes)
+            node.op_type, node.domain = view.anchor, ""
+            if len(node.inputs) > view.anchor_inputs:
+                node.resize_inputs(view.anchor_inputs)
+            kept = view.anchor_attributes
             for attr in [a for a in node.attributes if a not in kept]:
                 node.attributes.pop(attr)
     # Initializers become typed inputs without data: shape inference needs only their shapes.

@@ -1,0 +1,225 @@
+"""What a target is, as data: the fused kernels it executes and its pattern policy.
+
+A :class:`Target` declares
+
+- its **epilogue kernels** (:class:`EpilogueKernel`), one per anchor op: the op it extends
+  (Conv, Gemm), the steps its epilogue runs in order (``("residual", "activation")``:
+  ``Y = act(anchor(X...) + Z)``), the activations it runs, the dtypes, and how the kernel
+  writes an activation into attributes (:class:`ActivationEncoding`). Adding an activation
+  to a target is adding its name to a kernel's ``activations``; a new encoding is a new
+  :class:`ActivationEncoding` row;
+- its **pattern policy**: for each multi-op pattern (:mod:`opfuse.passes.patterns`),
+  ``"fuse"`` (into the op the target runs), ``"keep"`` (leave as it is) or ``"unfuse"``
+  (expand a fused op the target cannot run into primitives);
+- optionally its own **fusion driver** (ONNX Runtime: fuse, then undo the fusions that
+  cost a conv the runtime's NCHWc layout).
+
+One encoder (:meth:`EpilogueKernel.emit`) and one decoder (:func:`read_kernel`) per
+kernel: the memory-traffic rule, the accelerator model, verification and the epilogue pass
+read fused nodes through :func:`read_kernel`, never by their attributes.
+
+The registry of targets is :mod:`opfuse.targets` (data, read at start-up); this module and
+the target modules load onnx-ir.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ActivationEncoding",
+    "EpilogueKernel",
+    "KernelView",
+    "Target",
+    "POLICIES",
+    "load_target",
+    "read_kernel",
+    "all_kernels",
+]
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import onnx_ir as ir
+
+from opfuse.activations import Activation
+from opfuse.vocabulary import op_label
+
+POLICIES = ("fuse", "keep", "unfuse")
+STEPS = ("residual", "activation")  # the epilogue steps a kernel may run, by name
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationEncoding:
+    """How a kernel writes an activation: the op's name in ``op_attribute``, its float
+    parameters either as one list (``params_attribute``) or one attribute each
+    (``param_attributes``, in the parameters' order)."""
+
+    op_attribute: str = "activation"
+    params_attribute: str | None = None
+    param_attributes: tuple[str, ...] = ()
+
+    @property
+    def attribute_names(self) -> frozenset[str]:
+        names = {self.op_attribute, *self.param_attributes}
+        if self.params_attribute:
+            names.add(self.params_attribute)
+        return frozenset(names)
+
+    def problem(self, activation: Activation) -> str | None:
+        """Why this encoding cannot carry ``activation`` (None when it can)."""
+        if any(isinstance(p, str) for p in activation.params):
+            return f"its parameters ({activation}) are not numbers the kernel's attributes can carry"
+        if not self.params_attribute and len(activation.params) > len(self.param_attributes):
+            return f"the kernel has attributes for {len(self.param_attributes)} activation parameters, not {len(activation.params)}"
+        return None
+
+    def encode(self, activation: Activation) -> list[ir.Attr]:
+        attrs: list[ir.Attr] = [ir.AttrString(self.op_attribute, activation.op)]
+        params = [float(p) for p in activation.params]
+        if params and self.params_attribute:
+            attrs.append(ir.AttrFloat32s(self.params_attribute, params))
+        elif params:
+            attrs += [ir.AttrFloat32(name, p) for name, p in zip(self.param_attributes, params)]
+        return attrs
+
+    def decode(self, attributes: Mapping[str, Any]) -> Activation | None:
+        op = _plain(attributes.get(self.op_attribute))
+        if op is None:
+            return None
+        if self.params_attribute:
+            params = tuple(float(p) for p in (_plain(attributes.get(self.params_attribute)) or ()))
+        else:
+            values = [_plain(attributes.get(n)) for n in self.param_attributes]
+            params = tuple(float(v) for v in values if v is not None)
+        return Activation(str(op), params)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelView:
+    """What a fused node computes, read back from its encoding."""
+
+    anchor: str  # the standard op it extends: "Conv" for FusedConv
+    anchor_inputs: int  # its leading inputs that are the anchor's (X, W, B)
+    epilogue: tuple[str, ...]  # the steps after the anchor, in order, as ops: ("Add", "Relu")
+    activation: Activation | None
+    residual_input: int | None  # the input index of Z when the node has one
+    anchor_attributes: dict[str, Any]  # the anchor op's attributes (the epilogue's removed)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueKernel:
+    """A fused kernel of a target: the anchor op it extends and the epilogue it runs."""
+
+    anchor: str  # the default-domain op whose epilogue it extends
+    domain: str
+    op_type: str
+    dtypes: frozenset[str]
+    steps: tuple[str, ...]  # of STEPS, in the order the kernel computes them
+    activations: frozenset[str] = frozenset()  # the activation ops it runs
+    residual_input: int | None = None  # where Z goes (added before the activation)
+    anchor_inputs: int = 3  # how many leading inputs are the anchor's
+    encoding: ActivationEncoding = ActivationEncoding()
+    keeps_anchor_attributes: bool = True  # False: its attributes are its own (FusedMatMul)
+    emitted: bool = True  # False: the runtime writes it, opfuse only reads it
+
+    @property
+    def label(self) -> str:
+        return op_label(self.domain, self.op_type)
+
+    @property
+    def formula(self) -> str:
+        y = f"{self.anchor}(...)"
+        if "residual" in self.steps:
+            y = f"{y} + Z"
+        return f"act({y})" if "activation" in self.steps else y
+
+    def emit(self, anchor: ir.Node, activation: Activation | None, z: ir.Value | None, name: str) -> ir.Node:
+        """The fused node: the anchor's inputs and attributes plus the epilogue."""
+        inputs = list(anchor.inputs)
+        attributes = list(anchor.attributes.values())
+        if z is not None:
+            if self.residual_input is None:
+                raise ValueError(f"{self.label} takes no residual input")
+            while len(inputs) < self.residual_input:
+                inputs.append(None)
+            inputs.append(z)
+        if activation is not None:
+            attributes += self.encoding.encode(activation)
+        return ir.Node(self.domain, self.op_type, inputs, attributes=attributes, name=name, num_outputs=1)
+
+    def view(self, inputs: Sequence[Any], attributes: Mapping[str, Any]) -> KernelView:
+        """Decode a node of this kernel (``inputs``: its input list, None or absent = no
+        input; ``attributes``: names to plain values or onnx-ir attributes)."""
+        steps: list[str] = []
+        z = self.residual_input
+        has_z = z is not None and len(inputs) > z and inputs[z] is not None
+        if has_z:
+            steps.append("Add")
+        activation = self.encoding.decode(attributes) if "activation" in self.steps else None
+        if activation is not None:
+            steps.append(activation.op)
+        own = self.encoding.attribute_names
+        anchor_attrs = ({k: _plain(v) for k, v in attributes.items() if k not in own}
+                        if self.keeps_anchor_attributes else {})
+        return KernelView(self.anchor, self.anchor_inputs, tuple(steps), activation,
+                          z if has_z else None, anchor_attrs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A deployment target: what it executes and what to do with each pattern."""
+
+    name: str
+    title: str  # "ONNX Runtime", for messages
+    kernels: Mapping[str, EpilogueKernel] = dataclasses.field(default_factory=dict)  # by anchor op
+    patterns: Mapping[str, str] = dataclasses.field(default_factory=dict)  # pattern -> policy
+    # (model, names, report, run_passes, runtime_level, veto) -> model; None: run the passes once
+    run_fusion: Callable[..., ir.Model] | None = None
+    reads: tuple[EpilogueKernel, ...] = ()  # kernels the runtime writes itself (read, never emitted)
+
+    def __post_init__(self):
+        bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}
+        if bad:
+            raise ValueError(f"target {self.name}: unknown pattern policies {bad}")
+        for kernel in self.kernels.values():
+            if not set(kernel.steps) <= set(STEPS):
+                raise ValueError(f"target {self.name}: {kernel.label} has unknown steps {kernel.steps}")
+
+    def kernel_for(self, op_type: str) -> EpilogueKernel | None:
+        return self.kernels.get(op_type)
+
+    def policy(self, pattern: str) -> str:
+        return self.patterns.get(pattern, "keep")
+
+
+def load_target(name: str) -> Target:
+    """The :class:`Target` registered as ``name`` (its module is imported on first use)."""
+    from opfuse.targets import TARGET_MODULES  # (the registry is data; this module is not)
+
+    return importlib.import_module(TARGET_MODULES[name]).TARGET
+
+
+@functools.cache
+def all_kernels() -> dict[tuple[str, str], EpilogueKernel]:
+    """(domain, op_type) -> kernel, over every registered target's kernels."""
+    from opfuse.targets import TARGET_MODULES  # (the registry is data; this module is not)
+
+    out: dict[tuple[str, str], EpilogueKernel] = {}
+    for name in TARGET_MODULES:
+        target = load_target(name)
+        for kernel in (*target.kernels.values(), *target.reads):
+            out[(kernel.domain, kernel.op_type)] = kernel
+    return out
+
+
+def read_kernel(domain: str, op_type: str, inputs: Sequence[Any], attributes: Mapping[str, Any]) -> KernelView | None:
+    """The :class:`KernelView` of a fused node of any target; None for any other node."""
+    kernel = all_kernels().get((domain, op_type))
+    return kernel.view(inputs, attributes) if kernel is not None else None
+
+
+def _plain(value: Any) -> Any:
+    """An onnx-ir attribute's value, or the value itself."""
+    return getattr(value, "value", value)
