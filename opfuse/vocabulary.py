@@ -32,6 +32,7 @@ A row (:class:`OpInfo`) says:
 - **footprint**: how much of its input one output row needs (the accelerator's working
   set): ``"window"`` (the rows under a sliding window: Conv, pooling), ``"global"`` (the
   whole map: global pooling, reductions), ``""`` (the same rows).
+- **metadata_only**: it reads only its input's shape, not its data (Shape, Size).
 - **int8**: what an int8 accelerator does with it (``"compute"``: runs it as an int8
   kernel; ``"move"``: moves or selects 8-bit values, keeping their scale; ``""``: float).
 
@@ -146,6 +147,7 @@ class OpInfo:
     commutative: bool = False
     int8: str = ""  # "compute", "move" or ""
     footprint: str = ""  # "window", "global" or ""
+    metadata_only: bool = False  # reads its input's shape, not its data
 
 
 _E, _B, _I, _R, _W, _O = (OpKind.ELEMWISE, OpKind.BROADCAST, OpKind.INJECTIVE, OpKind.COMM_REDUCE,
@@ -210,7 +212,8 @@ OPS: dict[str, OpInfo] = {
     **_rows(_O, "Resize", int8="move"),
     **_rows(_O, "LayerNormalization", "RMSNormalization", "GroupNormalization",
             "InstanceNormalization", "LogSoftmax", "Attention", "LSTM", "GRU", "RNN", "If", "Loop",
-            "Scan", "Shape", "Size", "Constant", "ConstantOfShape", "Range", "TopK", "NonZero"),
+            "Scan", "Constant", "ConstantOfShape", "Range", "TopK", "NonZero"),
+    **_rows(_O, "Shape", "Size", metadata_only=True),
 }
 
 OP_KINDS: dict[str, OpKind] = {op: info.kind for op, info in OPS.items()}

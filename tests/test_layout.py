@@ -165,3 +165,82 @@ def test_fresh_names_take_constant_time_per_name():
     names = [table.fresh("w") for _ in range(20000)]
     assert len(set(names)) == 20000 and names[:4] == ["w", "w_1", "w_2", "w_4"]
     assert Counting.lookups <= 2 * 20000 + 1
+
+
+# -- one place per op fact ---------------------------------------------------------------------
+
+# Collections of op names outside the op table (opfuse/vocabulary.py) and the target modules
+# (whose lists are what each target runs). Each is a rule of its own module, not a fact about
+# the ops; a new one must be added here with the reason it is not a column of the op table.
+OWN_RULES = {
+    ("activations.py", frozenset({"Relu", "Clip"})): "the clamp-merging rule",
+    ("bench/table.py", frozenset({"BatchNormalization", "Relu", "Clip", "Add"})): "columns the table shows",
+    ("passes/equalize.py", "BETWEEN"): "how each op commutes with a channel scale (the pass's algebra)",
+    ("passes/equalize.py", "_NOT_HANDLED"): "reasons for ops the pass does not look through",
+    ("passes/fold_arithmetic.py", frozenset({"Add", "Sub", "Mul", "Div"})): "the consumers whose algebra it folds",
+    ("quantization/presets.py", "CPU_OPS"): "what a preset quantises (a policy)",
+    ("quantization/bias_correction.py", frozenset({"Conv", "Gemm"})): "the layers its correction supports",
+    ("quantization/qdq.py", frozenset({"Conv", "Gemm"})): "the layers that get a zero bias to correct",
+    ("quantization/qdq.py", frozenset({"Relu", "Clip"})): "ops ONNX Runtime's quantiser folds into a range",
+    ("quantization/sqnr.py", "CHANNEL_FIRST"): "ops measured per channel on axis 1",
+    ("inputs.py", "*"): "how generated inputs follow their consumers",
+    ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",
+}
+TARGET_MODULES = {"targets/onnxruntime.py", "targets/onnx.py", "targets/qnn.py"}
+
+
+def _op_name_collections(path: pathlib.Path):
+    """(line, assigned name or None, op names) of every literal collection of >= 2 op names."""
+    from opfuse.vocabulary import OPS
+
+    tree = ast.parse(path.read_text())
+    names_of = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for sub in ast.walk(node.value) if node.value is not None else ():
+                for t in targets:
+                    if isinstance(t, ast.Name):
+                        names_of.setdefault(id(sub), t.id)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            elts = node.elts
+        elif isinstance(node, ast.Dict):
+            elts = [k for k in node.keys if k is not None]
+        else:
+            continue
+        strings = [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        if len(strings) >= 2 and len(strings) == len(elts) and all(s in OPS for s in strings):
+            yield node.lineno, names_of.get(id(node)), frozenset(strings)
+
+
+def test_the_op_table_is_the_only_place_op_facts_are_spelled():
+    """Weighted ops, activations, kinds, commutativity, int8 roles: read from the op table.
+    A module that lists op names of its own fails here, unless the list is its own rule."""
+    stray = []
+    for path in MODULES:
+        rel = str(path.relative_to(PACKAGE))
+        if rel == "vocabulary.py" or rel in TARGET_MODULES:
+            continue
+        for line, name, ops in _op_name_collections(path):
+            if (rel, ops) in OWN_RULES or (rel, name) in OWN_RULES or (rel, "*") in OWN_RULES:
+                continue
+            stray.append(f"{rel}:{line} {name or ''} {sorted(ops)}")
+    assert not stray, "\n".join(stray)
+
+
+def test_the_float_dtypes_are_spelled_once():
+    """The set of float dtypes is vocabulary.FLOAT_DTYPES; a module may name the subset it
+    supports (a policy), not keep its own copy of the whole set."""
+    stray = []
+    for path in MODULES:
+        rel = str(path.relative_to(PACKAGE))
+        if rel == "vocabulary.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                found = {e.value for e in node.elts if isinstance(e, ast.Constant)} & {"float16", "bfloat16",
+                                                                                         "float32", "float64"}
+                if len(found) == 4:
+                    stray.append(f"{rel}:{node.lineno} {sorted(found)}")
+    assert not stray, "\n".join(stray)

@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from opfuse.analyse import describe, find_constant, trace_producer
 from opfuse.passes.folding import ChannelAffine, FoldPass, ProducerShape
-from opfuse.vocabulary import is_op
+from opfuse.vocabulary import FLOAT_DTYPES, OPS, WEIGHTED_OPS, is_op
 
 AXIS_NAMES = {0: "batch", 1: "channel"}
 
@@ -40,7 +40,7 @@ class FoldArithmeticPass(FoldPass):
 
     name = "fold-arithmetic"
     consumer_ops = frozenset({"Add", "Sub", "Mul", "Div"})
-    producer_ops = frozenset({"Conv", "ConvTranspose", "Gemm"})
+    producer_ops = frozenset(op for op in WEIGHTED_OPS if OPS[op].weights.bias is not None)  # a bias to absorb t
 
     def producer_sides(self, node: ir.Node):
         return (0, 1)
@@ -62,7 +62,7 @@ class FoldArithmeticPass(FoldPass):
         if isinstance(const, str):
             return const
         c = const.array
-        if str(c.dtype) not in ("float16", "bfloat16", "float32", "float64"):
+        if str(c.dtype) not in FLOAT_DTYPES:
             return f"its constant is {c.dtype}, not floating point"
         per_channel = _per_channel(c, out, describe(cand.producer))
         if isinstance(per_channel, str):

@@ -74,12 +74,13 @@ import onnx_ir as ir
 
 from opfuse.analyse import initializers_as_inputs
 from opfuse.targets.kernels import read_kernel
-from opfuse.vocabulary import ELEMENTWISE_KINDS, dtype_name, is_onnx, is_op, op_kind, plain_attributes
+from opfuse.vocabulary import ELEMENTWISE_KINDS, OPS, dtype_name, is_onnx, is_op, op_kind, plain_attributes
 
 logger = logging.getLogger(__name__)
 
-# Ops that read only their input's metadata, and ops that move no data at run time.
-METADATA_ONLY_OPS = frozenset({"Shape", "Size"})
+# Ops that read only their input's metadata (the op table's metadata_only), and ops that
+# move no data at run time (Constant: the runtime turns it into an initializer on load).
+METADATA_ONLY_OPS = frozenset(op for op, info in OPS.items() if info.metadata_only)
 NO_TRAFFIC_OPS = frozenset({"Constant"})
 
 INPUT_LAYER = "(graph input)"
