@@ -187,7 +187,9 @@ def optimize(
     tidy = CleanupPass(report, infer_shapes=keep_shapes) if cleanup else None
     if tidy is not None:
         tidy(work)  # constant subexpressions become initializers the folds can absorb
-    run_passes(work, [n for n in names if n not in fusion], report)
+    rewrites = [n for n in names if n not in fusion]
+    targeted = {"target": chosen} if any("target" in pass_class(n).options for n in rewrites) else {}
+    run_passes(work, rewrites, report, **targeted)
     if fusion:
         work = run_fusion(work, fusion, report, chosen, runtime_level=runtime_level, veto=veto)
     if tidy is not None:

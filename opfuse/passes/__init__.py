@@ -5,6 +5,8 @@
 ``fold-arithmetic``    constant Add/Sub/Mul/Div -> Conv/ConvTranspose/Gemm weights
 ``fuse-activation``    Conv/Gemm + activation -> FusedConv/FusedGemm (onnxruntime)
 ``fuse-epilogue``      Conv + residual Add + activation -> FusedConv (onnxruntime)
+``fuse-patterns``      LayerNorm, GELU, SiLU, HardSwish, attention... -> the op the target
+                       runs (:mod:`opfuse.passes.patterns`)
 ``equalize``           cross-layer equalisation of Conv -> [act] -> Conv weight ranges
                        (before int8 quantisation; no target runs it by default)
 =====================  ==========================================================
@@ -33,6 +35,7 @@ REGISTRY: dict[str, str] = {
     "fold-arithmetic": "opfuse.passes.fold_arithmetic:FoldArithmeticPass",
     "fuse-activation": "opfuse.passes.fuse_epilogue:ActivationFusionPass",
     "fuse-epilogue": "opfuse.passes.fuse_epilogue:EpilogueFusionPass",
+    "fuse-patterns": "opfuse.passes.fuse_patterns:PatternFusionPass",
     "equalize": "opfuse.passes.equalize:EqualizePass",
 }
 PASS_NAMES = tuple(REGISTRY)

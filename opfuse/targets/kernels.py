@@ -175,6 +175,7 @@ class Target:
     title: str  # "ONNX Runtime", for messages
     kernels: Mapping[str, EpilogueKernel] = dataclasses.field(default_factory=dict)  # by anchor op
     patterns: Mapping[str, str] = dataclasses.field(default_factory=dict)  # pattern -> policy
+    pattern_ops: str = "standard"  # the op form its patterns become: "standard" or "onnxruntime"
     # (model, names, report, run_passes, runtime_level, veto) -> model; None: run the passes once
     run_fusion: Callable[..., ir.Model] | None = None
     reads: tuple[EpilogueKernel, ...] = ()  # kernels the runtime writes itself (read, never emitted)

@@ -242,6 +242,7 @@ TARGET = Target(
     title="ONNX Runtime",
     kernels=KERNELS,
     patterns=PATTERNS,
+    pattern_ops="onnxruntime",
     run_fusion=run_fusion,
     reads=_RUNTIME_KERNELS,
 )

@@ -1,0 +1,221 @@
+"""Fuse multi-op patterns into the op the target runs: one adapter for onnxscript's rewriter.
+
+A pattern (LayerNorm, GELU, SiLU, HardSwish, attention...) is a set of onnxscript rewrite
+rules, each ``pattern`` (what to match), ``check`` (is it legal here, with a reason) and
+``rewrite`` (what to emit), in :mod:`opfuse.passes.patterns`, one module per pattern with
+its algebra and legality rules. This pass runs, in the catalogue's order, the patterns the
+target's policy says to ``fuse`` (:class:`~opfuse.targets.kernels.Target`), in the op form
+the target runs (standard ONNX at the model's opset, or ONNX Runtime's contrib ops), and
+makes each outcome opfuse's own:
+
+1. **A rewrite** is a :class:`~opfuse.report.FusionRecord`: the nodes removed, the ones
+   produced (named after the nodes they replace), and the tensor the result computes, which
+   keeps the replaced tensor's name, so verification checks every rewrite at its own tensor
+   like a fold.
+2. **A match whose check fails** (the whole pattern is there, a legality condition is not)
+   is a :class:`~opfuse.report.Refusal` with the rule's reason; so is a match whose inner
+   tensors are used outside it (a graph output, another consumer). Partial matches are not
+   reported: they are not the pattern.
+3. A match the pass rewrote through another rule (a commuted variant, a later round) keeps
+   no refusal: only roots still in the graph at the end are reported.
+
+Rewrites inside functions that would add initializers are skipped, as onnxscript does.
+Approximations (a tanh GELU for an erf one) are never among the rules unless the caller
+asks for them (``approximate``); then their records say so.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PatternFusionPass"]
+
+import functools
+import os
+
+import onnx_ir as ir
+from onnx_ir import convenience
+from onnxscript.optimizer import basic_constant_propagation
+from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+
+from opfuse.analyse import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
+from opfuse.passes.base import OpfusePass
+from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
+from opfuse.report import FusionRecord
+from opfuse.targets.kernels import Target, load_target
+from opfuse.vocabulary import ONNX_DOMAINS
+
+_OTHER_USES = "Matched nodes have other uses"  # onnxscript's reason for an unremovable match
+
+
+class _Refusals(MatchingTracer):
+    """onnxscript's tracer hook, keeping only full matches that failed (rule 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: dict[tuple[str, int], tuple[ir.Node, str, str]] = {}
+
+    def log(self, rule, container, node, match_result, status) -> None:
+        reason = getattr(match_result, "reason", "") or ""
+        if status == MatchStatus.CONDITION_FAILED or (status == MatchStatus.NO_MATCH and reason.startswith(_OTHER_USES)):
+            if reason.startswith(_OTHER_USES):
+                reason = ("a tensor inside the pattern is used outside it (by another node or as a graph "
+                          "output), so the pattern's nodes must stay")
+            self.failed.setdefault((rule.name or "", id(node)), (node, rule.name or "", reason))
+
+
+class PatternFusionPass(OpfusePass):
+    """Rewrite the target's multi-op patterns with onnxscript rules (module docstring)."""
+
+    name = "fuse-patterns"
+    options = frozenset({"target", "approximate"})
+
+    def __init__(self, report=None, *, target: Target | str = "onnx", approximate: bool = False):
+        super().__init__(report)
+        self.target = load_target(target) if isinstance(target, str) else target
+        self.approximate = approximate
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        patterns = [p for p in PATTERN_ORDER if self.target.policy(p) == "fuse"]
+        if not patterns:
+            return ir.passes.PassResult(model, modified=False)
+        names = NameTable(model)
+        infer_shapes(model)  # the rules check dtypes and shapes
+        modified = False
+        tracer = _Refusals()
+        for name in patterns:
+            found = pattern_rules(name, self.target, approximate=self.approximate)
+            if found.transactional:
+                changed = self._transaction(model, found, tracer)
+                if changed:
+                    names = NameTable(model)  # the graph is the trial's now
+            else:
+                changed = self._stages(model, found, tracer, names, self.report.records)
+            if changed:
+                modified = True
+                infer_shapes(model)  # new intermediate values for the next pattern's checks
+        for node, rule, reason in tracer.failed.values():
+            if node.graph is not None:
+                self.refuse(rule, node, reason, scope=_scope_of(model, node))
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _stages(self, model, found, tracer, names, records) -> bool:
+        changed = False
+        for stage in found.stages:
+            for scope in list(iter_scopes(model)):
+                if self._apply(model, scope, found, stage, tracer, names, records):
+                    changed = True
+        return changed
+
+    def _transaction(self, model, found, tracer) -> bool:
+        """Stages whose intermediate ops (``found.intermediate_domains``) must all be consumed
+        by a later stage: run on a copy, kept only when none is left."""
+        trial = model.clone()
+        records: list[FusionRecord] = []
+        if not self._stages(trial, found, tracer, NameTable(trial), records):
+            return False
+        left = [n for scope in iter_scopes(trial) for n in scope.graph if n.domain in found.intermediate_domains]
+        if left:
+            for node in left:
+                self.refuse(found.title, node, (
+                    f"its first stage matched, but a later one did not take the intermediate "
+                    f"{node.op_type}, so the whole {found.title} rewrite is left out"), scope=None)
+            return False
+        model.graph = trial.graph  # (an in-place pass: the model object stays the caller's)
+        model.opset_imports.update(trial.opset_imports)
+        self.report.records.extend(records)
+        return True
+
+    def _apply(self, model, scope: Scope, found, rules, tracer, names: NameTable, records) -> bool:
+        container = scope.container
+        by_root, anywhere = _index(rules)
+        changed = False
+        for node in container:
+            key = ("" if node.domain in ONNX_DOMAINS else node.domain, node.op_type)
+            for rule in (*by_root.get(key, ()), *anywhere):
+                delta = rule.try_rewrite(model, container, node, tracer=tracer)
+                if delta is None:
+                    continue
+                if delta.new_initializers and scope.function is not None:
+                    continue  # functions have no initializers (onnxscript skips these too)
+                for initializer in delta.new_initializers:
+                    initializer.name = names.fresh(initializer.name or "pattern_constant")
+                    scope.graph.register_initializer(initializer)
+                basic_constant_propagation(delta.new_nodes)
+                matched = list(delta.match.nodes)
+                outputs = [v.name for v in delta.match.outputs]
+                stem = _stem(matched)
+                for new in delta.new_nodes:
+                    if not new.name:
+                        new.name = names.fresh(f"{stem}{new.op_type}")
+                convenience.replace_nodes_and_values(
+                    container, node, matched, delta.new_nodes, delta.match.outputs, delta.new_outputs
+                )
+                for new in delta.new_nodes:
+                    if new.domain and new.domain not in model.opset_imports:
+                        model.opset_imports[new.domain] = 1
+                records.append(_record(scope, found.title, rule, matched, delta.new_nodes, outputs))
+                changed = True
+                break
+        return changed
+
+
+@functools.cache
+def _index(rules: tuple) -> tuple[dict[tuple[str, str], tuple], tuple]:
+    """The rules by the (domain, op) of their pattern's one output node, which a match's root
+    must be (onnxscript's matcher fails any other node first, but only after a Python call
+    per rule per node); rules with several output nodes are tried everywhere."""
+    by_root: dict[tuple[str, str], list] = {}
+    anywhere = []
+    for rule in rules:
+        root = _root_op(rule)
+        if root is None:
+            anywhere.append(rule)
+        else:
+            by_root.setdefault(root, []).append(rule)
+    return {k: tuple(v) for k, v in by_root.items()}, tuple(anywhere)
+
+
+def _root_op(rule) -> tuple[str, str] | None:
+    """(domain, op) the rule's one output node must have; None when it has several or its
+    op is not one fixed name (onnxscript's private pattern objects; absent: None)."""
+    graph = getattr(rule, "_target_pattern", None)
+    if graph is None or not graph.has_single_output_node:
+        return None
+    node = graph.output_nodes[0]
+    op, domain = getattr(node, "op", None), getattr(node, "domain", None)
+    if not (hasattr(op, "value") and hasattr(domain, "value")) or type(op).__name__ != "StringConstantPattern":
+        return None
+    return ("" if domain.value() in ONNX_DOMAINS else domain.value()), op.value()
+
+
+def _record(scope, title, rule, matched, produced, outputs) -> FusionRecord:
+    real = [n for n in produced if n.op_type != "Constant"]
+    main = real[-1] if real else (produced[-1] if produced else None)
+    approximate = "approximat" in (rule.name or "")
+    return FusionRecord(
+        pattern=title,
+        node=node_label(main) if main is not None else "",
+        removed=tuple(node_label(n) for n in matched),
+        produced=", ".join(describe(n) for n in real),
+        graph=scope.label,
+        detail=("an approximation (asked for with --approximate); " if approximate else "")
+               + f"rule {rule.name}: {len(matched)} nodes -> {len(real)}",
+        output=outputs[0] if outputs else "",
+    )
+
+
+def _stem(nodes) -> str:
+    """The matched nodes' common name prefix up to a '/', so the new node sits beside them
+    in the exporter's hierarchy ("/encoder/layer.0/ln/"); empty when they share none."""
+    named = [n.name for n in nodes if n.name]
+    if not named:
+        return ""
+    prefix = os.path.commonprefix(named)
+    return prefix[: prefix.rfind("/") + 1] if "/" in prefix else ""
+
+
+def _scope_of(model: ir.Model, node: ir.Node) -> Scope | None:
+    for scope in iter_scopes(model):
+        if node.graph is scope.graph:
+            return scope
+    return None
+

@@ -1,0 +1,120 @@
+"""The multi-op patterns opfuse knows, as onnxscript rewrite rules: the catalogue.
+
+=================  ============================================  =========================
+pattern            what it matches                               becomes (standard / ORT)
+=================  ============================================  =========================
+``layer-norm``     ReduceMean, Sub, Pow|Mul, ReduceMean, Add,    LayerNormalization (17+)
+                   Sqrt, Div|Reciprocal-Mul [, Mul] [, Add]      / LayerNormalization
+``rms-norm``       x / Sqrt(ReduceMean(x^2) + eps) * scale       RMSNormalization (23+) /
+                                                                 SimplifiedLayerNormalization
+``skip-layer-norm`` Add then LayerNormalization                  - / SkipLayerNormalization
+``gelu``           0.5 x (1 + erf(x / sqrt 2)); its tanh form    Gelu (20+) / Gelu, FastGelu
+``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
+``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
+``hardswish``      x * HardSigmoid(x; 1/6, 1/2); Clip forms      HardSwish (14+)
+``attention``      MatMul, scale, mask, Softmax, MatMul          - / MultiHeadAttention,
+                                                                 Attention
+``matmul-add``     MatMul (2-D) then Add(bias)                   Gemm / Gemm
+=================  ============================================  =========================
+
+One module per pattern (``layer_norm.py``...): its algebra, its legality rules, a ``TITLE``
+for the log and a ``stages(form, approximate)`` function returning the onnxscript rules
+that produce the pattern in ``form`` ("standard": ONNX ops, where the model's opset has
+them, else a refusal naming the opset; "onnxruntime": ONNX Runtime's contrib ops), as
+stages run one after the other over the whole graph. A module whose first stages emit
+intermediate ops that later ones consume (attention) names their domains in
+``INTERMEDIATE_DOMAINS``: its stages run on a copy, kept only when none is left. A target says per pattern
+whether to fuse it (:attr:`opfuse.targets.kernels.Target.patterns`); the pass that runs
+them is :mod:`opfuse.passes.fuse_patterns`; ``PATTERN_ORDER`` is the order it runs them
+(a LayerNorm must exist before an Add can join it, and a bias Add must not become a Gemm
+before BiasGelu takes it).
+"""
+
+from __future__ import annotations
+
+__all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "model_opset", "constant_array",
+           "opset_problem"]
+
+import dataclasses
+import functools
+import importlib
+
+PATTERN_MODULES: dict[str, str] = {
+    "layer-norm": "opfuse.passes.patterns.layer_norm",
+    "rms-norm": "opfuse.passes.patterns.rms_norm",
+    "skip-layer-norm": "opfuse.passes.patterns.skip_layer_norm",
+    "gelu": "opfuse.passes.patterns.gelu",
+    "bias-gelu": "opfuse.passes.patterns.bias_gelu",
+    "silu": "opfuse.passes.patterns.silu",
+    "hardswish": "opfuse.passes.patterns.hardswish",
+    "attention": "opfuse.passes.patterns.attention",
+    "matmul-add": "opfuse.passes.patterns.matmul_add",
+}
+PATTERN_ORDER = tuple(PATTERN_MODULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternRules:
+    """One pattern's rules for one op form: stages of onnxscript rules (commuted variants
+    included), and the domains of the intermediate ops its stages hand on."""
+
+    title: str
+    stages: tuple[tuple, ...]
+    intermediate_domains: frozenset[str] = frozenset()
+
+    @property
+    def transactional(self) -> bool:
+        return bool(self.intermediate_domains)
+
+
+@functools.cache
+def _rules(pattern: str, form: str, approximate: bool) -> PatternRules:
+    from onnxscript.rewriter import pattern as rewriter  # (heavy; the catalogue itself is data)
+
+    module = importlib.import_module(PATTERN_MODULES[pattern])
+    stages = tuple(tuple(r for rule in stage for r in _commuted(rewriter, rule))
+                   for stage in module.stages(form, approximate))
+    return PatternRules(module.TITLE, stages, frozenset(getattr(module, "INTERMEDIATE_DOMAINS", ())))
+
+
+def _commuted(rewriter, rule) -> list:
+    """The rule and its variants with commutative operands swapped; a rule using onnxscript's
+    OrValue cannot be commuted (its clone fails), and is taken as written."""
+    try:
+        return list(rewriter.RewriteRuleSet([rule], commute=True).rules)
+    except ValueError:
+        return [rule]
+
+
+def pattern_rules(pattern: str, target, *, approximate: bool = False) -> PatternRules:
+    """The onnxscript rules producing ``pattern`` for ``target``."""
+    return _rules(pattern, target.pattern_ops, approximate)
+
+
+# -- helpers the rules share ----------------------------------------------------------------
+
+def model_opset(context) -> int:
+    """The default-domain opset of the model an onnxscript match context belongs to."""
+    from opfuse.analyse import opset_of  # (heavy; see above)
+
+    return opset_of(context.model.opset_imports)
+
+
+def opset_problem(context, op: str, since: int) -> str | None:
+    """Why ``op`` cannot be emitted in this model (its opset is below ``since``), or None."""
+    opset = model_opset(context)
+    if opset >= since:
+        return None
+    return (f"{op} exists from opset {since} and the model has opset {opset}; "
+            f"--opset {since} upgrades the model first")
+
+
+def constant_array(value):
+    """The numpy array of a constant (initializer not also a graph input, Constant node),
+    else None."""
+    from opfuse.analyse import find_constant  # (heavy; see above)
+
+    if value is None:
+        return None
+    found = find_constant(value)
+    return None if isinstance(found, str) else found.array

@@ -1,0 +1,164 @@
+"""LayerNorm written out in primitives -> LayerNormalization.
+
+Algebra (over the normalised axes, the last k of x's r axes):
+
+    mean = ReduceMean(x)            d   = x - mean
+    var  = ReduceMean(d * d)        (or Pow(d, 2))
+    y    = d / Sqrt(var + eps)      (or d * Reciprocal(Sqrt(var + eps)))
+         [* scale] [+ bias]
+
+is ``LayerNormalization(x, scale, bias, axis=r-k, epsilon=eps)`` exactly: the op's
+definition is this computation (ONNX's function body), with the statistics in float32
+(``stash_type``) for float16 / bfloat16 inputs, which the primitives compute in the input's
+dtype (the fused op is then the more accurate one; the difference is float16 rounding).
+
+Legality, each failure a refusal:
+
+1. Both ReduceMeans reduce the same axes, keeping them (keepdims 1), and those axes are the
+   trailing ones: [-1], [-2, -1]..., or [r-k, ..., r-1] when x's rank r is known. Axes come
+   as an attribute (opset < 18) or a constant input (opset 18+).
+2. eps is a constant scalar; x is floating point.
+3. scale and bias, when present, are constants that vary only along the normalised axes
+   (after leading 1s, their shape is the normalised shape, or they are scalars, which are
+   broadcast to it: the normalised dims must then be static).
+4. The intermediate tensors have no consumer outside the pattern (the pass checks).
+5. Standard form: the model's opset is 17 or more (ONNX Runtime runs LayerNormalization at
+   any opset).
+"""
+
+from __future__ import annotations
+
+__all__ = ["TITLE", "stages"]
+
+TITLE = "LayerNorm->LayerNormalization"
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from opfuse.passes.patterns import constant_array, opset_problem
+from opfuse.vocabulary import FLOAT_DTYPES, dtype_name
+
+_STASH_FLOAT = 1  # LayerNormalization's stash_type for float32 statistics
+
+
+def _axes(node: ir.Node) -> list[int] | None:
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        return [int(a) for a in attr.value]
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = constant_array(node.inputs[1])
+        return None if array is None else [int(a) for a in array.reshape(-1)]
+    return None
+
+
+def _trailing(axes: list[int], rank: int | None) -> int | None:
+    """The first normalised axis (negative) when ``axes`` are the trailing ones, else None."""
+    if rank is not None:
+        axes = [a + rank if a < 0 else a for a in axes]
+        axes = sorted(a - rank for a in axes)
+    elif any(a >= 0 for a in axes):
+        return None
+    axes = sorted(axes)
+    return axes[0] if axes == list(range(axes[0], 0)) else None
+
+
+class LayerNormFusion(pattern.RewriteRuleClassBase):
+    """The primitives of a LayerNorm (with or without scale and bias) -> LayerNormalization."""
+
+    def __init__(self, form: str, axes_as_input: bool, scaled: bool, biased: bool, divide: bool, power: bool):
+        super().__init__(name="LayerNorm->LayerNormalization")
+        self.form, self.axes_as_input, self.scaled, self.biased = form, axes_as_input, scaled, biased
+        self.divide, self.power = divide, power
+
+    def _mean(self, op, value, axes, name):
+        if self.axes_as_input:
+            return op.ReduceMean(value, axes, _allow_other_attributes=True, _outputs=[name])
+        return op.ReduceMean(value, _allow_other_attributes=True, _outputs=[name])
+
+    def pattern(self, op, x, axes, axes2, epsilon, scale, bias):
+        mean = self._mean(op, x, axes, "mean")
+        d = op.Sub(x, mean)
+        dd = op.Pow(d, 2.0) if self.power else op.Mul(d, d)
+        var = self._mean(op, dd, axes2, "var")
+        std = op.Sqrt(op.Add(var, epsilon))
+        y = op.Div(d, std) if self.divide else op.Mul(d, op.Reciprocal(std))
+        if self.scaled:
+            y = op.Mul(y, scale)
+        if self.biased:
+            y = op.Add(y, bias)
+        return y
+
+    def check(self, context, x, epsilon, mean, var, scale=None, bias=None, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if self.form == "standard":
+            problem = opset_problem(context, "LayerNormalization", 17)
+            if problem:
+                return result.fail(problem)
+        if dtype_name(x.dtype) not in FLOAT_DTYPES:
+            return result.fail(f"its input is {dtype_name(x.dtype) or 'of unknown dtype'}, not floating point", x)
+        axes, axes2 = _axes(mean.producer()), _axes(var.producer())
+        if axes is None or axes2 is None:
+            return result.fail("its ReduceMean axes are not constants", mean)
+        for node in (mean.producer(), var.producer()):
+            keep = node.attributes.get("keepdims")
+            if keep is not None and int(keep.value) != 1:
+                return result.fail("a ReduceMean drops the reduced axes (keepdims=0)", node)
+        rank = len(x.shape) if x.shape is not None else None
+        first, first2 = _trailing(axes, rank), _trailing(axes2, rank)
+        if first is None or first != first2:
+            return result.fail(f"it reduces axes {axes} and {axes2}: not the same trailing axes "
+                               f"(rank {rank if rank is not None else 'unknown'})", mean)
+        eps = constant_array(epsilon)
+        if eps is None or eps.size != 1:
+            return result.fail("its epsilon is not a constant scalar", epsilon)
+        normalized = list(x.shape)[first:] if x.shape is not None else None
+        self._params = {}
+        for role, value in (("scale", scale if self.scaled else None), ("bias", bias if self.biased else None)):
+            if value is None:
+                continue
+            array = constant_array(value)
+            if array is None:
+                return result.fail(f"its {role} is not a constant", value)
+            fitted = _fit(array, normalized)
+            if isinstance(fitted, str):
+                return result.fail(f"its {role} {fitted}", value)
+            self._params[role] = fitted.astype(np.dtype(x.dtype.numpy()))
+        if not self.scaled:
+            ones = _fit(np.ones(1), normalized)
+            if isinstance(ones, str):
+                return result.fail(f"it has no scale, and LayerNormalization needs one: {ones}")
+            self._params["scale"] = ones.astype(np.dtype(x.dtype.numpy()))
+        self._axis, self._epsilon = first, float(eps.reshape(-1)[0])
+        return result
+
+    def rewrite(self, op, x, **_):
+        inputs = [x, op.initializer(ir.tensor(self._params["scale"]), name="ln_scale")]
+        if "bias" in self._params:
+            inputs.append(op.initializer(ir.tensor(self._params["bias"]), name="ln_bias"))
+        return op.LayerNormalization(*inputs, axis=self._axis, epsilon=self._epsilon, stash_type=_STASH_FLOAT)
+
+
+def _fit(array: np.ndarray, normalized: list | None) -> np.ndarray | str:
+    """``array`` as a tensor of the normalised shape, or why it does not vary along it only."""
+    shape = list(array.shape)
+    while shape and shape[0] == 1 and (normalized is None or len(shape) > len(normalized)):
+        shape.pop(0)
+    if normalized is not None and all(isinstance(d, int) for d in normalized):
+        if shape == list(normalized):
+            return array.reshape(normalized)
+        if array.size == 1:
+            return np.full(normalized, array.reshape(-1)[0])
+        return f"has shape {list(array.shape)}, not the normalised shape {list(normalized)}"
+    if array.size != 1 and len(shape) == 1 and normalized is not None and len(normalized) == 1:
+        return array.reshape(shape)  # [D] over a symbolic last axis: LayerNormalization checks D
+    return f"has shape {list(array.shape)} over normalised axes of unknown size"
+
+
+def stages(form: str, approximate: bool = False):
+    # (explicit variants, not onnxscript's OrValue: its commuted copies fail to clone one)
+    return [[LayerNormFusion.rule(form, axes_as_input, scaled, biased, divide, power)
+             for axes_as_input in (False, True)
+             for scaled, biased in ((True, True), (True, False), (False, False))
+             for divide in (True, False)
+             for power in (True, False)]]
