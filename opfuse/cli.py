@@ -119,14 +119,21 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="an ablation row of the chapter's table by name (sets --passes and --target): "
                         + "; ".join(f"{c.name} = {c.label}" for c in CONFIGS.values()))
     p.add_argument("--target", choices=TARGETS, default="onnx",
-                   help="onnx: portable folding only (default); onnxruntime: also fuse epilogues "
-                        "into com.microsoft.FusedConv/FusedGemm")
+                   help="onnx: portable ONNX, patterns as standard ops at the model's opset (default); "
+                        "onnxruntime: ONNX Runtime's contrib ops for the patterns, epilogues fused into "
+                        "com.microsoft.FusedConv/FusedGemm")
     p.add_argument("--passes", default=None,
                    help=f"comma-separated passes (known: {', '.join(PASS_NAMES)}; defaults per target: {defaults})")
     p.add_argument("--runtime-level", choices=RUNTIME_LEVELS, default="all",
                    help="ONNX Runtime graph-optimisation level the result will run at: at 'all' a fusion "
                         "that would cost a conv the runtime's NCHWc layout is left to the runtime; "
                         "lower levels fuse everything legal (default: %(default)s)")
+    p.add_argument("--opset", type=int, metavar="N",
+                   help="raise the model's opset to N first (onnx's version converter), so patterns can "
+                        "become the standard ops that need it (LayerNormalization 17, Gelu 20, ...)")
+    p.add_argument("--approximate", action="store_true",
+                   help="let a pattern become an op that approximates it (an erf GELU as a tanh one); "
+                        "each such rewrite is logged as an approximation")
     p.add_argument("--hardware", metavar="PROFILE",
                    help="accelerator profile (see opfuse bench): decline fusions whose working set "
                         "would spill its on-chip buffer")
@@ -189,6 +196,8 @@ def _optimize(args) -> int:
         overwrite=args.overwrite,
         cleanup=not args.no_cleanup,
         keep_shapes=args.keep_shapes,
+        opset=args.opset,
+        approximate=args.approximate,
     )
     return _print_result(args, report, print_report, time.perf_counter() - start)
 
@@ -208,7 +217,8 @@ def _inspect(args) -> int:
 
     _apply_config(args)
     result = inspect_model(args.input, passes=args.passes, target=args.target,
-                           runtime_level=args.runtime_level, hardware=args.hardware)
+                           runtime_level=args.runtime_level, hardware=args.hardware,
+                           opset=args.opset, approximate=args.approximate)
     report = result.report
     if args.json:
         print(json.dumps({
@@ -257,7 +267,8 @@ def _demo(args) -> int:
     console.print(f"built {args.model} in code ({time.perf_counter() - start:.1f} s); optimising...")
     start = time.perf_counter()
     _, report = optimize(proto, passes=args.passes, target=args.target,
-                         runtime_level=args.runtime_level, hardware=args.hardware)
+                         runtime_level=args.runtime_level, hardware=args.hardware,
+                         opset=args.opset, approximate=args.approximate)
     report.model = f"built-in {args.model}"
     print_report(report, console)
     console.print(f"summary: {report.summary()}  ({time.perf_counter() - start:.1f} s with verification)")

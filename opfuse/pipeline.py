@@ -23,6 +23,7 @@ from opfuse.analyse import epsilon_census, label_unnamed, op_counts
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
+from opfuse.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.report import FusionReport
@@ -132,6 +133,8 @@ def optimize(
     overwrite: bool = False,
     cleanup: bool = True,
     keep_shapes: bool = False,
+    opset: int | None = None,
+    approximate: bool = False,
 ) -> tuple[ir.Model, FusionReport]:
     """Optimise ``model`` (a path, bytes, ModelProto or onnx_ir.Model).
 
@@ -146,6 +149,9 @@ def optimize(
     ``cleanup`` (the default) folds constant subexpressions and removes Identity and unused
     nodes before and after the rewrites (:mod:`opfuse.passes.cleanup`). The result carries
     the shape information the input declared; ``keep_shapes`` keeps the inferred shapes.
+    ``opset`` raises the model's opset first (onnx's version converter), so patterns can
+    become standard ops that need it; ``approximate`` lets a pattern become an op that
+    approximates it (a tanh GELU for an erf one), recorded as such.
     """
     if target not in TARGETS:
         raise BadInputError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
@@ -178,6 +184,10 @@ def optimize(
         resolve_dims(work, dims)  # a --dim the model does not have is a usage error, before any work
     original = work.clone() if verify else None
     report = FusionReport(model=display, target=target, passes=names)
+    if opset is not None:
+        work, note = upgrade_opset(work, opset)
+        report.notes.extend([note] if note else [])
+        label_unnamed(work)
     report.ops_before = op_counts(work)
     report.notes.extend(work.meta.pop(LOAD_NOTES, None) or [])
     report.notes.extend(epsilon_notes(work))
@@ -189,6 +199,8 @@ def optimize(
         tidy(work)  # constant subexpressions become initializers the folds can absorb
     rewrites = [n for n in names if n not in fusion]
     targeted = {"target": chosen} if any("target" in pass_class(n).options for n in rewrites) else {}
+    if approximate and any("approximate" in pass_class(n).options for n in rewrites):
+        targeted["approximate"] = True
     run_passes(work, rewrites, report, **targeted)
     if fusion:
         work = run_fusion(work, fusion, report, chosen, runtime_level=runtime_level, veto=veto)

@@ -13,9 +13,10 @@ makes each outcome opfuse's own:
    keeps the replaced tensor's name, so verification checks every rewrite at its own tensor
    like a fold.
 2. **A match whose check fails** (the whole pattern is there, a legality condition is not)
-   is a :class:`~opfuse.report.Refusal` with the rule's reason; so is a match whose inner
-   tensors are used outside it (a graph output, another consumer). Partial matches are not
-   reported: they are not the pattern.
+   is a :class:`~opfuse.report.Refusal` with the rule's reason; so is a match of three or
+   more nodes whose inner tensors are used outside it (a graph output, another consumer).
+   Partial matches are not reported (they are not the pattern), nor are checks that answer
+   a bare False (the rule's way to say "not this pattern": a MatMul of rank 3 for Gemm).
 3. A match the pass rewrote through another rule (a commuted variant, a later round) keeps
    no refusal: only roots still in the graph at the end are reported.
 
@@ -44,22 +45,29 @@ from opfuse.targets.kernels import Target, load_target
 from opfuse.vocabulary import ONNX_DOMAINS
 
 _OTHER_USES = "Matched nodes have other uses"  # onnxscript's reason for an unremovable match
+_NO_REASON = "Condition function check failed"  # onnxscript's message for a check that returned False
+# an unremovable match this small (a layer and the op after it) is a use, not a pattern to explain
+_MIN_PATTERN_NODES = 3
 
 
 class _Refusals(MatchingTracer):
-    """onnxscript's tracer hook, keeping only full matches that failed (rule 2)."""
+    """onnxscript's tracer hook, keeping only full matches that failed (rule 2). A check
+    that returns a bare False (no reason) says "not this pattern", not a refusal."""
 
     def __init__(self) -> None:
         super().__init__()
         self.failed: dict[tuple[str, int], tuple[ir.Node, str, str]] = {}
+        self.title = ""  # the pattern being run
 
     def log(self, rule, container, node, match_result, status) -> None:
         reason = getattr(match_result, "reason", "") or ""
-        if status == MatchStatus.CONDITION_FAILED or (status == MatchStatus.NO_MATCH and reason.startswith(_OTHER_USES)):
+        unremovable = (status == MatchStatus.NO_MATCH and reason.startswith(_OTHER_USES)
+                       and len(getattr(match_result, "nodes", ())) >= _MIN_PATTERN_NODES)
+        if status == MatchStatus.CONDITION_FAILED and reason != _NO_REASON or unremovable:
             if reason.startswith(_OTHER_USES):
                 reason = ("a tensor inside the pattern is used outside it (by another node or as a graph "
                           "output), so the pattern's nodes must stay")
-            self.failed.setdefault((rule.name or "", id(node)), (node, rule.name or "", reason))
+            self.failed.setdefault((self.title, id(node)), (node, self.title, reason))
 
 
 class PatternFusionPass(OpfusePass):
@@ -83,6 +91,7 @@ class PatternFusionPass(OpfusePass):
         tracer = _Refusals()
         for name in patterns:
             found = pattern_rules(name, self.target, approximate=self.approximate)
+            tracer.title = found.title
             if found.transactional:
                 changed = self._transaction(model, found, tracer)
                 if changed:

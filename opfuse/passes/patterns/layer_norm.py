@@ -20,7 +20,11 @@ Legality, each failure a refusal:
 2. eps is a constant scalar; x is floating point.
 3. scale and bias, when present, are constants that vary only along the normalised axes
    (after leading 1s, their shape is the normalised shape, or they are scalars, which are
-   broadcast to it: the normalised dims must then be static).
+   broadcast to it: the normalised dims must then be static). They join in a second stage,
+   each a rule of its own, so the core fuses even where a scale does not (a per-position
+   Mul stays after it, with the reason): ``LN(x, s, b) * c = LN(x, s c, b c)`` and
+   ``LN(x, s, b) + c = LN(x, s, b + c)``, computed in float64 and cast once; the same
+   rules take constants into a LayerNormalization the exporter wrote.
 4. The intermediate tensors have no consumer outside the pattern (the pass checks).
 5. Standard form: the model's opset is 17 or more (ONNX Runtime runs LayerNormalization at
    any opset).
@@ -64,32 +68,26 @@ def _trailing(axes: list[int], rank: int | None) -> int | None:
 
 
 class LayerNormFusion(pattern.RewriteRuleClassBase):
-    """The primitives of a LayerNorm (with or without scale and bias) -> LayerNormalization."""
+    """The primitives of a LayerNorm's core -> LayerNormalization with scale 1 (stage 1)."""
 
-    def __init__(self, form: str, axes_as_input: bool, scaled: bool, biased: bool, divide: bool, power: bool):
+    def __init__(self, form: str, axes_as_input: bool, divide: bool, power: bool):
         super().__init__(name="LayerNorm->LayerNormalization")
-        self.form, self.axes_as_input, self.scaled, self.biased = form, axes_as_input, scaled, biased
-        self.divide, self.power = divide, power
+        self.form, self.axes_as_input, self.divide, self.power = form, axes_as_input, divide, power
 
     def _mean(self, op, value, axes, name):
         if self.axes_as_input:
             return op.ReduceMean(value, axes, _allow_other_attributes=True, _outputs=[name])
         return op.ReduceMean(value, _allow_other_attributes=True, _outputs=[name])
 
-    def pattern(self, op, x, axes, axes2, epsilon, scale, bias):
+    def pattern(self, op, x, axes, axes2, epsilon):
         mean = self._mean(op, x, axes, "mean")
         d = op.Sub(x, mean)
         dd = op.Pow(d, 2.0) if self.power else op.Mul(d, d)
         var = self._mean(op, dd, axes2, "var")
         std = op.Sqrt(op.Add(var, epsilon))
-        y = op.Div(d, std) if self.divide else op.Mul(d, op.Reciprocal(std))
-        if self.scaled:
-            y = op.Mul(y, scale)
-        if self.biased:
-            y = op.Add(y, bias)
-        return y
+        return op.Div(d, std) if self.divide else op.Mul(d, op.Reciprocal(std))
 
-    def check(self, context, x, epsilon, mean, var, scale=None, bias=None, **_) -> pattern.MatchResult:
+    def check(self, context, x, epsilon, mean, var, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         if self.form == "standard":
             problem = opset_problem(context, "LayerNormalization", 17)
@@ -112,31 +110,68 @@ class LayerNormFusion(pattern.RewriteRuleClassBase):
         eps = constant_array(epsilon)
         if eps is None or eps.size != 1:
             return result.fail("its epsilon is not a constant scalar", epsilon)
-        normalized = list(x.shape)[first:] if x.shape is not None else None
-        self._params = {}
-        for role, value in (("scale", scale if self.scaled else None), ("bias", bias if self.biased else None)):
-            if value is None:
-                continue
-            array = constant_array(value)
-            if array is None:
-                return result.fail(f"its {role} is not a constant", value)
-            fitted = _fit(array, normalized)
-            if isinstance(fitted, str):
-                return result.fail(f"its {role} {fitted}", value)
-            self._params[role] = fitted.astype(np.dtype(x.dtype.numpy()))
-        if not self.scaled:
-            ones = _fit(np.ones(1), normalized)
-            if isinstance(ones, str):
-                return result.fail(f"it has no scale, and LayerNormalization needs one: {ones}")
-            self._params["scale"] = ones.astype(np.dtype(x.dtype.numpy()))
+        ones = _fit(np.ones(1), list(x.shape)[first:] if x.shape is not None else None)
+        if isinstance(ones, str):
+            return result.fail(f"LayerNormalization needs a scale, and one of 1 {ones}")
+        self._scale = ones.astype(np.dtype(x.dtype.numpy()))
         self._axis, self._epsilon = first, float(eps.reshape(-1)[0])
         return result
 
     def rewrite(self, op, x, **_):
-        inputs = [x, op.initializer(ir.tensor(self._params["scale"]), name="ln_scale")]
-        if "bias" in self._params:
-            inputs.append(op.initializer(ir.tensor(self._params["bias"]), name="ln_bias"))
-        return op.LayerNormalization(*inputs, axis=self._axis, epsilon=self._epsilon, stash_type=_STASH_FLOAT)
+        scale = op.initializer(ir.tensor(self._scale), name="ln_scale")
+        return op.LayerNormalization(x, scale, axis=self._axis, epsilon=self._epsilon, stash_type=_STASH_FLOAT)
+
+
+class LayerNormAffine(pattern.RewriteRuleClassBase):
+    """LayerNormalization then a constant Mul or Add over its normalised axes -> its scale
+    and bias (stage 2; exact: LN(x, s, b) * c = LN(x, s c, b c), LN(x, s, b) + c = LN(x, s, b + c))."""
+
+    def __init__(self, multiply: bool, biased: bool):
+        super().__init__(name="LayerNormalization*c->scale" if multiply else "LayerNormalization+c->bias")
+        self.multiply, self.biased = multiply, biased
+
+    def pattern(self, op, x, scale, bias, c):
+        inputs = (x, scale, bias) if self.biased else (x, scale)
+        ln = op.LayerNormalization(*inputs, _allow_other_attributes=True, _outputs=["ln"])
+        return op.Mul(ln, c) if self.multiply else op.Add(ln, c)
+
+    def check(self, context, x, scale, ln, c, bias=None, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        node = ln.producer()
+        axis = int(node.attributes["axis"].value) if "axis" in node.attributes else -1
+        if x.shape is None and axis >= 0:
+            return result.fail("the rank of its input is unknown", x)
+        first = axis if axis < 0 else axis - len(x.shape)
+        normalized = list(x.shape)[first:] if x.shape is not None else None
+        arrays = {"scale": constant_array(scale), "constant": constant_array(c)}
+        if self.biased:
+            arrays["bias"] = constant_array(bias)
+        for role, array in arrays.items():
+            if array is None:
+                return result.fail(f"its {role} is not a constant", c if role == "constant" else scale)
+        fitted = {}
+        for role, array in arrays.items():
+            fit = _fit(array, normalized)
+            if isinstance(fit, str):
+                what = f"the constant it is {'multiplied by' if self.multiply else 'added to'}"
+                return result.fail(f"{what if role == 'constant' else 'its ' + role} {fit}", c)
+            fitted[role] = fit.astype(np.float64)
+        dtype = np.dtype(x.dtype.numpy())
+        s, b, k = fitted["scale"], fitted.get("bias", 0.0), fitted["constant"]
+        self._scale = (s * k if self.multiply else s).astype(dtype)
+        if self.multiply:
+            bias = b * k if self.biased else None
+        else:
+            bias = b + k
+        self._bias = None if bias is None else np.broadcast_to(bias, self._scale.shape).astype(dtype)
+        self._attributes = {k: v for k, v in node.attributes.items()}
+        return result
+
+    def rewrite(self, op, x, **_):
+        inputs = [x, op.initializer(ir.tensor(self._scale), name="ln_scale")]
+        if self._bias is not None:
+            inputs.append(op.initializer(ir.tensor(self._bias), name="ln_bias"))
+        return op.LayerNormalization(*inputs, **self._attributes)
 
 
 def _fit(array: np.ndarray, normalized: list | None) -> np.ndarray | str:
@@ -157,8 +192,7 @@ def _fit(array: np.ndarray, normalized: list | None) -> np.ndarray | str:
 
 def stages(form: str, approximate: bool = False):
     # (explicit variants, not onnxscript's OrValue: its commuted copies fail to clone one)
-    return [[LayerNormFusion.rule(form, axes_as_input, scaled, biased, divide, power)
-             for axes_as_input in (False, True)
-             for scaled, biased in ((True, True), (True, False), (False, False))
-             for divide in (True, False)
-             for power in (True, False)]]
+    core = [LayerNormFusion.rule(form, axes_as_input, divide, power)
+            for axes_as_input in (False, True) for divide in (True, False) for power in (True, False)]
+    affine = [LayerNormAffine.rule(multiply, biased) for multiply in (True, False) for biased in (True, False)]
+    return [core, affine]

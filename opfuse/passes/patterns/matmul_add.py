@@ -22,7 +22,7 @@ class MatMulAddToGemm(_matmul_add_to_gemm.MatMulAddToGemm):
     def check(self, context, input_a, input_b, input_c=None, **rest):
         result = super().check(context, input_a, input_b, **rest)
         if not result:
-            return result
+            return False  # a MatMul of other ranks: not this pattern (nothing to refuse)
         a, b, c = input_a.shape, input_b.shape, input_c.shape if input_c is not None else None
         if c is None:
             return pattern.MatchResult().fail("the shape of the added operand is unknown", input_c)
