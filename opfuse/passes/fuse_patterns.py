@@ -20,7 +20,9 @@ makes each outcome opfuse's own:
 3. A match the pass rewrote through another rule (a commuted variant, a later round) keeps
    no refusal: only roots still in the graph at the end are reported.
 
-Rewrites inside functions that would add initializers are skipped, as onnxscript does.
+Before the rules, a commutative op's constant operand is put second (exact; the rules that
+onnxscript cannot commute are written that way). Rewrites inside functions that would add
+initializers are skipped, as onnxscript does.
 Approximations (a tanh GELU for an erf one) are never among the rules unless the caller
 asks for them (``approximate``); then their records say so.
 """
@@ -42,7 +44,7 @@ from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
 from opfuse.report import FusionRecord
 from opfuse.targets.kernels import Target, load_target
-from opfuse.vocabulary import ONNX_DOMAINS
+from opfuse.vocabulary import ONNX_DOMAINS, is_op
 
 _OTHER_USES = "Matched nodes have other uses"  # onnxscript's reason for an unremovable match
 _NO_REASON = "Condition function check failed"  # onnxscript's message for a check that returned False
@@ -86,6 +88,7 @@ class PatternFusionPass(OpfusePass):
         if not patterns:
             return ir.passes.PassResult(model, modified=False)
         names = NameTable(model)
+        _constants_second(model)
         infer_shapes(model)  # the rules check dtypes and shapes
         modified = False
         tracer = _Refusals()
@@ -161,7 +164,7 @@ class PatternFusionPass(OpfusePass):
                 for new in delta.new_nodes:
                     if new.domain and new.domain not in model.opset_imports:
                         model.opset_imports[new.domain] = 1
-                records.append(_record(scope, found.title, rule, matched, delta.new_nodes, outputs))
+                records.append(_record(scope, found.title, found.record_titles, rule, matched, delta.new_nodes, outputs))
                 changed = True
                 break
         return changed
@@ -196,12 +199,12 @@ def _root_op(rule) -> tuple[str, str] | None:
     return ("" if domain.value() in ONNX_DOMAINS else domain.value()), op.value()
 
 
-def _record(scope, title, rule, matched, produced, outputs) -> FusionRecord:
+def _record(scope, title, titles, rule, matched, produced, outputs) -> FusionRecord:
     real = [n for n in produced if n.op_type != "Constant"]
     main = real[-1] if real else (produced[-1] if produced else None)
     approximate = "approximat" in (rule.name or "")
     return FusionRecord(
-        pattern=title,
+        pattern=titles.get(rule.name, title),
         node=node_label(main) if main is not None else "",
         removed=tuple(node_label(n) for n in matched),
         produced=", ".join(describe(n) for n in real),
@@ -210,6 +213,25 @@ def _record(scope, title, rule, matched, produced, outputs) -> FusionRecord:
                + f"rule {rule.name}: {len(matched)} nodes -> {len(real)}",
         output=outputs[0] if outputs else "",
     )
+
+
+def _constants_second(model: ir.Model) -> None:
+    """Put the constant operand of a commutative binary op (Add, Mul) second, as most rules
+    are written (exact: IEEE addition and multiplication commute). onnxscript commutes a
+    rule's own operands, but not those of rules written with its OrValue (SkipLayerNorm's)."""
+    for scope in iter_scopes(model):
+        for node in scope.graph:
+            if not (is_op(node, "Add", "Mul") and len(node.inputs) == 2):
+                continue
+            a, b = node.inputs
+            if a is not None and b is not None and _is_constant(a) and not _is_constant(b):
+                node.replace_input_with(0, b)
+                node.replace_input_with(1, a)
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return (value.is_initializer() and not value.is_graph_input()) or is_op(producer, "Constant")
 
 
 def _stem(nodes) -> str:

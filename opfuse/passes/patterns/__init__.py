@@ -18,7 +18,8 @@ pattern            what it matches                               becomes (standa
 =================  ============================================  =========================
 
 One module per pattern (``layer_norm.py``...): its algebra, its legality rules, a ``TITLE``
-for the log and a ``stages(form, approximate)`` function returning the onnxscript rules
+for the log (``RECORD_TITLES`` names rules the log shows apart) and a
+``stages(form, approximate)`` function returning the onnxscript rules
 that produce the pattern in ``form`` ("standard": ONNX ops, where the model's opset has
 them, else a refusal naming the opset; "onnxruntime": ONNX Runtime's contrib ops), as
 stages run one after the other over the whole graph. A module whose first stages emit
@@ -61,6 +62,7 @@ class PatternRules:
     title: str
     stages: tuple[tuple, ...]
     intermediate_domains: frozenset[str] = frozenset()
+    record_titles: dict = dataclasses.field(default_factory=dict)  # rule name -> the log's title
 
     @property
     def transactional(self) -> bool:
@@ -74,7 +76,8 @@ def _rules(pattern: str, form: str, approximate: bool) -> PatternRules:
     module = importlib.import_module(PATTERN_MODULES[pattern])
     stages = tuple(tuple(r for rule in stage for r in _commuted(rewriter, rule))
                    for stage in module.stages(form, approximate))
-    return PatternRules(module.TITLE, stages, frozenset(getattr(module, "INTERMEDIATE_DOMAINS", ())))
+    return PatternRules(module.TITLE, stages, frozenset(getattr(module, "INTERMEDIATE_DOMAINS", ())),
+                        dict(getattr(module, "RECORD_TITLES", {})))
 
 
 def _commuted(rewriter, rule) -> list:

@@ -35,6 +35,8 @@ from __future__ import annotations
 __all__ = ["TITLE", "stages"]
 
 TITLE = "LayerNorm->LayerNormalization"
+RECORD_TITLES = {"LayerNormalization*c->scale": "LayerNormalization+Mul->scale",
+                 "LayerNormalization+c->bias": "LayerNormalization+Add->bias"}
 
 import numpy as np
 import onnx_ir as ir
