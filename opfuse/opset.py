@@ -32,6 +32,7 @@ def upgrade_opset(model: ir.Model, opset: int) -> tuple[ir.Model, str | None]:
         return model, None
     if opset > onnx.defs.onnx_opset_version():
         raise BadInputError(f"--opset {opset}: this onnx knows opsets up to {onnx.defs.onnx_opset_version()}")
+    ir.external_data.load_to_model(model)  # the converter reads a proto: weights in memory
     try:
         proto = onnx.version_converter.convert_version(ir.serde.serialize_model(model), opset)
     except Exception as e:  # noqa: BLE001 - the converter raises many kinds

@@ -18,9 +18,8 @@ import onnx
 import pytest
 
 import opfuse
-from transformer_nets import SMALL_BERT, SMALL_VIT, export
+from opfuse.models.transformers import SMALL_BERT, SMALL_VIT, export
 
-pytest.importorskip("transformers")
 
 LAYERS = {"bert": SMALL_BERT["num_hidden_layers"], "vit": SMALL_VIT["num_hidden_layers"], "encoder": 2}
 CASES = [(kind, exporter, opset) for kind in ("bert", "vit")

@@ -5,6 +5,7 @@
 ``fold-arithmetic``    constant Add/Sub/Mul/Div -> Conv/ConvTranspose/Gemm weights
 ``fuse-activation``    Conv/Gemm + activation -> FusedConv/FusedGemm (onnxruntime)
 ``fuse-epilogue``      Conv + residual Add + activation -> FusedConv (onnxruntime)
+``reshape-dims``       Reshape targets computed from shapes -> constants (0 = the input's dim)
 ``fuse-patterns``      LayerNorm, GELU, SiLU, HardSwish, attention... -> the op the target
                        runs (:mod:`opfuse.passes.patterns`)
 ``equalize``           cross-layer equalisation of Conv -> [act] -> Conv weight ranges
@@ -36,6 +37,7 @@ REGISTRY: dict[str, str] = {
     "fuse-activation": "opfuse.passes.fuse_epilogue:ActivationFusionPass",
     "fuse-epilogue": "opfuse.passes.fuse_epilogue:EpilogueFusionPass",
     "fuse-patterns": "opfuse.passes.fuse_patterns:PatternFusionPass",
+    "reshape-dims": "opfuse.passes.reshape_dims:ReshapeDimsPass",
     "equalize": "opfuse.passes.equalize:EqualizePass",
 }
 PASS_NAMES = tuple(REGISTRY)

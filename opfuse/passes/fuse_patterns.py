@@ -44,6 +44,8 @@ from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
 from opfuse.report import FusionRecord
 from opfuse.targets.kernels import Target, load_target
+from opfuse.symbolic_shapes import infer_symbolic_shapes
+from opfuse.graph_edit import drop_if_unused
 from opfuse.vocabulary import ONNX_DOMAINS, is_op
 
 _OTHER_USES = "Matched nodes have other uses"  # onnxscript's reason for an unremovable match
@@ -89,7 +91,10 @@ class PatternFusionPass(OpfusePass):
             return ir.passes.PassResult(model, modified=False)
         names = NameTable(model)
         _constants_second(model)
+        _scalar_constants(model, names)
         infer_shapes(model)  # the rules check dtypes and shapes
+        if self.target.policy("attention") == "fuse":
+            infer_symbolic_shapes(model)  # attention's checks compare [B, S, H, Dh] dims by name
         modified = False
         tracer = _Refusals()
         for name in patterns:
@@ -119,7 +124,8 @@ class PatternFusionPass(OpfusePass):
 
     def _transaction(self, model, found, tracer) -> bool:
         """Stages whose intermediate ops (``found.intermediate_domains``) must all be consumed
-        by a later stage: run on a copy, kept only when none is left."""
+        by a later stage: run on a copy, kept only when none is left and the graph got
+        smaller (a rewrite that adds nodes around the fused op is not the fusion asked for)."""
         trial = model.clone()
         records: list[FusionRecord] = []
         if not self._stages(trial, found, tracer, NameTable(trial), records):
@@ -130,6 +136,15 @@ class PatternFusionPass(OpfusePass):
                 self.refuse(found.title, node, (
                     f"its first stage matched, but a later one did not take the intermediate "
                     f"{node.op_type}, so the whole {found.title} rewrite is left out"), scope=None)
+            return False
+        before, after = _node_count(model), _node_count(trial)
+        if after >= before:
+            roots = [n for n in model.graph if n.op_type == "Softmax"][:1] or list(model.graph)[:1]
+            for node in roots:
+                self.refuse(found.title, node, (
+                    f"the rewrite matched, but the graph would have {after} nodes instead of {before} (the "
+                    "exporter's shape arithmetic keeps reshapes around each attention op), so it is left out"),
+                    scope=None)
             return False
         model.graph = trial.graph  # (an in-place pass: the model object stays the caller's)
         model.opset_imports.update(trial.opset_imports)
@@ -215,6 +230,24 @@ def _record(scope, title, titles, rule, matched, produced, outputs) -> FusionRec
     )
 
 
+def _node_count(model: ir.Model) -> int:
+    """Nodes the main graph's outputs depend on (dead ones, which clean-up removes, not
+    counted), Constants aside."""
+    live, stack = set(), [v.producer() for v in model.graph.outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in live:
+            continue
+        live.add(node)
+        stack += [v.producer() for v in node.inputs if v is not None]
+        for attr in node.attributes.values():  # a subgraph's outer reads keep their producers
+            graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+                list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+            for graph in graphs:
+                stack += [v.producer() for n in graph for v in n.inputs if v is not None and v.graph is not graph]
+    return sum(1 for n in live if n.op_type != "Constant")
+
+
 def _constants_second(model: ir.Model) -> None:
     """Put the constant operand of a commutative binary op (Add, Mul) second, as most rules
     are written (exact: IEEE addition and multiplication commute). onnxscript commutes a
@@ -227,6 +260,33 @@ def _constants_second(model: ir.Model) -> None:
             if a is not None and b is not None and _is_constant(a) and not _is_constant(b):
                 node.replace_input_with(0, b)
                 node.replace_input_with(1, a)
+
+
+def _scalar_constants(model: ir.Model, names: NameTable) -> None:
+    """A one-element constant of shape [1] read by a Where beside a tensor of rank 1 or more
+    becomes a scalar (exact: the output's rank and values are the same), as attention's rule
+    matches it (the TorchScript exporter writes its NaN guard ``Where(IsNaN(p), [0.0], p)``)."""
+    made: dict[int, ir.Value] = {}
+    replaced = []
+    for node in model.graph:
+        if not is_op(node, "Where"):
+            continue
+        ranks = [len(v.shape) if v is not None and v.shape is not None else None for v in node.inputs]
+        for i, value in enumerate(node.inputs):
+            tensor = value.const_value if value is not None and _is_constant(value) else None
+            if tensor is None or tuple(tensor.shape) != (1,):
+                continue
+            if not any(r is not None and r >= 1 for j, r in enumerate(ranks) if j != i):
+                continue
+            if id(value) not in made:
+                scalar = ir.Value(name=names.fresh(f"{value.name}_scalar"), shape=ir.Shape([]), type=value.type,
+                                  const_value=ir.tensor(tensor.numpy().reshape(())))
+                model.graph.register_initializer(scalar)
+                made[id(value)] = scalar
+                replaced.append(value)
+            node.replace_input_with(i, made[id(value)])
+    for value in replaced:
+        drop_if_unused(value)
 
 
 def _is_constant(value: ir.Value) -> bool:

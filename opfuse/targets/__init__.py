@@ -30,8 +30,8 @@ TARGET_MODULES: dict[str, str] = {
 }
 # target -> the passes ``opfuse optimize --target T`` runs when --passes is not given
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
-    "onnx": _FOLDS + ("fuse-patterns",),
-    "onnxruntime": _FOLDS + ("fuse-patterns", "fuse-epilogue"),
+    "onnx": _FOLDS + ("reshape-dims", "fuse-patterns"),
+    "onnxruntime": _FOLDS + ("reshape-dims", "fuse-patterns", "fuse-epilogue"),
 }
 TARGETS = tuple(TARGET_MODULES)
 
