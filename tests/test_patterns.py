@@ -270,3 +270,34 @@ def test_matmul_add_becomes_gemm_only_when_c_broadcasts_as_gemm_s():
         out, report = optimize(m, "onnx")
         assert (ops(out) == ["Gemm"]) == fused, (c_shape, ops(out), report.refusals)
         assert_same(m, out)
+
+
+# -- computed Reshape targets ---------------------------------------------------------------------
+
+def reshape_model(source: str = "x"):
+    """x [batch, seq, 8] -> Reshape(x, [dim0 of source, dim1 of source, 2, 4]) -> y."""
+    n = helper.make_node
+    inits = [tensor("i0", np.array(0, np.int64)), tensor("i1", np.array(1, np.int64)),
+             tensor("ax", np.array([0], np.int64)), tensor("tail", np.array([2, 4], np.int64))]
+    nodes = [n("Shape", [source], ["s"]), n("Gather", ["s", "i0"], ["d0"]), n("Gather", ["s", "i1"], ["d1"]),
+             n("Unsqueeze", ["d0", "ax"], ["u0"]), n("Unsqueeze", ["d1", "ax"], ["u1"]),
+             n("Concat", ["u0", "u1", "tail"], ["target"], axis=0), n("Reshape", ["x", "target"], ["y"], name="r")]
+    inputs = [vinfo("x", ["batch", "seq", 8]), vinfo("other", ["seq", "batch"])]
+    return model(nodes, inputs, [vinfo("y", None)], inits, opset=17)
+
+
+def test_a_reshape_target_read_off_its_own_input_becomes_a_constant():
+    m = reshape_model("x")
+    out, report = optimize(m, "onnx", dims={"batch": 2, "seq": 3})
+    assert ops(out) == ["Reshape"], ops(out)
+    target = out.graph.node(0).inputs[1].const_value.numpy().tolist()
+    assert target == [0, 0, 2, 4] and report.applied("computed Reshape target->constant")
+    assert_same(m, out, dims={"batch": 3, "seq": 5})
+
+
+def test_a_reshape_target_read_off_another_tensor_with_other_dims_stays():
+    """'other' is [seq, batch]: its dim 0 is not x's dim 0, so no 0 may stand for it."""
+    m = reshape_model("other")
+    out, _ = optimize(m, "onnx", dims={"batch": 2, "seq": 2})
+    assert "Concat" in ops(out) and "Shape" in ops(out)
+    assert_same(m, out, dims={"batch": 2, "seq": 2})
