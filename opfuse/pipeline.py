@@ -22,6 +22,7 @@ import onnx_ir as ir
 from opfuse.analyse import epsilon_census, label_unnamed, op_counts
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
+from opfuse.leftovers import leftover_notes
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
@@ -209,6 +210,7 @@ def optimize(
         if tidy.summary():
             report.notes.append(tidy.summary())
     report.ops_after = op_counts(work)
+    report.notes.extend(leftover_notes(work, report, chosen))
 
     if verify:
         report.verification = verify_models(original, work, inputs=inputs, dims=dims, seed=seed,

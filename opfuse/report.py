@@ -54,6 +54,7 @@ class Refusal:
     reason: str  # one sentence a user can act on
     anchor: str = ""  # the producer it would have been folded into, when there is one
     graph: str = "main"
+    also: tuple[str, ...] = ()  # the other nodes of the same declined fusion (one decision, one entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ class FusionReport:
         return [r for r in self.records if pattern is None or r.pattern == pattern]
 
     def refused(self, node: str | None = None) -> list[Refusal]:
-        return [r for r in self.refusals if node is None or r.node == node]
+        return [r for r in self.refusals if node is None or r.node == node or node in r.also]
 
     def reason_for(self, node: str) -> str | None:
         """Why the candidate ``node`` was refused (every pass's reason), or None if it was not."""
@@ -233,7 +234,8 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
         for col in ("pattern", "node", "into", "reason"):
             table.add_column(col)
         for r in report.refusals:
-            node = r.node if r.graph == "main" else f"{r.node} ({r.graph})"
+            node = r.node + (f" (+ {', '.join(r.also)})" if r.also else "")
+            node = node if r.graph == "main" else f"{node} ({r.graph})"
             table.add_row(r.pattern, node, r.anchor, r.reason)
         console.print(table)
     elif report.refusals:

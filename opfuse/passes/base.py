@@ -58,11 +58,12 @@ class OpfusePass(ir.passes.InPlacePass):
         return super().__call__(model)
 
     def refuse(self, pattern: str, node: ir.Node, reason: str, *, anchor: ir.Node | None = None,
-               scope: Scope | None = None) -> None:
-        """Record that ``node`` was not rewritten (into ``anchor``), and why."""
+               scope: Scope | None = None, also: tuple[ir.Node, ...] = ()) -> None:
+        """Record that ``node`` was not rewritten (into ``anchor``), and why; ``also``: the
+        other nodes the same decision leaves (one fusion declined is one entry)."""
         self.refusals.append(Refusal(
             pattern, node_label(node), reason, node_label(anchor) if anchor is not None else "",
-            scope.label if scope is not None else "main",
+            scope.label if scope is not None else "main", tuple(node_label(n) for n in also),
         ))
 
     def release(self) -> None:

@@ -204,9 +204,9 @@ class EpilogueFusionPass(OpfusePass):
             reason = self.exclude[anchor.name]
         if reason is None and self.veto is not None:
             reason = self.veto(anchor, absorbed)
-        if reason:
-            for node in absorbed:
-                self._refuse(scope, node, anchor, pattern, reason, explained)
+        if reason:  # one decision on the whole fusion: one entry, naming every node it leaves
+            explained.update(absorbed)
+            self.refuse(pattern, absorbed[0], reason, anchor=anchor, scope=scope, also=tuple(absorbed[1:]))
             return False
         explained.update(absorbed)
         self._rewrite(scope, anchor, absorbed, identities, kernel, activation, z, pattern, detail)

@@ -60,7 +60,7 @@ class _Refusals(MatchingTracer):
 
     def __init__(self) -> None:
         super().__init__()
-        self.failed: dict[tuple[str, int], tuple[ir.Node, str, str]] = {}
+        self.failed: dict[tuple[str, int], tuple] = {}  # (node, title, reason, matched nodes)
         self.title = ""  # the pattern being run
 
     def log(self, rule, container, node, match_result, status) -> None:
@@ -71,7 +71,8 @@ class _Refusals(MatchingTracer):
             if reason.startswith(_OTHER_USES):
                 reason = ("a tensor inside the pattern is used outside it (by another node or as a graph "
                           "output), so the pattern's nodes must stay")
-            self.failed.setdefault((self.title, id(node)), (node, self.title, reason))
+            matched = tuple(n for n in getattr(match_result, "nodes", ()) if n is not node)
+            self.failed.setdefault((self.title, id(node)), (node, self.title, reason, matched))
 
 
 class PatternFusionPass(OpfusePass):
@@ -109,9 +110,10 @@ class PatternFusionPass(OpfusePass):
             if changed:
                 modified = True
                 infer_shapes(model)  # new intermediate values for the next pattern's checks
-        for node, rule, reason in tracer.failed.values():
+        for node, rule, reason, matched in tracer.failed.values():
             if node.graph is not None:
-                self.refuse(rule, node, reason, scope=_scope_of(model, node))
+                self.refuse(rule, node, reason, scope=_scope_of(model, node),
+                            also=tuple(n for n in matched if n.graph is not None))
         return ir.passes.PassResult(model, modified=modified)
 
     def _stages(self, model, found, tracer, names, records) -> bool:
