@@ -319,3 +319,34 @@ def test_builtin_resnet50_everything_fused():
     assert sum(report.ops_after.values()) == 57
     assert not any(op in report.ops_after for op in ("Relu", "Add", "BatchNormalization"))
     assert report.verification.ok
+
+
+def test_layout_check_that_runs_out_of_attempts_says_which_fusions_still_lose_the_layout(monkeypatch):
+    """Each exclusion can move the loss to the next block; after LAYOUT_ATTEMPTS + 1 runs the
+    fusions reported as left to the runtime are really absent, and those still losing the
+    layout are emitted and named as such (the runtime is stubbed: a loss per attempt)."""
+    from opfuse.targets import onnxruntime as ort_target
+
+    r = rng(4)
+    nodes, inits = [], []
+    x = "x"
+    for i in range(6):  # six Conv -> Add(residual) -> Relu blocks
+        inits.append(tensor(f"W{i}", r.normal(0, 0.2, (8, 8, 3, 3)).astype(np.float32)))
+        nodes += [helper.make_node("Conv", [x, f"W{i}"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1]),
+                  helper.make_node("Add", [f"c{i}", x], [f"a{i}"], name=f"add{i}"),
+                  helper.make_node("Relu", [f"a{i}"], [f"y{i}"], name=f"relu{i}")]
+        x = f"y{i}"
+    m = model(nodes, [vinfo("x", [1, 8, 6, 6])], [vinfo(x, [1, 8, 6, 6])], inits)
+    monkeypatch.setattr(ort_target, "runtime_graph", lambda model: [("com.microsoft.nchwc", "Conv", "")])
+    monkeypatch.setattr(ort_target, "layout_losses",  # the first fusion still emitted loses the layout
+                        lambda baseline, fused, emitted: {min(emitted): "loses NCHWc (stub)"} if emitted else {})
+    out, report = opfuse.optimize(m, target="onnxruntime", runtime_level="all")
+    note = next(n for n in report.notes if n.startswith("runtime level all"))
+    attempts = ort_target.LAYOUT_ATTEMPTS
+    assert f"{attempts} fusion(s) left to the runtime" in note
+    assert f"after {attempts + 1} attempts 1 emitted fusion(s) still lose it (conv{attempts})" in note
+    fused = {n.name for n in out.graph if n.op_type == "FusedConv"}
+    left = {f"conv{i}" for i in range(attempts)}
+    assert not fused & left and f"conv{attempts}" in fused
+    assert all("stub" in report.reason_for(f"add{i}") for i in range(attempts))
+    assert report.verification.ok
