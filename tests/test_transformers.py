@@ -94,3 +94,13 @@ def test_torch_transformer_encoder(exported, exporter, opset):
     found = ops_of(out)
     assert found.count("com.microsoft.SkipLayerNormalization") >= 2 * LAYERS["encoder"] - 1, found
     assert "Erf" not in found, found
+
+
+@pytest.mark.parametrize("kind", ["bert", "vit"])
+def test_onnx_target_at_opset_23_writes_the_standard_attention(exported, kind):
+    path = exported(kind, "dynamo", 20)
+    out, report = opfuse.optimize(str(path), target="onnx", opset=23)
+    assert report.verification.ok, report.verification.first_failure()
+    found = ops_of(out)
+    assert found.count("Attention") == LAYERS[kind] and "Softmax" not in found, found
+    assert not any(op.startswith("com.microsoft") for op in found)

@@ -11,7 +11,7 @@ the opset that would have it in the reason; ``--opset N`` upgrades the model fir
     hardswish    HardSwish                       14
     silu         Swish                           24
     rms-norm     RMSNormalization                23
-    attention    (kept: Attention-23 is not emitted yet)
+    attention    Attention (4-D form)            23
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PATTERNS: dict[str, str] = {
     "hardswish": "fuse",
     "silu": "fuse",
     "rms-norm": "fuse",
-    "attention": "keep",  # (a standard Attention, opset 23, is not emitted yet)
+    "attention": "fuse",
     "matmul-add": "fuse",
 }
 

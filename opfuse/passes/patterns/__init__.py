@@ -12,8 +12,8 @@ pattern            what it matches                               becomes (standa
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
 ``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
 ``hardswish``      x * HardSigmoid(x; 1/6, 1/2); Clip forms      HardSwish (14+)
-``attention``      MatMul, scale, mask, Softmax, MatMul          - / MultiHeadAttention,
-                                                                 Attention
+``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
+                                                                 MultiHeadAttention, Attention
 ``matmul-add``     MatMul (2-D) then Add(bias)                   Gemm / Gemm
 =================  ============================================  =========================
 

@@ -16,26 +16,77 @@ stages (``ort_fusions``, as its ``fuse_xformers`` orders them):
    with the three projections packed into one weight (``attention``);
 5. any SDPA left -> MultiHeadAttention (``sdpa_via_mha``).
 
+For the standard form (opset 23 and later), stage 2's SDPA becomes ONNX's own
+``Attention`` in its 4-D form (Q, K, V as [B, H, S, Dh]; a key written [B, S, H, Dh] is
+transposed first), with the same scale and the mask as ``attn_mask``. ONNX Runtime's CPU
+kernel wants the mask's query axis present (it does not broadcast it, against the spec),
+so the mask is expanded to [.., S, Skv] first: ``Expand(mask, [1, 1, S, 1])``, exact.
+
 Legality: onnxscript's checks (shapes [B, S, H, Dh] that agree, a head size that is
-static, dropout none, the scale a constant...). The intermediate SDPA op exists only for
-ONNX Runtime's fusions: when one is left after the stages, the whole rewrite is left out
-(the stages run on a copy). ONNX Runtime only; a standard Attention (opset 23) is not
-emitted yet.
+static, dropout none, the scale a constant...); the standard form needs opset 23. The
+intermediate SDPA op exists only between the stages: when one is left after them, the
+whole rewrite is left out (the stages run on a copy), and so is a rewrite that leaves the
+graph bigger than it found it.
 """
 
 from __future__ import annotations
 
 __all__ = ["TITLE", "stages", "INTERMEDIATE_DOMAINS"]
 
+from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale, sdpa, sdpa_via_mha, shape_optimization
 
-TITLE = "attention->MultiHeadAttention/Attention"
+from opfuse.passes.patterns import opset_problem
+
+TITLE = "attention->Attention"
 INTERMEDIATE_DOMAINS = frozenset({"ai.onnxruntime._fusion"})
 
 
+_FUSION = "ai.onnxruntime._fusion"  # onnxscript's domain for the intermediate SDPA
+
+
+class SdpaToAttention(pattern.RewriteRuleClassBase):
+    """onnxscript's intermediate SDPA -> ONNX Attention (opset 23), 4-D form."""
+
+    def __init__(self, masked: bool):
+        super().__init__(name="SDPA->Attention")
+        self.masked = masked
+
+    def pattern(self, op, query, key, value, mask):
+        inputs = (query, key, value, mask) if self.masked else (query, key, value)
+        return op.SDPA(*inputs, _domain=_FUSION, _allow_other_attributes=True, _outputs=["sdpa"])
+
+    def check(self, context, sdpa, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        problem = opset_problem(context, "Attention", 23)
+        if problem:
+            return result.fail(problem)
+        node = sdpa.producer()
+        self._format = node.attributes["key_format"].value if "key_format" in node.attributes else "BHSd"
+        self._scale = node.attributes["scale"].value if "scale" in node.attributes else None
+        if self._format not in ("BHSd", "BSHd"):
+            return result.fail(f"its key is laid out {self._format}")
+        return result
+
+    def rewrite(self, op, query, key, value, mask=None, **_):
+        if self._format == "BSHd":
+            key = op.Transpose(key, perm=[0, 2, 1, 3])
+        inputs = [query, key, value]
+        if self.masked:
+            one = op.Constant(value_ints=[1])
+            rows = op.Concat(one, one, op.Shape(query, start=2, end=3), one, axis=0)
+            inputs.append(op.Expand(mask, rows))
+        attributes = {"scale": self._scale} if self._scale is not None else {}
+        return op.Attention(*inputs, **attributes)
+
+
 def stages(form: str, approximate: bool = False):
-    if form != "onnxruntime":
-        return []
+    if form == "standard":
+        return [
+            list(shape_optimization.rules.rules),
+            list(sdpa.sdpa_rules.rules),
+            [SdpaToAttention.rule(masked=True), SdpaToAttention.rule(masked=False)],
+        ]
     return [
         list(shape_optimization.rules.rules),
         list(sdpa.sdpa_rules.rules),
