@@ -17,8 +17,10 @@ by QNN EP"; in a float graph the provider fuses an Erf GELU itself, so float hid
 ONNX Runtime's CPU fusions ``FusedConv``, ``FusedGemm``, ``SkipLayerNormalization``,
 ``BiasGelu``, ``FastGelu``, ``MultiHeadAttention`` (each "not supported by QNN EP");
 ``SimplifiedLayerNormalization`` (the graph fails to compile, and ONNX Runtime's quantiser
-cannot calibrate it); ``GroupNormalization`` (21: the NHWC layout transformation inserts
-it, then QNN rejects it and the session fails to open).
+cannot calibrate it); ``GroupNormalization`` (21) quantised, or on a graph input even in
+float: the NHWC layout transformation inserts it, then QNN rejects it and the session fails
+to open ("was inserted using the NHWC format as requested by QNNExecutionProvider, but was
+not selected by that EP").
 
 So, per pattern (:data:`PATTERNS`):
 
