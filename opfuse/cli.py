@@ -318,6 +318,7 @@ def _quantize(args) -> int:
         bias_correction=not args.no_bias_correction, calibrate=args.calibrate, holdout=args.holdout,
         max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
+        dims=dict(args.dim), require_npu=args.require_npu, htp_options=dict(args.htp), context=args.context,
     )
     return _print_result(args, report, print_quant_report, time.perf_counter() - start)
 

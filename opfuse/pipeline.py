@@ -140,6 +140,7 @@ def optimize(
     require_npu: bool = False,
     htp_options: Mapping[str, str] | None = None,
     context: str | os.PathLike | None = None,
+    compile_for_device: bool = True,
 ) -> tuple[ir.Model, FusionReport]:
     """Optimise ``model`` (a path, bytes, ModelProto or onnx_ir.Model).
 
@@ -183,7 +184,7 @@ def optimize(
             )
     check_destinations(output, report_path, context)
     device = None
-    if chosen.name == "qnn" or context is not None or require_npu:
+    if chosen.name == "qnn" and compile_for_device or context is not None or require_npu:
         from opfuse.qnn.backend import HtpOptions, require_backend  # (the NPU's backend: only for its target)
 
         if chosen.name != "qnn":

@@ -46,6 +46,7 @@ class HtpCompileLog:
     strict: bool = False  # opened with CPU fallback disabled too
     context: str | None = None  # where the EPContext model goes
     _pending: pathlib.Path | None = None  # the EPContext file written during the compile
+    session: object = dataclasses.field(default=None, repr=False)  # the HtpSession (runs the held-out samples)
 
     @property
     def warnings(self) -> list[str]:
@@ -110,7 +111,8 @@ def compile_on_htp(model, report=None, *, options: HtpOptions | None = None, req
             shutil.rmtree(pending, ignore_errors=True)
         raise
     log = HtpCompileLog(session.placement, options, session.compile_seconds,
-                        context=os.fspath(context) if context is not None else None, _pending=pending)
+                        context=os.fspath(context) if context is not None else None, _pending=pending,
+                        session=session)
     if report is not None:
         report.device = log
     if require_npu:
