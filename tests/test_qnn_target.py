@@ -151,3 +151,29 @@ def test_cli_context_writes_an_epcontext_model_that_opens_on_the_htp_with_the_sa
     device = json.loads((tmp_path / "r.json").read_text())["device"]
     assert device["on_qnn"] == 2 and device["on_cpu"] == [] and device["compile_seconds"] > 0
     assert device["options"]["soc_model"] == "57"
+
+
+# -- quantize --preset qnn -------------------------------------------------------------------------
+
+def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_measures_sqnr_there(tmp_path):
+    from opfuse.quantization.pipeline import quantize
+
+    m = conv_then("Relu", size=6)  # symbolic batch: bound by the samples
+    r = np.random.default_rng(3)
+    samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
+    ctx = tmp_path / "ctx.onnx"
+    q, report = quantize(m, samples, preset="qnn", holdout=2, require_npu=True, context=ctx,
+                         output=tmp_path / "q.onnx")
+    assert any("bound batch=1 (from the calibration samples' shapes (batch))" in n for n in report.notes)
+    assert report.device.placement.all_on_npu and report.device.strict
+    v = report.verification
+    assert v.runtime.startswith("QNN HTP backend") and v.cpu_qdq_sqnr_db is not None
+    # the figure is the HTP's own: recomputed here from the written model, independently
+    qdq = onnx.load(tmp_path / "q.onnx")
+    session = open_session(qdq)
+    f = [ort_run(m, s)["y"] for s in samples[-2:]]
+    h = [session.run(s)[0] for s in samples[-2:]]
+    signal = sum(float(np.sum(a.astype(np.float64) ** 2)) for a in f)
+    noise = sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(f, h))
+    assert abs(v.sqnr_db - 10 * np.log10(signal / noise)) < 1e-3
+    assert v.sqnr_db > 20 and ctx.exists()
