@@ -125,7 +125,7 @@ def _ocr_tools(path: pathlib.Path, lines: int):
     evaluation = render_lines(lines, EVAL_SEED)
 
     def exact(session) -> float:
-        name = session.session.get_inputs()[0].name
+        name = session.quiet.get_inputs()[0].name
         hits = 0
         for text, image in evaluation:
             hits += ctc_greedy(session.run({name: preprocess(image)})[0][0], chars) == text

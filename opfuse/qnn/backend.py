@@ -171,7 +171,27 @@ class HtpSession:
     strict: bool
 
     def run(self, feeds: Mapping, names=None) -> list:
-        return self.session.run(names, dict(feeds))
+        with _native_stderr_silenced():  # (the session logs verbosely: its compile log needed it)
+            return self.session.run(names, dict(feeds))
+
+    @property
+    def quiet(self) -> "QuietSession":
+        """The session for code that calls ``InferenceSession.run`` itself (a user's metric)."""
+        return QuietSession(self.session)
+
+
+class QuietSession:
+    """An InferenceSession whose ``run`` keeps the provider's verbose run log off fd 2."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self._session = session
+
+    def run(self, *args, **kwargs):
+        with _native_stderr_silenced():
+            return self._session.run(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
 
 
 def open_session(
@@ -241,6 +261,24 @@ def _compile_failure(error: Exception, placement: Placement, strict: bool) -> st
         return f"QNN does not take every node, and CPU fallback is disabled: {shown}{more}"
     errors = placement.errors[-2:]
     return "QNN could not compile the model: " + (" | ".join(errors) if errors else text)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 goes to the null device inside. A session's log level is fixed when
+    it is created, and the QNN provider ignores RunOptions' level, so the verbose level the
+    compile log needs would print a dozen lines per run."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 @contextlib.contextmanager

@@ -215,7 +215,7 @@ def _verify_on_htp(report, float_model, qdq, held, htp, *, require_npu, context,
     report.verification = QuantVerification(
         samples=len(held), outputs=accuracy.outputs, sqnr_db=accuracy.htp_vs_float, min_sqnr_db=min_sqnr,
         runtime=f"QNN HTP backend ({htp.describe()})",
-        metric=metric(compiled.session.session) if metric else None, min_metric=min_metric,
+        metric=metric(compiled.session.quiet) if metric else None, min_metric=min_metric,
         cpu_qdq_sqnr_db=accuracy.cpu_vs_float, htp_vs_cpu_sqnr_db=accuracy.htp_vs_cpu,
     )
     return compiled
