@@ -169,7 +169,9 @@ def run_model(label, path, dims, args) -> dict:
         from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
 
         with tempfile.TemporaryDirectory() as tmp:
-            if qnn_preprocess_model(fixed, f"{tmp}/pre.onnx"):
+            given = onnx.ModelProto()
+            given.CopyFrom(fixed)  # (it rewrites the proto it is given to point at external data)
+            if qnn_preprocess_model(given, f"{tmp}/pre.onnx"):
                 pre = onnx.load(f"{tmp}/pre.onnx")
         flow["preprocess"] = "ok"
     except Exception as e:  # noqa: BLE001 - the flow's own crash is a result
