@@ -1,7 +1,7 @@
 # Two commands for a fresh clone:
 #   make demo   - create .venv, install opfuse, optimise the built-in ResNet-50 (fusion log,
 #                 verification), then measure the chapter's ablation table (opfuse bench)
-#   make test   - create .venv, install opfuse with its test extras, run the test suite
+#   make test   - create .venv, install opfuse with its test extras (and the QNN backend), run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.opfuse-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench,qnn]"
 	touch $(STAMP)
 
 install: $(STAMP)

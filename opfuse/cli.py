@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--inputs", metavar="FILE.npz", help="verify on these inputs (keyed by input name)")
     opt.add_argument(
         "--dim", action="append", type=_dim, default=[], metavar="NAME=N",
-        help="value of a symbolic dimension for random verification inputs (default 1)",
+        help="value of a symbolic dimension for random verification inputs (default 1); with "
+             "--target qnn it binds the dimension in the model (every one must be bound)",
     )
+    _add_npu_options(opt)
     opt.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs")
     opt.add_argument("--no-verify", action="store_true", help="skip running both models on ONNX Runtime")
     opt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how activation ranges are read off the calibration data; auto tries minmax and "
                           "percentile (99.99) and keeps the better (default: %(default)s)")
     qnt.add_argument("--max-steps", type=int, default=12, help="mixed-precision steps at most (default: %(default)s)")
+    qnt.add_argument("--dim", action="append", type=_dim, default=[], metavar="NAME=N",
+                     help="with --preset qnn: bind a symbolic dimension (default: the calibration samples' size)")
+    _add_npu_options(qnt)
     qnt.add_argument("--report", metavar="FILE", help="write the report as JSON (also on failure)")
     qnt.add_argument("--seed", type=int, default=0, help="seed for random:N calibration")
     qnt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
@@ -112,6 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _htp_option(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (soc_model=57, htp_arch=79, vtcm_mb=8), got {text!r}")
+    return name, value
+
+
+def _add_npu_options(p: argparse.ArgumentParser) -> None:
+    """The flags of a target compiled for an NPU (--target qnn, --preset qnn)."""
+    p.add_argument("--require-npu", action="store_true",
+                   help="with qnn: any node QNN leaves on the CPU is an error (exit 1, nothing written)")
+    p.add_argument("--htp", action="append", type=_htp_option, default=[], metavar="KEY=VALUE",
+                   help="a QNN HTP option (soc_model, htp_arch, vtcm_mb, offload_graph_io_quantization, or any "
+                        "provider option); default soc_model=57; KEY= unsets one")
+    p.add_argument("--context", metavar="FILE",
+                   help="with qnn: also write the compiled model as an EPContext ONNX a device loads "
+                        "without recompiling")
+
+
 def _add_target_options(p: argparse.ArgumentParser) -> None:
     defaults = "; ".join(f"{t}: {','.join(ps)}" for t, ps in TARGET_DEFAULT_PASSES.items())
 
@@ -121,7 +145,8 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=TARGETS, default="onnx",
                    help="onnx: portable ONNX, patterns as standard ops at the model's opset (default); "
                         "onnxruntime: ONNX Runtime's contrib ops for the patterns, epilogues fused into "
-                        "com.microsoft.FusedConv/FusedGemm")
+                        "com.microsoft.FusedConv/FusedGemm; qnn: Qualcomm's HTP NPU (static shapes, the ops "
+                        "QNN runs, compiled on its HTP backend: needs opfuse[qnn])")
     p.add_argument("--passes", default=None,
                    help=f"comma-separated passes (known: {', '.join(PASS_NAMES)}; defaults per target: {defaults})")
     p.add_argument("--runtime-level", choices=RUNTIME_LEVELS, default="all",
@@ -198,6 +223,9 @@ def _optimize(args) -> int:
         keep_shapes=args.keep_shapes,
         opset=args.opset,
         approximate=args.approximate,
+        require_npu=args.require_npu,
+        htp_options=dict(args.htp),
+        context=args.context,
     )
     return _print_result(args, report, print_report, time.perf_counter() - start)
 
@@ -290,6 +318,7 @@ def _quantize(args) -> int:
         bias_correction=not args.no_bias_correction, calibrate=args.calibrate, holdout=args.holdout,
         max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
+        dims=dict(args.dim), require_npu=args.require_npu, htp_options=dict(args.htp), context=args.context,
     )
     return _print_result(args, report, print_quant_report, time.perf_counter() - start)
 

@@ -53,6 +53,9 @@ def _reason(node: ir.Node, target: Target) -> str:
                 "matching the whole pattern); it stays as written")
     source = trace_producer(node.inputs[0])[0] if node.inputs and node.inputs[0] is not None else None
     if source is not None and op_kind(source) is OpKind.OUT_ELEMWISE_FUSABLE:
+        if target.compiler_fuses_epilogues:
+            return (f"{target.title}'s own compiler fuses a {node.op_type} after a layer into it, from standard "
+                    "ops, so opfuse writes it as it is (the compile log shows what the compiler took)")
         if not target.kernels:
             return (f"{target.title} (--target {target.name}) has no fused kernels, so a {node.op_type} after a "
                     "layer stays a separate op (--target onnxruntime fuses it into the layer's kernel)")

@@ -31,6 +31,7 @@ from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.targets.accelerator import fusion_veto
 from opfuse.targets.kernels import Target, load_target
+from opfuse.static_shapes import make_static
 from opfuse.save import (
     check_destinations,
     declared_types,
@@ -136,6 +137,10 @@ def optimize(
     keep_shapes: bool = False,
     opset: int | None = None,
     approximate: bool = False,
+    require_npu: bool = False,
+    htp_options: Mapping[str, str] | None = None,
+    context: str | os.PathLike | None = None,
+    compile_for_device: bool = True,
 ) -> tuple[ir.Model, FusionReport]:
     """Optimise ``model`` (a path, bytes, ModelProto or onnx_ir.Model).
 
@@ -177,7 +182,15 @@ def optimize(
                 f"{output}: refusing to overwrite the input model; choose another output "
                 "or pass --overwrite"
             )
-    check_destinations(output, report_path)
+    check_destinations(output, report_path, context)
+    device = None
+    if chosen.name == "qnn" and compile_for_device or context is not None or require_npu:
+        from opfuse.qnn.backend import HtpOptions, require_backend  # (the NPU's backend: only for its target)
+
+        if chosen.name != "qnn":
+            raise BadInputError("--context and --require-npu compile for the NPU: use them with --target qnn")
+        require_backend()  # not installed: one line with the install command, before any work
+        device = HtpOptions.parse(htp_options)
 
     work, display = load_model(model)
     label_unnamed(work)  # the log names an unnamed node by op type and position
@@ -185,6 +198,9 @@ def optimize(
         resolve_dims(work, dims)  # a --dim the model does not have is a usage error, before any work
     original = work.clone() if verify else None
     report = FusionReport(model=display, target=target, passes=names)
+    if chosen.static_shapes:
+        work, static = make_static(work, dims)  # an unbound dimension: one line naming it
+        report.notes.append(static.note())
     if opset is not None:
         work, note = upgrade_opset(work, opset)
         report.notes.extend([note] if note else [])
@@ -221,12 +237,26 @@ def optimize(
                 write_text_atomic(report_path, report.to_json())
             written = f"only the report was written ({report_path})" if report_path else "nothing was written"
             raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
-    if not keep_shapes:
+    compiled = None
+    if device is not None:
+        from opfuse.qnn.compile import compile_on_htp  # (the NPU's backend: only for its target)
+
+        try:
+            compiled = compile_on_htp(work, report, options=device, require_npu=require_npu, context=context)
+        except OpfuseError as e:
+            if report_path is not None and isinstance(e, VerificationError):
+                write_text_atomic(report_path, report.to_json())
+            written = (f"only the report was written ({report_path})"
+                       if report_path is not None and isinstance(e, VerificationError) else "nothing was written")
+            raise type(e)(f"{e}; {written}", *([report] if isinstance(e, VerificationError) else [])) from None
+    if not keep_shapes and not chosen.static_shapes:
         restore_declared_types(work, declared)  # only the shape information the input had
     if output is not None:
         if external_data is None:
             external_data = input_was_external or needs_external_data(work)
         save_model(work, output, external_data=external_data)
+    if compiled is not None:
+        compiled.commit_context()
     if report_path is not None:
         write_text_atomic(report_path, report.to_json())
     return work, report

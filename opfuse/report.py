@@ -116,6 +116,8 @@ class FusionReport:
     ops_after: Counter = dataclasses.field(default_factory=Counter)
     notes: list[str] = dataclasses.field(default_factory=list)
     verification: Verification | None = None
+    # a device compiler's own log of the result (opfuse.qnn.compile.HtpCompileLog: to_dict, render)
+    device: Any = None
 
     # -- queries ---------------------------------------------------------------------
     def applied(self, pattern: str | None = None) -> list[FusionRecord]:
@@ -161,6 +163,7 @@ class FusionReport:
                 **dataclasses.asdict(self.verification),
                 "ok": self.verification.ok,
             },
+            **({"device": self.device.to_dict()} if self.device is not None else {}),
         }
 
     def to_json(self, indent: int = 2) -> str:
@@ -266,6 +269,9 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
 
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+
+    if report.device is not None:
+        report.device.render(console)
 
     v = report.verification
     if v is not None:

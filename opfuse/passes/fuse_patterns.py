@@ -20,6 +20,8 @@ makes each outcome opfuse's own:
 3. A match the pass rewrote through another rule (a commuted variant, a later round) keeps
    no refusal: only roots still in the graph at the end are reported.
 
+First, an op the target says to ``unfuse`` (:attr:`Target.unfused_ops`) is expanded into
+its ONNX function body (:mod:`opfuse.passes.patterns.unfuse`), recorded like a rewrite.
 Before the rules, a commutative op's constant operand is put second (exact; the rules that
 onnxscript cannot commute are written that way). Rewrites inside functions that would add
 initializers are skipped, as onnxscript does.
@@ -42,6 +44,7 @@ from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
 from opfuse.analyse import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
+from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord
 from opfuse.targets.kernels import Target, load_target
 from opfuse.symbolic_shapes import infer_symbolic_shapes
@@ -88,8 +91,9 @@ class PatternFusionPass(OpfusePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         patterns = [p for p in PATTERN_ORDER if self.target.policy(p) == "fuse"]
+        unfused = self._unfuse(model) if self.target.unfused_ops else False
         if not patterns:
-            return ir.passes.PassResult(model, modified=False)
+            return ir.passes.PassResult(model, modified=unfused)
         names = NameTable(model)
         _constants_second(model)
         _scalar_constants(model, names)
@@ -114,7 +118,24 @@ class PatternFusionPass(OpfusePass):
             if node.graph is not None:
                 self.refuse(rule, node, reason, scope=_scope_of(model, node),
                             also=tuple(n for n in matched if n.graph is not None))
-        return ir.passes.PassResult(model, modified=modified)
+        return ir.passes.PassResult(model, modified=modified or unfused)
+
+    def _unfuse(self, model: ir.Model) -> bool:
+        """The ops the target cannot run, expanded into their ONNX function bodies
+        (:mod:`opfuse.passes.patterns.unfuse`), each a record verified at its output."""
+        infer_shapes(model)  # a context-dependent body needs its inputs' types
+
+        def record(node, function):
+            self.report.records.append(FusionRecord(
+                pattern=f"unfuse {node.op_type}", node=node_label(node), removed=(node_label(node),),
+                produced=f"{len(function)} nodes of its ONNX function body", detail=(
+                    f"{self.target.title} cannot run {node.op_type}: expanded into its function body"),
+                output=node.outputs[0].name or ""))
+
+        def refuse(node, reason):
+            self.refuse(f"unfuse {node.op_type}", node, f"{self.target.title} cannot run it, and {reason}")
+
+        return unfuse_ops(model, self.target.unfused_ops, refuse, record)
 
     def _stages(self, model, found, tracer, names, records) -> bool:
         changed = False

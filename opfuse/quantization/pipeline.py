@@ -43,6 +43,7 @@ import onnxruntime as ort
 from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
 from opfuse.passes import DEFAULT_PASSES
+from opfuse.targets import TARGET_DEFAULT_PASSES
 from opfuse.pipeline import optimize
 from opfuse.quantization.calibration import CalibrationSource, check_runs, load_calibration, split
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
@@ -74,6 +75,10 @@ def quantize(
     report_path: str | os.PathLike | None = None,
     overwrite: bool = False,
     seed: int = 0,
+    dims: dict[str, int] | None = None,
+    require_npu: bool = False,
+    htp_options: dict[str, str] | None = None,
+    context: str | os.PathLike | None = None,
 ) -> tuple[ir.Model, QuantReport]:
     """Fold, quantise to int8 QDQ, verify; returns (the quantised model, its report).
 
@@ -84,6 +89,13 @@ def quantize(
     ``min_metric`` the search continues until it is met too. Raises
     :class:`~opfuse.errors.VerificationError` (exit 1) when the held-out SQNR is below
     ``min_sqnr`` or the metric below ``min_metric``: nothing is written but the report.
+
+    ``qnn`` (Qualcomm's HTP, :mod:`opfuse.qnn`): every symbolic dimension is bound first
+    (``dims``, else the calibration samples' shapes), the patterns fused as QNN runs them
+    (``--target qnn``), and the quantised model compiled on the HTP backend: its placement
+    is the report's ``device`` section (``require_npu``: any CPU fallback fails, nothing
+    written; ``context``: the EPContext model), and the held-out SQNR (and ``metric``) is
+    measured on the HTP's outputs, the CPU-QDQ figure beside it.
     """
     if calibrate != "auto" and calibrate not in CALIBRATION_METHODS:
         raise BadInputError(f"unknown calibration method {calibrate!r}; choose from auto, "
@@ -95,15 +107,28 @@ def quantize(
     if output is not None and isinstance(model, (str, os.PathLike)) and not overwrite:
         if pathlib.Path(output).resolve() == pathlib.Path(model).resolve():
             raise BadInputError(f"{output}: refusing to overwrite the input model; choose another output")
-    check_destinations(output, report_path)
+    check_destinations(output, report_path, context)
     chosen = PRESETS[preset]
+    if (context is not None or require_npu) and not chosen.qnn:
+        raise BadInputError("--context and --require-npu compile for the NPU: use them with --preset qnn")
+    htp = None
+    if chosen.qnn:
+        from opfuse.qnn.backend import HtpOptions, require_backend  # (the NPU's backend: only for its preset)
+
+        require_backend()  # not installed: one line with the install command, before any work
+        htp = HtpOptions.parse(htp_options)
     work, display = load_model(model)
     samples, notes = load_calibration(calibration, work, seed=seed)
     calib, held = split(samples, holdout)
     check_runs(work, samples)  # before any work: a sample the model cannot run on is named
 
     passes = [*DEFAULT_PASSES, *(["equalize"] if equalize else [])]
-    folded, fusion = optimize(work, passes=passes, target="onnx", inputs=held[0])
+    target = "onnx"
+    if chosen.qnn:
+        work, static_note = _static_from_samples(work, samples, dims)
+        notes.append(static_note)
+        passes, target = [*TARGET_DEFAULT_PASSES["qnn"], *(["equalize"] if equalize else [])], "qnn"
+    folded, fusion = optimize(work, passes=passes, target=target, inputs=held[0], compile_for_device=False)
     fusion.model = display
     float_model, prep_notes = prepare(ir.serde.serialize_model(folded), chosen)
     report = QuantReport(model=display, preset=preset, fusion=fusion, calibration_samples=len(calib),
@@ -115,12 +140,17 @@ def quantize(
                      min_metric=min_metric, bias_correction=bias_correction, max_steps=max_steps,
                      calibrate=calibrate)
 
-    outputs, total = output_sqnr(float_model, qdq, held, qdq_level="all", first_index=len(calib))
-    report.verification = QuantVerification(
-        samples=len(held), outputs=outputs, sqnr_db=total, min_sqnr_db=min_sqnr,
-        runtime="ONNX Runtime CPU, all optimisations (int8 kernels)",
-        metric=metric(create_session(qdq, "all")) if metric else None, min_metric=min_metric,
-    )
+    if htp is None:
+        outputs, total = output_sqnr(float_model, qdq, held, qdq_level="all", first_index=len(calib))
+        report.verification = QuantVerification(
+            samples=len(held), outputs=outputs, sqnr_db=total, min_sqnr_db=min_sqnr,
+            runtime="ONNX Runtime CPU, all optimisations (int8 kernels)",
+            metric=metric(create_session(qdq, "all")) if metric else None, min_metric=min_metric,
+        )
+    else:
+        compiled = _verify_on_htp(report, float_model, qdq, held, htp, require_npu=require_npu, context=context,
+                                  min_sqnr=min_sqnr, metric=metric, min_metric=min_metric, report_path=report_path)
+        total = report.verification.sqnr_db
     if min_sqnr is None and metric is None and total < LOW_SQNR_DB:
         report.notes.append(f"output SQNR {total:.1f} dB on the held-out samples is low (under {LOW_SQNR_DB} dB "
                             "the outputs are far from the float model's); --min-sqnr DB keeps the layers that "
@@ -135,6 +165,8 @@ def quantize(
                                             if subgraphs else ""))
 
     if not report.verification.ok:
+        if htp is not None:
+            compiled.discard()  # (no EPContext model either)
         if report_path is not None:
             write_text_atomic(report_path, report.to_json())
         v = report.verification
@@ -147,6 +179,43 @@ def quantize(
     result = ir.serde.deserialize_model(qdq)
     if output is not None:
         save_model(result, output)
+    if htp is not None:
+        compiled.commit_context()
     if report_path is not None:
         write_text_atomic(report_path, report.to_json())
     return result, report
+
+
+def _static_from_samples(work: ir.Model, samples, dims) -> tuple[ir.Model, str]:
+    """Every symbolic dimension bound: ``dims`` (--dim) first, the others from the samples."""
+    from opfuse.inputs import resolve_dims  # (static shapes: only the qnn preset needs them)
+    from opfuse.static_shapes import dims_from_samples, make_static
+
+    given = resolve_dims(work, dims)
+    read = {k: v for k, v in dims_from_samples(work, samples).items() if k not in given}
+    sources = [f"--dim ({', '.join(given)})"] * bool(given) + [f"the calibration samples' shapes ({', '.join(read)})"] * bool(read)
+    work, static = make_static(work, {**read, **given}, source="; ".join(sources) or "nothing")
+    return work, static.note()
+
+
+def _verify_on_htp(report, float_model, qdq, held, htp, *, require_npu, context, min_sqnr, metric, min_metric,
+                   report_path):
+    """The quantised model compiled on the HTP; the held-out SQNR measured on its outputs."""
+    from opfuse.qnn.compile import compile_on_htp  # (the NPU's backend: only for its preset)
+    from opfuse.qnn.runner import htp_accuracy
+
+    try:
+        compiled = compile_on_htp(qdq, report, options=htp, require_npu=require_npu, context=context)
+    except VerificationError as e:
+        if report_path is not None:
+            write_text_atomic(report_path, report.to_json())
+        written = f"only the report was written ({report_path})" if report_path else "nothing was written"
+        raise VerificationError(f"{e}; {written}", report) from None
+    accuracy = htp_accuracy(float_model, qdq, held, session=compiled.session)
+    report.verification = QuantVerification(
+        samples=len(held), outputs=accuracy.outputs, sqnr_db=accuracy.htp_vs_float, min_sqnr_db=min_sqnr,
+        runtime=f"QNN HTP backend ({htp.describe()})",
+        metric=metric(compiled.session.quiet) if metric else None, min_metric=min_metric,
+        cpu_qdq_sqnr_db=accuracy.cpu_vs_float, htp_vs_cpu_sqnr_db=accuracy.htp_vs_cpu,
+    )
+    return compiled

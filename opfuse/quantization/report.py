@@ -63,6 +63,9 @@ class QuantVerification:
     runtime: str
     metric: float | None = None
     min_metric: float | None = None
+    # qnn: the figure above is the HTP's; these are the same QDQ model on ONNX Runtime's CPU
+    cpu_qdq_sqnr_db: float | None = None  # CPU QDQ vs float
+    htp_vs_cpu_sqnr_db: float | None = None  # the HTP's outputs vs the CPU QDQ's
 
     @property
     def ok(self) -> bool:
@@ -90,6 +93,7 @@ class QuantReport:
     bytes_quantized: int = 0
     quantize_linear: int = 0
     verification: QuantVerification | None = None
+    device: Any = None  # qnn: the HTP compile log of the quantised model (opfuse.qnn.compile.HtpCompileLog)
 
     @property
     def weights_8bit_fraction(self) -> float:
@@ -141,6 +145,7 @@ class QuantReport:
             "bytes": {"float": self.bytes_float, "quantized": self.bytes_quantized},
             "verification": None if self.verification is None
             else {**dataclasses.asdict(self.verification), "ok": self.verification.ok},
+            **({"device": self.device.to_dict()} if self.device is not None else {}),
         }
         return out
 
@@ -179,6 +184,8 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
                   f"{report.quantize_linear} QuantizeLinear")
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+    if report.device is not None:
+        report.device.render(console)
     v = report.verification
     if v is not None:
         status = "[green]passed[/green]" if v.ok else "[red]FAILED[/red]"
@@ -187,6 +194,10 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
         metric = f"; metric {v.metric:.4g} (minimum {v.min_metric:g})" if v.min_metric is not None else ""
         console.print(f"verification: {status}: output SQNR {v.sqnr_db:.1f} dB{limit} on {v.samples} held-out "
                       f"sample(s), {v.runtime} [{per}]{metric}")
+        if v.cpu_qdq_sqnr_db is not None:
+            console.print(f"  beside it: ONNX Runtime's CPU runs the same QDQ model at {v.cpu_qdq_sqnr_db:.1f} dB "
+                          f"({v.sqnr_db - v.cpu_qdq_sqnr_db:+.1f} dB on the HTP); the HTP's and the CPU's outputs "
+                          f"agree to {v.htp_vs_cpu_sqnr_db:.1f} dB")
         if not v.ok:
             worst = ", ".join(f"{r.name} ({r.cost})" for r in report.costliest(5))
             console.print(f"  [red]costliest layers:[/red] {worst}")

@@ -7,6 +7,9 @@
                           patterns, epilogues fused into ``com.microsoft.FusedConv`` /
                           ``FusedGemm``, its NCHWc layout kept
                           (:mod:`opfuse.targets.onnxruntime`)
+``qnn``                   Qualcomm's HTP NPU (ONNX Runtime's QNN provider): static
+                          shapes, folding, standard-op patterns (Gelu as QNN takes it),
+                          ops QNN cannot run unfused (:mod:`opfuse.targets.qnn`)
 ========================  ===========================================================
 
 A target module holds one :class:`~opfuse.targets.kernels.Target` named ``TARGET``: the
@@ -27,11 +30,13 @@ _FOLDS = ("fold-batchnorm", "fold-arithmetic")
 TARGET_MODULES: dict[str, str] = {
     "onnx": "opfuse.targets.onnx",
     "onnxruntime": "opfuse.targets.onnxruntime",
+    "qnn": "opfuse.targets.qnn",
 }
 # target -> the passes ``opfuse optimize --target T`` runs when --passes is not given
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
     "onnx": _FOLDS + ("reshape-dims", "fuse-patterns"),
     "onnxruntime": _FOLDS + ("reshape-dims", "fuse-patterns", "fuse-epilogue"),
+    "qnn": _FOLDS + ("reshape-dims", "fuse-patterns"),
 }
 TARGETS = tuple(TARGET_MODULES)
 

@@ -10,7 +10,9 @@ A :class:`Target` declares
   :class:`ActivationEncoding` row;
 - its **pattern policy**: for each multi-op pattern (:mod:`opfuse.passes.patterns`),
   ``"fuse"`` (into the op the target runs), ``"keep"`` (leave as it is) or ``"unfuse"``
-  (expand a fused op the target cannot run into primitives);
+  (keyed by an op type: expand each such op the target cannot run into the primitives of
+  its ONNX function body, :mod:`opfuse.passes.patterns.unfuse`);
+- whether its compiler needs **static shapes** (:mod:`opfuse.static_shapes`);
 - optionally its own **fusion driver** (ONNX Runtime: fuse, then undo the fusions that
   cost a conv the runtime's NCHWc layout).
 
@@ -179,6 +181,8 @@ class Target:
     # (model, names, report, run_passes, runtime_level, veto) -> model; None: run the passes once
     run_fusion: Callable[..., ir.Model] | None = None
     reads: tuple[EpilogueKernel, ...] = ()  # kernels the runtime writes itself (read, never emitted)
+    static_shapes: bool = False  # its compiler takes static shapes only (opfuse.static_shapes binds them)
+    compiler_fuses_epilogues: bool = False  # its own compiler fuses a layer's activation from standard ops
 
     def __post_init__(self):
         bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}
@@ -193,6 +197,11 @@ class Target:
 
     def policy(self, pattern: str) -> str:
         return self.patterns.get(pattern, "keep")
+
+    @property
+    def unfused_ops(self) -> tuple[str, ...]:
+        """The ops it expands into their function bodies (policy ``"unfuse"``)."""
+        return tuple(op for op, policy in self.patterns.items() if policy == "unfuse")
 
 
 def load_target(name: str) -> Target:

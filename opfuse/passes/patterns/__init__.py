@@ -21,7 +21,9 @@ One module per pattern (``layer_norm.py``...): its algebra, its legality rules, 
 for the log (``RECORD_TITLES`` names rules the log shows apart) and a
 ``stages(form, approximate)`` function returning the onnxscript rules
 that produce the pattern in ``form`` ("standard": ONNX ops, where the model's opset has
-them, else a refusal naming the opset; "onnxruntime": ONNX Runtime's contrib ops), as
+them, else a refusal naming the opset; "onnxruntime": ONNX Runtime's contrib ops; "qnn":
+standard ops, except where a module's ``FORMS`` lists it: gelu's com.microsoft Gelu below
+opset 20, the form QNN runs), as
 stages run one after the other over the whole graph. A module whose first stages emit
 intermediate ops that later ones consume (attention) names their domains in
 ``INTERMEDIATE_DOMAINS``: its stages run on a copy, kept only when none is left. A target says per pattern
@@ -52,6 +54,9 @@ PATTERN_MODULES: dict[str, str] = {
     "matmul-add": "opfuse.passes.patterns.matmul_add",
 }
 PATTERN_ORDER = tuple(PATTERN_MODULES)
+# the op forms every pattern module writes; a module that writes another (gelu: "qnn") lists
+# its forms in FORMS, and for any other module a form it does not know is "standard"
+_FORMS = ("standard", "onnxruntime")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,7 @@ def _rules(pattern: str, form: str, approximate: bool) -> PatternRules:
     from onnxscript.rewriter import pattern as rewriter  # (heavy; the catalogue itself is data)
 
     module = importlib.import_module(PATTERN_MODULES[pattern])
+    form = form if form in getattr(module, "FORMS", _FORMS) else "standard"  # ("qnn": standard unless it says)
     stages = tuple(tuple(r for rule in stage for r in _commuted(rewriter, rule))
                    for stage in module.stages(form, approximate))
     return PatternRules(module.TITLE, stages, frozenset(getattr(module, "INTERMEDIATE_DOMAINS", ())),

@@ -18,12 +18,13 @@ The tanh form is an approximation of the erf form, not the same function (they d
 to 4.7e-4 at x = -2.70): each form becomes its own op, and the erf form becomes a tanh op
 only with ``approximate`` (``opfuse optimize --approximate``), recorded as an approximation.
 
-Legality: x is floating point; standard form needs opset 20.
+Legality: x is floating point; standard form needs opset 20. The ``qnn`` form writes Gelu-20
+where the opset has it, else ``com.microsoft`` Gelu (erf form; a tanh one needs opset 20).
 """
 
 from __future__ import annotations
 
-__all__ = ["TITLE", "stages"]
+__all__ = ["TITLE", "FORMS", "stages"]
 
 import math
 
@@ -33,6 +34,9 @@ from opfuse.passes.patterns import opset_problem
 from opfuse.vocabulary import FLOAT_DTYPES, MS_DOMAIN, dtype_name
 
 TITLE = "GELU->Gelu"
+# "qnn": Gelu-20 where the opset has it, else com.microsoft Gelu (erf form only: QNN runs no
+# FastGelu), which is what ONNX Runtime's qnn_preprocess_model writes (targets/qnn.py)
+FORMS = ("standard", "onnxruntime", "qnn")
 _SQRT2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -71,14 +75,14 @@ class GeluFusion(pattern.RewriteRuleClassBase):
         result = pattern.MatchResult()
         if dtype_name(x.dtype) not in FLOAT_DTYPES:
             return result.fail(f"its input is {dtype_name(x.dtype) or 'of unknown dtype'}, not floating point", x)
-        if self.form == "standard":
-            problem = opset_problem(context, "Gelu", 20)
-            if problem:
-                return result.fail(problem)
+        problem = opset_problem(context, "Gelu", 20) if self.form != "onnxruntime" else None
+        if problem and (self.form == "standard" or self.made == "tanh"):
+            return result.fail(problem)
+        self._standard_op = self.form != "onnxruntime" and problem is None  # (read by rewrite, next)
         return result
 
     def rewrite(self, op, x, **_):
-        if self.form == "standard":
+        if self._standard_op:
             return op.Gelu(x, approximate=self.made)
         return op.FastGelu(x, _domain=MS_DOMAIN) if self.made == "tanh" else op.Gelu(x, _domain=MS_DOMAIN)
 

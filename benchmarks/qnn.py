@@ -1,0 +1,228 @@
+"""ONNX Runtime's documented QNN flow against ``opfuse quantize --preset qnn``, judged on the HTP.
+
+    python benchmarks/qnn.py                       # every model (about an hour: emulation is slow)
+    python benchmarks/qnn.py --models mobilenetv2,bert --calibration 16 --holdout 8 --json out.json
+
+Per model, one run:
+
+- **the flow** ONNX Runtime's QNN guide documents: fix the shapes
+  (``make_dim_param_fixed`` / ``make_input_shape_fixed``, then shape inference),
+  ``qnn_preprocess_model`` (when it crashes, the flow goes on without it and says so),
+  ``get_qnn_qdq_config`` (uint8 activations and weights, MinMax) and ``quantize``;
+- **opfuse**: ``opfuse.quantize(model, samples, preset="qnn")`` (static shapes from the
+  samples, folding, patterns as QNN runs them, ORT's quantiser with QNN's config,
+  calibration and bias correction chosen on the calibration samples).
+
+Each quantised model is compiled on the HTP backend (soc_model 57, graph I/O quantisation
+on the HTP) and reported: nodes on the HTP / partitions / nodes on the CPU with QNN's
+reasons, compile seconds, whether it opens with CPU fallback disabled, and the output SQNR
+against the float model on the held-out samples, measured on the HTP's outputs (the CPU
+QDQ figure beside). PP-OCRv4/v6 rec (``rapidocr-onnxruntime`` / the wild cache) add exact
+match on rendered text lines (``benchmarks/ocr_text.py``), read on the HTP.
+
+Models: the built-in ResNet-18/50, MobileNetV2 and VGG (random N(0,1) images), BERT and
+ViT from ``opfuse.models.transformers`` (TorchScript export, opset 17; random tokens), and
+the ONNX files of the wheels of ``benchmarks/wild.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from opfuse.qnn.backend import HtpCompileError, HtpOptions, open_session  # noqa: E402
+from opfuse.qnn.probe import quantize_like_qnn_flow  # noqa: E402
+from opfuse.qnn.runner import htp_accuracy  # noqa: E402
+from opfuse.static_shapes import make_static_proto  # noqa: E402
+
+BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
+TRANSFORMERS = ("bert", "vit")
+
+
+def _samples(proto: onnx.ModelProto, count: int, seed: int, dims: dict) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    inits = {i.name for i in proto.graph.initializer}
+    out = []
+    for _ in range(count):
+        s = {}
+        for inp in proto.graph.input:
+            if inp.name in inits:
+                continue
+            t = inp.type.tensor_type
+            shape = [d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, 1) for d in t.shape.dim]
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+            if np.issubdtype(dtype, np.floating):
+                s[inp.name] = rng.normal(0, 1, shape).astype(dtype)
+            elif "mask" in inp.name:
+                s[inp.name] = np.ones(shape, dtype)
+            else:
+                s[inp.name] = rng.integers(0, 50, shape).astype(dtype)
+        out.append(s)
+    return out
+
+
+def _models(names: list[str], tmp: pathlib.Path, cache: pathlib.Path):
+    """(label, path, dims) per model."""
+    for name in names:
+        if name in BUILTIN:
+            from opfuse.models import build
+
+            path = tmp / f"{name}.onnx"
+            onnx.save(build(name), path)
+            yield name, path, {}
+        elif name in TRANSFORMERS:
+            from opfuse.models.transformers import export
+
+            yield name, export(name, "torchscript", 17, tmp / f"{name}.onnx"), {}
+        elif name == "wild":
+            from wild import extract, fetch
+
+            for label, path in extract(fetch(cache), tmp):
+                yield label, path, {}
+
+
+def _placement(session) -> dict:
+    p = session.placement
+    return {"on_htp": len(p.on_qnn), "nodes": len(p.model_nodes), "partitions": len(p.partitions),
+            "cpu": [f"{f.name} ({f.op_type}): {f.reason}" for f in p.fallbacks], "compile_s": round(session.compile_seconds, 1)}
+
+
+def _judge(label, float_model, qdq, held, ocr=None) -> dict:
+    out = {}
+    try:
+        session = open_session(qdq, HtpOptions())
+    except HtpCompileError as e:
+        return {"error": str(e)[:300]}
+    out.update(_placement(session))
+    try:
+        open_session(qdq, HtpOptions(), strict=True)
+        out["strict_open"] = True
+    except HtpCompileError:
+        out["strict_open"] = False
+    acc = htp_accuracy(float_model, qdq, held, session=session)
+    out.update(htp_sqnr=round(acc.htp_vs_float, 2), cpu_sqnr=round(acc.cpu_vs_float, 2),
+               htp_vs_cpu=round(acc.htp_vs_cpu, 2))
+    if ocr is not None:
+        out["exact_match_htp"] = ocr(session)
+    return out
+
+
+def _ocr_tools(path: pathlib.Path, lines: int):
+    """(calibration samples, held-out samples, exact match on the HTP) for a PP-OCR rec model."""
+    from ocr_text import CALIBRATION_SEED, EVAL_SEED, characters, ctc_greedy, preprocess, render_lines
+
+    chars = characters(path)
+    evaluation = render_lines(lines, EVAL_SEED)
+
+    def exact(session) -> float:
+        name = session.quiet.get_inputs()[0].name
+        hits = 0
+        for text, image in evaluation:
+            hits += ctc_greedy(session.run({name: preprocess(image)})[0][0], chars) == text
+        return round(100 * hits / len(evaluation), 1)
+
+    def float_exact() -> float:
+        from ocr_text import accuracy
+
+        return round(100 * accuracy(path, evaluation, chars=chars, batch=1), 1)
+
+    calib = [{"x": preprocess(image)} for _, image in render_lines(24, CALIBRATION_SEED)]
+    return calib, exact, float_exact
+
+
+def run_model(label, path, dims, args) -> dict:
+    import opfuse
+
+    row: dict = {"model": label}
+    proto = onnx.load(path)
+    ocr = None
+    if "rec" in label.lower() and "ocr" in label.lower():
+        samples, ocr, float_exact = _ocr_tools(path, args.lines)
+        row["exact_match_float"] = float_exact()
+        held = samples[-args.holdout:]
+        calib = samples[:-args.holdout]
+    else:
+        samples = _samples(proto, args.calibration + args.holdout, 0, dims)
+        calib, held = samples[:args.calibration], samples[args.calibration:]
+    shape_dims = {}
+    import onnx_ir as ir
+
+    from opfuse.static_shapes import dims_from_samples
+
+    shape_dims = dims_from_samples(ir.serde.deserialize_model(proto), samples)
+    fixed, _ = make_static_proto(proto, shape_dims)
+    # ONNX Runtime's documented flow
+    flow: dict = {}
+    start = time.perf_counter()
+    pre = fixed
+    try:
+        from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            given = onnx.ModelProto()
+            given.CopyFrom(fixed)  # (it rewrites the proto it is given to point at external data)
+            if qnn_preprocess_model(given, f"{tmp}/pre.onnx"):
+                pre = onnx.load(f"{tmp}/pre.onnx")
+        flow["preprocess"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the flow's own crash is a result
+        flow["preprocess"] = f"crashed: {type(e).__name__}: {str(e)[:120]}"
+    try:
+        qdq = quantize_like_qnn_flow(pre, calib)
+        flow["quantize_s"] = round(time.perf_counter() - start, 1)
+        flow.update(_judge(label, fixed, qdq, held, ocr))
+    except Exception as e:  # noqa: BLE001
+        flow["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    row["ort_flow"] = flow
+    # opfuse
+    ours: dict = {}
+    start = time.perf_counter()
+    try:
+        q, report = opfuse.quantize(str(path), samples, preset="qnn", holdout=len(held))
+        ours["quantize_s"] = round(time.perf_counter() - start, 1)
+        qdq = ir.serde.serialize_model(q)
+        ours.update(_judge(label, fixed, qdq, held, ocr))
+        ours["report_htp_sqnr"] = round(report.verification.sqnr_db, 2)
+    except Exception as e:  # noqa: BLE001
+        ours["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    row["opfuse"] = ours
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join((*BUILTIN, *TRANSFORMERS, "wild")))
+    parser.add_argument("--calibration", type=int, default=16)
+    parser.add_argument("--holdout", type=int, default=8)
+    parser.add_argument("--lines", type=int, default=30, help="rendered text lines for PP-OCR rec exact match")
+    parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "opfuse-wild")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="opfuse-qnn-bench-") as tmp:
+        for label, path, dims in _models(args.models.split(","), pathlib.Path(tmp), args.cache):
+            start = time.perf_counter()
+            try:
+                row = run_model(label, path, dims, args)
+            except Exception as e:  # noqa: BLE001 - one model's failure is a row
+                row = {"model": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

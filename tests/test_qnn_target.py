@@ -1,0 +1,179 @@
+"""``--target qnn``: the table (targets/qnn.py) against QNN's own compiler, and the command line.
+
+The oracle is the HTP backend: each case is a small graph built here, compiled on it as
+ONNX Runtime's QNN flow quantises it (``get_qnn_qdq_config``), and what QNN said decides;
+no case reads the target's tables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from graphs import model, ort_run, rng, tensor, vinfo
+from opfuse.cli import main
+from opfuse.pipeline import optimize
+from opfuse.qnn import backend
+from opfuse.qnn.backend import open_session
+from opfuse.qnn.probe import probe, quantize_like_qnn_flow
+from qnn_graphs import conv_then, feeds, needs_htp
+
+pytestmark = needs_htp
+MS = "com.microsoft"
+
+
+def _erf_gelu(opset=17):
+    """MatMul -> x * 0.5 * (1 + erf(x / sqrt 2)), as torch exports GELU."""
+    r = rng(1)
+    c = lambda n, v: tensor(n, np.array(v, np.float32))  # noqa: E731
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("Div", ["h", "sqrt2"], ["d"], name="div"),
+             helper.make_node("Erf", ["d"], ["e"], name="erf"),
+             helper.make_node("Add", ["e", "one"], ["a"], name="add"),
+             helper.make_node("Mul", ["h", "a"], ["m"], name="mul"),
+             helper.make_node("Mul", ["m", "half"], ["y"], name="mul_half")]
+    return model(nodes, [vinfo("x", [1, 4, 8])], [vinfo("y", [1, 4, 6])],
+                 [tensor("W", r.normal(0, 0.4, (8, 6)).astype(np.float32)),
+                  c("sqrt2", np.sqrt(2)), c("one", 1.0), c("half", 0.5)], opset=opset)
+
+
+def _group_norm():
+    r = rng(2)
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("GroupNormalization", ["c", "g", "b"], ["y"], num_groups=2, name="gn")]
+    return model(nodes, [vinfo("x", [1, 3, 6, 6])], [vinfo("y", [1, 4, 6, 6])],
+                 [tensor("W", r.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)),
+                  tensor("g", r.uniform(0.5, 1.5, 4).astype(np.float32)),
+                  tensor("b", r.normal(0, 0.3, 4).astype(np.float32))], opset=21)
+
+
+def _proto(m):
+    import onnx_ir as ir
+
+    return ir.serde.serialize_model(m)
+
+
+@pytest.mark.parametrize("opset, op", [(17, (MS, "Gelu")), (20, ("", "Gelu"))])
+def test_an_erf_gelu_falls_back_in_qdq_and_opfuses_gelu_runs_whole(opset, op):
+    original = _erf_gelu(opset)
+    before = probe(original, forms=("qdq",))["qdq"]
+    assert not before.whole and any(o == "Erf" and "not supported by QNN EP" in r for _, o, r in before.on_cpu)
+    fused, report = optimize(original, target="qnn")
+    assert op in {(n.domain, n.op_type) for n in fused.graph} and "Erf" not in {n.op_type for n in fused.graph}
+    assert report.device.placement.all_on_npu  # float, as compiled by optimize
+    after = probe(_proto(fused), forms=("qdq",))["qdq"]
+    assert after.whole, after.verdict()
+
+
+def test_the_contrib_fusions_the_target_keeps_out_fall_back_on_qnn():
+    """skip-layer-norm, bias-gelu and attention are "keep": their ONNX Runtime ops do not run on QNN."""
+    shape = [1, 4, 8]
+    ones, zeros = tensor("g", np.ones(8, np.float32)), tensor("b", np.zeros(8, np.float32))
+    cases = {
+        "SkipLayerNormalization": model([helper.make_node("SkipLayerNormalization", ["x", "s", "g", "b"], ["y"],
+                                                          name="sln", domain=MS)],
+                                        [vinfo("x", shape), vinfo("s", shape)], [vinfo("y", shape)], [ones, zeros],
+                                        extra_opsets=[helper.make_opsetid(MS, 1)]),
+        "BiasGelu": model([helper.make_node("BiasGelu", ["x", "b"], ["y"], name="bg", domain=MS)],
+                          [vinfo("x", shape)], [vinfo("y", shape)], [zeros], extra_opsets=[helper.make_opsetid(MS, 1)]),
+        "MultiHeadAttention": model([helper.make_node("MultiHeadAttention", ["x", "x", "x"], ["y"], num_heads=2,
+                                                      name="mha", domain=MS)],
+                                    [vinfo("x", shape)], [vinfo("y", shape)], extra_opsets=[helper.make_opsetid(MS, 1)]),
+    }
+    for op, m in cases.items():
+        (node,) = open_session(m).placement.fallbacks
+        assert node.op_type == op and f"Operators of type `{op}` are not supported by QNN EP" in node.reason
+
+
+def test_group_normalization_is_unfused_into_its_function_body_and_then_opens_strictly():
+    original = _group_norm()
+    quantized = probe(original, forms=("qdq",))["qdq"]  # the layout transformation takes it, then QNN rejects it
+    assert "GroupNormalization" in quantized.error and "was not selected by that EP" in quantized.error
+    fused, report = optimize(original, target="qnn", require_npu=True)
+    assert "GroupNormalization" not in {n.op_type for n in fused.graph}
+    assert report.applied("unfuse GroupNormalization") and report.device.strict
+    assert probe(_proto(fused), forms=("qdq",))["qdq"].whole
+    x = feeds(original)
+    want = ort_run(original, x)["y"]
+    got = open_session(fused, strict=True).run(x)[0]
+    assert np.allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def test_cli_missing_backend_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(conv_then("Relu", batch=1), src)
+    monkeypatch.setattr(backend, "available", lambda: False)
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), "--target", "qnn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pip install 'opfuse[qnn]'" in err and not (tmp_path / "o.onnx").exists()
+
+
+def test_cli_unbound_dimension_is_one_line_exit_2_nothing_written(tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(conv_then("Relu"), src)
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), "--target", "qnn", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("opfuse: error: dimension(s) batch (x axis 0) not bound: the target compiles static shapes "
+                   "only; give each a value with --dim batch=N")
+    assert list(tmp_path.iterdir()) == [src]
+
+
+def test_cli_require_npu_with_a_fallback_is_exit_1_nothing_written(tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(conv_then("Erf", batch=1), src)
+    code = main(["optimize", str(src), "-o", str(tmp_path / "o.onnx"), "--target", "qnn", "--require-npu", "-q",
+                 "--context", str(tmp_path / "ctx.onnx")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err and err.startswith("opfuse: --require-npu: erf (Erf) runs on the CPU; QNN:")
+    assert err.endswith("nothing was written") and list(tmp_path.iterdir()) == [src]
+
+
+def test_cli_context_writes_an_epcontext_model_that_opens_on_the_htp_with_the_same_outputs(tmp_path, capsys):
+    src, out, ctx = tmp_path / "m.onnx", tmp_path / "o.onnx", tmp_path / "ctx.onnx"
+    onnx.save(conv_then("HardSwish"), src)
+    assert main(["optimize", str(src), "-o", str(out), "--target", "qnn", "--dim", "batch=1", "--context", str(ctx),
+                 "--report", str(tmp_path / "r.json")]) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # (rich wraps at 120 columns)
+    assert "QNN HTP compile log" in printed and "2 of 2 nodes on the HTP in 1 partition(s)" in printed
+    context = onnx.load(ctx)
+    assert [n.op_type for n in context.graph.node] == ["EPContext"]
+    x = feeds(conv_then("HardSwish"))
+    compiled = open_session(str(out)).run(x)[0]
+    loaded = open_session(str(ctx), strict=True)
+    assert np.array_equal(loaded.run(x)[0], compiled)
+    import json
+
+    device = json.loads((tmp_path / "r.json").read_text())["device"]
+    assert device["on_qnn"] == 2 and device["on_cpu"] == [] and device["compile_seconds"] > 0
+    assert device["options"]["soc_model"] == "57"
+
+
+# -- quantize --preset qnn -------------------------------------------------------------------------
+
+def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_measures_sqnr_there(tmp_path):
+    from opfuse.quantization.pipeline import quantize
+
+    m = conv_then("Relu", size=6)  # symbolic batch: bound by the samples
+    r = np.random.default_rng(3)
+    samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
+    ctx = tmp_path / "ctx.onnx"
+    q, report = quantize(m, samples, preset="qnn", holdout=2, require_npu=True, context=ctx,
+                         output=tmp_path / "q.onnx")
+    assert any("bound batch=1 (from the calibration samples' shapes (batch))" in n for n in report.notes)
+    assert report.device.placement.all_on_npu and report.device.strict
+    v = report.verification
+    assert v.runtime.startswith("QNN HTP backend") and v.cpu_qdq_sqnr_db is not None
+    # the figure is the HTP's own: recomputed here from the written model, independently
+    qdq = onnx.load(tmp_path / "q.onnx")
+    session = open_session(qdq)
+    f = [ort_run(m, s)["y"] for s in samples[-2:]]
+    h = [session.run(s)[0] for s in samples[-2:]]
+    signal = sum(float(np.sum(a.astype(np.float64) ** 2)) for a in f)
+    noise = sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(f, h))
+    assert abs(v.sqnr_db - 10 * np.log10(signal / noise)) < 1e-3
+    assert v.sqnr_db > 20 and ctx.exists()
