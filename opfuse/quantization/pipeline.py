@@ -189,7 +189,7 @@ def quantize(
 def _static_from_samples(work: ir.Model, samples, dims) -> tuple[ir.Model, str]:
     """Every symbolic dimension bound: ``dims`` (--dim) first, the others from the samples."""
     from opfuse.inputs import resolve_dims  # (static shapes: only the qnn preset needs them)
-    from opfuse.static_shapes import dims_from_samples, make_static
+    from opfuse.static_shapes import dims_from_samples, make_static  # (likewise)
 
     given = resolve_dims(work, dims)
     read = {k: v for k, v in dims_from_samples(work, samples).items() if k not in given}
@@ -202,7 +202,7 @@ def _verify_on_htp(report, float_model, qdq, held, htp, *, require_npu, context,
                    report_path):
     """The quantised model compiled on the HTP; the held-out SQNR measured on its outputs."""
     from opfuse.qnn.compile import compile_on_htp  # (the NPU's backend: only for its preset)
-    from opfuse.qnn.runner import htp_accuracy
+    from opfuse.qnn.runner import htp_accuracy  # (likewise)
 
     try:
         compiled = compile_on_htp(qdq, report, options=htp, require_npu=require_npu, context=context)
