@@ -17,7 +17,9 @@ Legality, beyond the common rules in :mod:`opfuse.passes.folding`:
    [C,1,1] or [1,C,1,1] after a 2-D Conv, [C] or [1,C] after Gemm. Anything else is
    refused even when a length equals C: a rank-1 [C] after a Conv aligns with the last
    (width) axis, [1,1,1,C] and [1,1,H,1] vary along space, and a constant of higher rank
-   than the output would change the output's shape.
+   than the output would change the output's shape. Through layout ops
+   (:mod:`opfuse.passes.layout_chain`) "the channel axis" is where they put it: after
+   ``Conv -> Transpose(0,2,3,1)`` a [C] or [1,1,1,C] constant is per channel, [C,1,1] is not.
 3. Division by a constant with a zero entry is refused.
 """
 
@@ -64,7 +66,7 @@ class FoldArithmeticPass(FoldPass):
         c = const.array
         if str(c.dtype) not in FLOAT_DTYPES:
             return f"its constant is {c.dtype}, not floating point"
-        per_channel = _per_channel(c, out, describe(cand.producer))
+        per_channel = _per_channel(c, out, describe(cand.producer), through_layout=bool(cand.layout))
         if isinstance(per_channel, str):
             return per_channel
         shown = _show(c)
@@ -84,8 +86,9 @@ class FoldArithmeticPass(FoldPass):
         return ChannelAffine(1.0 / per_channel, None, detail=f"/ {shown}")
 
 
-def _per_channel(c: np.ndarray, out: ProducerShape, producer: str) -> np.ndarray | str:
-    """The constant as float64 values per output channel, or why it is not one."""
+def _per_channel(c: np.ndarray, out: ProducerShape, producer: str, through_layout: bool = False) -> np.ndarray | str:
+    """The constant as float64 values per output channel, or why it is not one. ``out`` is
+    the consumer's view: after layout ops, the rank and channel axis they leave."""
     values = c.astype(np.float64)
     if values.ndim == 0 or values.size == 1:
         if out.rank is not None and values.ndim > out.rank:
@@ -103,16 +106,16 @@ def _per_channel(c: np.ndarray, out: ProducerShape, producer: str) -> np.ndarray
     varying = [i for i, n in enumerate(aligned) if n != 1 and i != axis]
     if varying:
         i = varying[0]
-        what = AXIS_NAMES.get(i, "spatial")
+        what = "other" if through_layout else AXIS_NAMES.get(i, "spatial")
         hint = ""
-        if values.ndim == 1 and c.shape[0] == out.channels:
+        if values.ndim == 1 and c.shape[0] == out.channels and not through_layout:
             hint = (
                 f" (a rank-1 constant aligns with the last axis, not the channel axis; "
                 f"write it as [{out.channels}" + ", 1" * (out.rank - 2) + "])"
             )
         return (
             f"its constant of shape {list(c.shape)} varies along the {what} axis {i} "
-            f"of the output, not only along the channel axis {axis}{hint}"
+            f"of {'its input' if through_layout else 'the output'}, not only along the channel axis {axis}{hint}"
         )
     if aligned[axis] not in (1, out.channels):
         return (
