@@ -68,6 +68,7 @@ __all__ = [
     "squeezed_axis",
     "unsqueezed_axis",
     "reshaped_axis",
+    "inferred_dim",
 ]
 
 from collections import Counter
@@ -339,4 +340,21 @@ def reshaped_axis(in_dims: Sequence[Dim], out_dims: Sequence[Dim], axis: int) ->
             return j
         if after is not None and _product(out_dims[j + 1:]) == after:
             return j
+    return None
+
+
+def inferred_dim(in_dims: Sequence[Dim], known: Sequence[Dim]) -> Dim:
+    """Reshape's -1: prod(in_dims) / prod(known), as a static size or one symbolic dim;
+    None when that quotient is not one of those (or a dim is unknown)."""
+    total, part = _product(in_dims), _product(known)
+    if total is None or part is None or part[0] == 0 or total[0] % part[0]:
+        return None
+    if part[1] - total[1]:
+        return None  # a symbol of the known dims is not a factor of the total
+    rest = total[1] - part[1]
+    static = total[0] // part[0]
+    if not rest:
+        return static
+    if static == 1 and sum(rest.values()) == 1:
+        return next(iter(rest))
     return None

@@ -21,6 +21,9 @@ Legality, beyond the common rules in :mod:`opfuse.passes.folding`:
    (:mod:`opfuse.passes.layout_chain`) "the channel axis" is where they put it: after
    ``Conv -> Transpose(0,2,3,1)`` a [C] or [1,1,1,C] constant is per channel, [C,1,1] is not.
 3. Division by a constant with a zero entry is refused.
+4. A MatMul producer (only through layout ops: ``MatMul -> Reshape -> Add``, TensorFlow's
+   Dense on 3-D input) keeps its op for a scale (Mul, Div: its weight's columns scale) and
+   becomes a Gemm for a shift, which needs its input to be known to be 2-D.
 """
 
 from __future__ import annotations
@@ -42,14 +45,19 @@ class FoldArithmeticPass(FoldPass):
 
     name = "fold-arithmetic"
     consumer_ops = frozenset({"Add", "Sub", "Mul", "Div"})
-    producer_ops = frozenset(op for op in WEIGHTED_OPS if OPS[op].weights.bias is not None)  # a bias to absorb t
+    # a bias to absorb t; and MatMul through layout ops (it becomes a Gemm: see is_candidate)
+    producer_ops = frozenset(op for op in WEIGHTED_OPS if OPS[op].weights.bias is not None or OPS[op].weights.batched)
 
     def producer_sides(self, node: ir.Node):
         return (0, 1)
 
     def is_candidate(self, cand) -> bool:
         """Only a constant, or a parameter that looks like one (a graph input), is a
-        candidate: an operand computed by another node (a residual branch) is not."""
+        candidate: an operand computed by another node (a residual branch) is not. A MatMul
+        is one only through layout ops (TensorFlow's Dense on 3-D input: MatMul -> Reshape ->
+        Add); MatMul + Add is the matmul-add pattern's (:mod:`opfuse.passes.patterns.matmul_add`)."""
+        if cand.info.spec.bias is None and not cand.layout:
+            return False
         other = cand.consumer.inputs[1 - cand.side]
         if other is None:
             return False

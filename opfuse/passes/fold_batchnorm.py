@@ -60,11 +60,7 @@ class FoldBatchNormPass(FoldPass):
                 "BatchNormalization normalises axis 1, not necessarily the MatMul's last axis"
             )
         if cand.layout and (out.rank is None or out.rank < 2 or out.channel_axis % out.rank != 1):
-            where = "no axis" if out.rank is None else f"axis {out.channel_axis % out.rank}"
-            return (
-                f"BatchNormalization normalises axis 1 of its input, and the layout ops put "
-                f"{describe(cand.producer)}'s output channels on {where}"
-            )
+            return "it normalises axis 1 of its input, which is not the axis of the output channels"
         params = []
         for index, role in enumerate(("scale", "B", "mean", "var"), start=1):
             found = find_constant(node.inputs[index] if index < len(node.inputs) else None, role)

@@ -270,7 +270,15 @@ class FoldPass(OpfusePass):
             out = ProducerShape(out.channels, view[0], view[1])
         affine = self.affine(cand, out)
         if isinstance(affine, str):
+            if cand.layout and out.rank:
+                affine += (f" ({describe_chain(cand.layout)} puts {describe(producer)}'s output channels "
+                           f"on axis {out.channel_axis % out.rank})")
             return affine
+        if info.spec.bias is None and affine.shift is not None and cand.producer_out.rank != 2:
+            return (
+                f"folding {describe(node)} gives {describe(producer)} a bias, which needs a Gemm, and its "
+                "input is not known to be 2-D"
+            )
         for what, arr in (("scale", affine.scale), ("shift", affine.shift)):
             if arr is not None and arr.size not in (1, out.channels):
                 return (
@@ -349,7 +357,7 @@ class FoldPass(OpfusePass):
 
         anchor = producer
         removed = [node, *cand.through]
-        if info.op_type == "MatMul":
+        if info.op_type == "MatMul" and new_b is not None:  # a bias: the MatMul becomes a Gemm
             anchor = ir.Node(
                 "",
                 "Gemm",
@@ -362,7 +370,7 @@ class FoldPass(OpfusePass):
         else:
             if new_w is not old_w:
                 producer.replace_input_with(info.weight_index, new_w)
-            if new_b is not None:
+            if new_b is not None and info.bias_index is not None:
                 if len(producer.inputs) <= info.bias_index:
                     producer.resize_inputs(info.bias_index + 1)
                 producer.replace_input_with(info.bias_index, new_b)

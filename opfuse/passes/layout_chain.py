@@ -33,7 +33,6 @@ from __future__ import annotations
 
 __all__ = ["trace_through_layout", "has_layout_op", "follow_channel", "describe_chain"]
 
-import math
 from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
@@ -152,12 +151,8 @@ def _reshape(node, rank, axis, channels, ctx):
         return f"the input shape of {describe(node)} is unknown"
     allow_zero = int_attr(node, "allowzero", 0)
     out: list[algebra.Dim] = [in_dims[i] if t == 0 and not allow_zero and i < rank else t for i, t in enumerate(target)]
-    if -1 in out:  # the one inferred size: static when every other size is
-        known = [d for d in out if d != -1]
-        if all(isinstance(d, int) for d in known + in_dims):
-            out[out.index(-1)] = math.prod(in_dims) // max(math.prod(known), 1)
-        else:
-            out[out.index(-1)] = None
+    if -1 in out:  # the one inferred size
+        out[out.index(-1)] = algebra.inferred_dim(in_dims, [d for d in out if d != -1])
     return _reshaped(node, in_dims, out, axis)
 
 
