@@ -260,19 +260,8 @@ class FoldPass(OpfusePass):
         if isinstance(out, str):
             return out
         cand.producer_out = out
-        if cand.layout:
-            if out.rank is None:
-                return f"the rank of {describe(producer)}'s output is unknown, so its channel axis cannot be followed"
-            view = follow_channel(cand.layout, out.rank, out.channel_axis % out.rank, out.channels,
-                                  cand.scope.opset, self._infer_shapes)
-            if isinstance(view, str):
-                return f"{view}, between {describe(producer)} and {describe(node)}"
-            out = ProducerShape(out.channels, view[0], view[1])
-        affine = self.affine(cand, out)
+        affine = self._read_consumer(cand, out) if cand.layout else self.affine(cand, out)
         if isinstance(affine, str):
-            if cand.layout and out.rank:
-                affine += (f" ({describe_chain(cand.layout)} puts {describe(producer)}'s output channels "
-                           f"on axis {out.channel_axis % out.rank})")
             return affine
         if info.spec.bias is None and affine.shift is not None and cand.producer_out.rank != 2:
             return (
@@ -286,6 +275,28 @@ class FoldPass(OpfusePass):
                     f"{out.channels} output channels"
                 )
         return self._rewrite(cand, weight, bias, affine, out)
+
+    def _read_consumer(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | str:
+        """The consumer's map through layout ops: along the axis they put the channels on, or,
+        when they do not keep that axis whole, a map with one value (it commutes with any op
+        that only moves elements)."""
+        producer, node = cand.producer, cand.consumer
+        if out.rank is None:
+            return f"the rank of {describe(producer)}'s output is unknown, so its channel axis cannot be followed"
+        view = follow_channel(cand.layout, out.rank, out.channel_axis % out.rank, out.channels,
+                              cand.scope.opset, self._infer_shapes)
+        if isinstance(view, str):
+            reason = f"{view}, between {describe(producer)} and {describe(node)}"
+            fed = node.inputs[cand.side]
+            if fed.shape is None:
+                return reason
+            scalar = self.affine(cand, ProducerShape(1, len(fed.shape), 0))
+            return reason if isinstance(scalar, str) else scalar
+        affine = self.affine(cand, ProducerShape(out.channels, view[0], view[1]))
+        if isinstance(affine, str):
+            affine += (f" ({describe_chain(cand.layout)} puts {describe(producer)}'s output channels "
+                       f"on axis {view[1]})")
+        return affine
 
     def _infer_shapes(self) -> None:
         """onnx's shape inference, once per pass, when a rank or a dim is needed and unknown."""
