@@ -286,3 +286,21 @@ def test_the_float16_1x1_head_folds_too():
     assert _patterns(report) == ["Conv+Add"]
     expected, feeds = run(m, dims={"N": 2})
     assert_outputs_close(expected, ort_run(out, feeds), *FP16)
+
+
+@pytest.mark.parametrize("where", ["after the conv", "after the transpose"])
+def test_basic_pitch_conv_neg_folds_into_the_weights(where):
+    """basic-pitch (tf2onnx): Conv -> Neg -> Transpose -> Reshape; -y is y scaled by -1."""
+    r = rng(12)
+    inits = [tensor("w", r.normal(0, 0.3, (6, 1, 1, 4)).astype(np.float32)),
+             tensor("b", r.normal(0, 1, 6).astype(np.float32)), tensor("target", np.array([-1, 9, 6], np.int64))]
+    conv = n("Conv", ["x", "w", "b"], ["conv"], name="conv")
+    if where == "after the conv":
+        nodes = [conv, n("Neg", ["conv"], ["neg"], name="neg"), n("Transpose", ["neg"], ["t"], name="t", perm=NHWC),
+                 n("Reshape", ["t", "target"], ["y"], name="reshape")]
+    else:
+        nodes = [conv, n("Transpose", ["conv"], ["t"], name="t", perm=NHWC), n("Neg", ["t"], ["neg"], name="neg"),
+                 n("Reshape", ["neg", "target"], ["y"], name="reshape")]
+    m = model(nodes, [vinfo("x", ["N", 1, 1, 12])], [vinfo("y", None)], inits)
+    out, report = _check(m)
+    assert _patterns(report) == ["Conv+Neg"] and "Neg" not in ops(out)

@@ -177,7 +177,7 @@ OWN_RULES = {
     ("bench/table.py", frozenset({"BatchNormalization", "Relu", "Clip", "Add"})): "columns the table shows",
     ("passes/equalize.py", "BETWEEN"): "how each op commutes with a channel scale (the pass's algebra)",
     ("passes/equalize.py", "_NOT_HANDLED"): "reasons for ops the pass does not look through",
-    ("passes/fold_arithmetic.py", frozenset({"Add", "Sub", "Mul", "Div"})): "the consumers whose algebra it folds",
+    ("passes/fold_arithmetic.py", frozenset({"Add", "Sub", "Mul", "Div", "Neg"})): "the consumers whose algebra it folds",
     ("passes/layout_chain.py", "AXIS_MAPS"): "the layout ops whose axis algebra it implements, one function each",
     ("quantization/presets.py", "CPU_OPS"): "what a preset quantises (a policy)",
     ("quantization/bias_correction.py", frozenset({"Conv", "Gemm"})): "the layers its correction supports",

@@ -1,10 +1,11 @@
-"""Fold a constant Add, Sub, Mul or Div into the Conv, ConvTranspose or Gemm before it.
+"""Fold a constant Add, Sub, Mul or Div, or a Neg, into the Conv, ConvTranspose or Gemm before it.
 
 Algebra, with y the producer's output and c a constant per output channel:
 
     y + c, c + y  ->  s = 1,    t = c          y * c, c * y  ->  s = c,    t = 0
     y - c         ->  s = 1,    t = -c         y / c         ->  s = 1/c,  t = 0
     c - y         ->  s = -1,   t = c          c / y            not affine: refused
+    -y (Neg)      ->  s = -1,   t = 0          (tf2onnx writes it between a conv and a Transpose)
 
 then W' = s[o] * W[o], b' = s * b + t as for every fold (float64, cast back once).
 
@@ -44,12 +45,12 @@ class FoldArithmeticPass(FoldPass):
     """Absorb constant Add/Sub/Mul/Div along the output-channel axis."""
 
     name = "fold-arithmetic"
-    consumer_ops = frozenset({"Add", "Sub", "Mul", "Div"})
+    consumer_ops = frozenset({"Add", "Sub", "Mul", "Div", "Neg"})
     # a bias to absorb t; and MatMul through layout ops (it becomes a Gemm: see is_candidate)
     producer_ops = frozenset(op for op in WEIGHTED_OPS if OPS[op].weights.bias is not None or OPS[op].weights.batched)
 
     def producer_sides(self, node: ir.Node):
-        return (0, 1)
+        return (0,) if len(node.inputs) == 1 else (0, 1)
 
     def is_candidate(self, cand) -> bool:
         """Only a constant, or a parameter that looks like one (a graph input), is a
@@ -58,6 +59,8 @@ class FoldArithmeticPass(FoldPass):
         Add); MatMul + Add is the matmul-add pattern's (:mod:`opfuse.passes.patterns.matmul_add`)."""
         if cand.info.spec.bias is None and not cand.layout:
             return False
+        if cand.consumer.op_type == "Neg":
+            return True
         other = cand.consumer.inputs[1 - cand.side]
         if other is None:
             return False
@@ -67,6 +70,8 @@ class FoldArithmeticPass(FoldPass):
     def affine(self, cand, out: ProducerShape) -> ChannelAffine | str:
         node, side = cand.consumer, cand.side
         op = node.op_type
+        if op == "Neg":
+            return ChannelAffine(np.array([-1.0]), None, detail="negated")
         other = node.inputs[1 - side]
         const = find_constant(other, "other operand")
         if isinstance(const, str):
