@@ -132,11 +132,14 @@ def _slice(node, rank, axis, channels, ctx):
     return rank, axis
 
 
+def _shown(dims) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
 def _reshaped(node, in_dims, out_dims, axis):
     landed = algebra.reshaped_axis(in_dims, out_dims, axis)
     if landed is None:
-        shown = lambda dims: "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"  # noqa: E731
-        return (f"{describe(node)} reshapes {shown(in_dims)} to {shown(out_dims)}: opfuse cannot prove "
+        return (f"{describe(node)} reshapes {_shown(in_dims)} to {_shown(out_dims)}: opfuse cannot prove "
                 f"the channel axis {axis} stays one whole axis (a symbolic or unknown dim would have "
                 "to equal another)")
     return len(out_dims), landed
@@ -149,6 +152,7 @@ def _reshape(node, rank, axis, channels, ctx):
         return target or f"{describe(node)} has no shape input"
     if in_dims is None or len(in_dims) != rank:
         return f"the input shape of {describe(node)} is unknown"
+    in_dims[axis] = channels  # (known from the weight even where inference lost it)
     allow_zero = int_attr(node, "allowzero", 0)
     out: list[algebra.Dim] = [in_dims[i] if t == 0 and not allow_zero and i < rank else t for i, t in enumerate(target)]
     if -1 in out:  # the one inferred size
@@ -162,12 +166,12 @@ def _flatten(node, rank, axis, channels, ctx):
     in_dims = ctx.dims(node.inputs[0])
     if in_dims is None or len(in_dims) != rank:
         return f"the input shape of {describe(node)} is unknown"
-    k = int_attr(node, "axis", 1) % (rank + 1) if rank else 0
+    k = int_attr(node, "axis", 1)
+    k = k + rank if k < 0 else k
     group = range(0, k) if axis < k else range(k, rank)
     others = [in_dims[i] for i in group if i != axis]
     if any(d != 1 for d in others):
-        shown = ", ".join("?" if d is None else str(d) for d in in_dims)
-        return (f"{describe(node)} flattens [{shown}] at axis {k}, merging the channel axis {axis} with "
+        return (f"{describe(node)} flattens {_shown(in_dims)} at axis {k}, merging the channel axis {axis} with "
                 "other axes that are not known to be 1")
     return 2, 0 if axis < k else 1
 
