@@ -31,7 +31,8 @@ def _check(m, batches=(1, 3), tol=None, **options):
 
 
 def _patterns(report):
-    return sorted(r.pattern for r in report.records)
+    """The folds applied (cancel-transposes' moves are tested in test_cancel_transposes.py)."""
+    return sorted(r.pattern for r in report.records if not r.pattern.startswith("Transpose"))
 
 
 def _refusal(report, node):
@@ -77,25 +78,25 @@ def test_a_caffe_nhwc_block_folds_every_affine_op_into_its_conv(opset):
     out, report = _check(m)
     assert _patterns(report) == ["Conv+Add"] * 2 + ["Conv+Mul"] * 2 + ["Conv+Sub"] * 2, report.records
     assert ops(out).count("Sub") == ops(out).count("Mul") == 0 and ops(out).count("Add") == 1  # the residual
-    assert ops(out).count("Transpose") == 4  # the layout ops stay, reading the folded convs
+    assert ops(out).count("Transpose") == 2  # conv0's two cancel once its map is folded; the others stay
     assert not report.refusals, report.refusals
-    assert all("through Transpose" in r.detail for r in report.records)
+    assert all("through Transpose" in r.detail for r in report.records if r.pattern.startswith("Conv"))
 
 
 def test_a_float16_nhwc_block_folds_and_keeps_its_numbers():
     m = caffe_nhwc_block(dtype=np.float16)
     out, report = _check(m, tol=FP16)
-    assert len(report.records) == 6 and "Sub" not in ops(out)
+    assert len(_patterns(report)) == 6 and "Sub" not in ops(out)
 
 
 def test_the_folded_tensor_keeps_the_consumer_name_and_the_rewired_values_get_fresh_ones():
     m = caffe_nhwc_block()
     out, report = _check(m)
     names = {v.name for node in out.graph for v in node.outputs}
-    assert "bn0.a" in names and "bn1.a" in names  # the last fold of each chain, checked by verification
+    assert "bn1.a" in names  # the last fold of conv1's chain, checked by verification
     assert "conv0" not in names and "nhwc0" not in names  # they hold folded values now: new names
     checked = {c.name for c in report.verification.rewrites}
-    assert {"bn0.a", "bn1.a"} <= checked
+    assert "bn1.a" in checked
 
 
 def _conv_transpose_affine(op="Mul", const_shape=(8,), perm=NHWC, c=8, size=(8, 5), extra_output=None, seed=1):

@@ -187,7 +187,7 @@ class FoldPass(OpfusePass):
     # -- the pass ------------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._names = NameTable(model)
-        self._model, self._shapes_inferred = model, False
+        self._model, self._shapes_inferred, self._symbolic_inferred = model, False, False
         modified = False
         for scope in list(iter_scopes(model)):
             for node in list(scope.graph):
@@ -298,11 +298,18 @@ class FoldPass(OpfusePass):
                        f"on axis {view[1]})")
         return affine
 
-    def _infer_shapes(self) -> None:
-        """onnx's shape inference, once per pass, when a rank or a dim is needed and unknown."""
+    def _infer_shapes(self, symbolic: bool = False) -> None:
+        """onnx's shape inference, once per pass, when a rank or a dim is needed and unknown;
+        with ``symbolic``, ONNX Runtime's too (once), for dims onnx's leaves unknown (a Reshape
+        whose target is computed from shapes)."""
         if not self._shapes_inferred:
             infer_shapes(self._model)
             self._shapes_inferred = True
+        if symbolic and not self._symbolic_inferred:
+            from opfuse.symbolic_shapes import infer_symbolic_shapes  # (only when a computed reshape needs it)
+
+            infer_symbolic_shapes(self._model)
+            self._symbolic_inferred = True
 
     # -- rewrite -------------------------------------------------------------------------
     def _rewrite(

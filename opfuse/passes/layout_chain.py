@@ -23,7 +23,11 @@ The ops, and when each keeps the channel axis (every failure is a reason):
 5. Reshape / Flatten: the input's dims must be known (static, or symbolic names from shape
    inference) and the channel axis must provably land whole on one output axis; a dim that
    cannot be proven equal (an unknown size, a -1 beside a symbolic batch on both sides) is
-   a refusal that says so. Reshape's target must be a constant.
+   a refusal that says so. Reshape's target must be a constant, or (tf2onnx's Tensordot:
+   ``Reshape(MatMul, Concat(Shape(x)[:2], [M]))``) its output's dims must be known from
+   shape inference (ONNX Runtime's symbolic inference, run once when needed); then only their
+   static sizes count (a symbolic name from one inference need not mean the same in another),
+   so the proof is the sizes after the channel axis (a last axis stays last).
 
 Every value along the chain must have this one consumer and not be a graph output; the
 fold checks that (:func:`opfuse.analyse.sole_use_problem`), as for Identity nodes.
@@ -68,12 +72,15 @@ def _read_dims(value: ir.Value | None) -> list[algebra.Dim] | None:
 class _Context:
     """What an axis map may ask: the opset, and a value's dims (shapes inferred on demand)."""
 
-    def __init__(self, opset: int, ensure_shapes: Callable[[], None]):
+    def __init__(self, opset: int, ensure_shapes: Callable[..., None]):
         self.opset, self._ensure_shapes = opset, ensure_shapes
 
-    def dims(self, value: ir.Value | None) -> list[algebra.Dim] | None:
+    def dims(self, value: ir.Value | None, symbolic: bool = False) -> list[algebra.Dim] | None:
+        """``symbolic``: when onnx's inference leaves the shape unknown, ask ONNX Runtime's."""
         if value is not None and value.shape is None:
             self._ensure_shapes()
+            if value.shape is None and symbolic:
+                self._ensure_shapes(symbolic=True)
         return _read_dims(value)
 
 
@@ -148,8 +155,10 @@ def _reshaped(node, in_dims, out_dims, axis):
 def _reshape(node, rank, axis, channels, ctx):
     in_dims = ctx.dims(node.inputs[0])
     target = _constant_ints(node, 1, None, ctx.opset, 0)
-    if isinstance(target, str) or target is None:
-        return target or f"{describe(node)} has no shape input"
+    if isinstance(target, str):
+        return _computed_reshape(node, rank, axis, channels, ctx, target)
+    if target is None:
+        return f"{describe(node)} has no shape input"
     if in_dims is None or len(in_dims) != rank:
         return f"the input shape of {describe(node)} is unknown"
     in_dims[axis] = channels  # (known from the weight even where inference lost it)
@@ -158,6 +167,23 @@ def _reshape(node, rank, axis, channels, ctx):
     if -1 in out:  # the one inferred size
         out[out.index(-1)] = algebra.inferred_dim(in_dims, [d for d in out if d != -1])
     return _reshaped(node, in_dims, out, axis)
+
+
+def _computed_reshape(node, rank, axis, channels, ctx, why: str):
+    """A Reshape whose target is computed at run time: its output's inferred dims, static
+    sizes only (module docstring, rule 5)."""
+    out_dims = ctx.dims(node.outputs[0], symbolic=True)
+    in_dims = ctx.dims(node.inputs[0])
+    if out_dims is None or in_dims is None or len(in_dims) != rank:
+        return f"{why}, and shape inference does not give the dims it makes"
+    static = lambda dims: [d if isinstance(d, int) else None for d in dims]  # noqa: E731
+    in_dims, out_dims = static(in_dims), static(out_dims)
+    in_dims[axis] = channels  # (known from the weight)
+    landed = algebra.reshaped_axis(in_dims, out_dims, axis)
+    if landed is None:
+        return (f"{why}, and the static sizes inferred, {_shown(in_dims)} to {_shown(out_dims)}, do not prove "
+                f"the channel axis {axis} stays one whole axis")
+    return len(out_dims), landed
 
 
 def _flatten(node, rank, axis, channels, ctx):
