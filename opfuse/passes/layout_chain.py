@@ -76,11 +76,11 @@ class _Context:
         self.opset, self._ensure_shapes = opset, ensure_shapes
 
     def dims(self, value: ir.Value | None, symbolic: bool = False) -> list[algebra.Dim] | None:
-        """``symbolic``: when onnx's inference leaves the shape unknown, ask ONNX Runtime's."""
+        """``symbolic``: when onnx's inference leaves a size unknown, ask ONNX Runtime's."""
         if value is not None and value.shape is None:
             self._ensure_shapes()
-            if value.shape is None and symbolic:
-                self._ensure_shapes(symbolic=True)
+        if value is not None and symbolic and (value.shape is None or not all(isinstance(d, int) for d in value.shape)):
+            self._ensure_shapes(symbolic=True)
         return _read_dims(value)
 
 
