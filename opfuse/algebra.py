@@ -31,6 +31,24 @@ Where "the slice of W for output channel o" lives depends on the producer's weig
 
 All arithmetic is done in float64 and cast back once, by :func:`cast_back`, which also says
 when the cast would overflow or flush the weights to zero (float16/bfloat16).
+
+Layout ops between the producer and the map (an NHWC export's Transpose, a Keras Conv1D's
+Squeeze, a classifier head's Flatten) only move elements. If such an op L sends every
+element of channel o of y to channel position o of one axis j of L(y), then for a constant
+k that varies along axis j only
+
+    k_s (.) L(y) + k_t = L(s (.) y + t)      with s[o] = k_s[..., o, ...], t[o] = k_t[..., o, ...]
+
+so the map folds into the producer and L stays, reading the folded output. Where the channel
+axis lands (None: L does not keep it as one whole axis):
+
+    Transpose(perm)       a -> perm.index(a)            (output axis i reads input axis perm[i])
+    Squeeze(axes)         a -> a - #{axes < a}          (None when a is squeezed)
+    Unsqueeze(axes)       a -> the a-th axis of the output that is not inserted
+    Reshape, Flatten      a -> j with out[j] = in[a] = C and prod(in[:a]) = prod(out[:j])
+                          (equivalently prod(in[a+1:]) = prod(out[j+1:])): row-major order
+                          writes element (p, o, q) at offset (p * C + o) * Q + q on both sides
+                          (:func:`reshaped_axis`, with dims that may be symbolic)
 """
 
 from __future__ import annotations
@@ -46,8 +64,15 @@ __all__ = [
     "output_channels",
     "products_per_output",
     "channel_major",
+    "permuted_axis",
+    "squeezed_axis",
+    "unsqueezed_axis",
+    "reshaped_axis",
+    "inferred_dim",
 ]
 
+from collections import Counter
+from collections.abc import Sequence
 from typing import Literal
 
 import ml_dtypes
@@ -262,3 +287,74 @@ def cast_back(
             f"in {dtype.name}{where}"
         )
     return out, None
+
+
+# -- where the channel axis goes through a layout op (module docstring) ----------------------
+
+Dim = int | str | None  # a static size, a symbolic one (its name), or unknown
+
+
+def permuted_axis(perm: Sequence[int], axis: int) -> int:
+    """The output axis of Transpose(perm) that reads input ``axis``."""
+    return [int(p) % len(perm) for p in perm].index(axis)
+
+
+def squeezed_axis(axes: Sequence[int], rank: int, axis: int) -> int | None:
+    """Where input ``axis`` of a rank-``rank`` tensor lands after Squeeze(axes); None if squeezed."""
+    gone = {int(a) % rank for a in axes}
+    return None if axis in gone else axis - sum(1 for a in gone if a < axis)
+
+
+def unsqueezed_axis(axes: Sequence[int], rank: int, axis: int) -> int:
+    """Where input ``axis`` of a rank-``rank`` tensor lands after Unsqueeze(axes)."""
+    out_rank = rank + len(axes)
+    inserted = {int(a) % out_rank for a in axes}
+    return [i for i in range(out_rank) if i not in inserted][axis]
+
+
+def _product(dims: Sequence[Dim]) -> tuple[int, Counter] | None:
+    """A product of dims as (static part, symbolic factors); None when a dim is unknown."""
+    static, symbols = 1, Counter()
+    for d in dims:
+        if d is None:
+            return None
+        if isinstance(d, str):
+            symbols[d] += 1
+        else:
+            static *= int(d)
+    return static, symbols
+
+
+def reshaped_axis(in_dims: Sequence[Dim], out_dims: Sequence[Dim], axis: int) -> int | None:
+    """The output axis of a row-major reshape from ``in_dims`` to ``out_dims`` that holds
+    input ``axis`` whole (same size, same product of the dims before it, or after it); None
+    when no output axis provably does. A symbolic dim equals only itself."""
+    size = in_dims[axis]
+    if not isinstance(size, int) or size == 0:
+        return None
+    before, after = _product(in_dims[:axis]), _product(in_dims[axis + 1:])
+    for j, d in enumerate(out_dims):
+        if d != size:
+            continue
+        if before is not None and _product(out_dims[:j]) == before:
+            return j
+        if after is not None and _product(out_dims[j + 1:]) == after:
+            return j
+    return None
+
+
+def inferred_dim(in_dims: Sequence[Dim], known: Sequence[Dim]) -> Dim:
+    """Reshape's -1: prod(in_dims) / prod(known), as a static size or one symbolic dim;
+    None when that quotient is not one of those (or a dim is unknown)."""
+    total, part = _product(in_dims), _product(known)
+    if total is None or part is None or part[0] == 0 or total[0] % part[0]:
+        return None
+    if part[1] - total[1]:
+        return None  # a symbol of the known dims is not a factor of the total
+    rest = total[1] - part[1]
+    static = total[0] // part[0]
+    if not rest:
+        return static
+    if static == 1 and sum(rest.values()) == 1:
+        return next(iter(rest))
+    return None

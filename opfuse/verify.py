@@ -33,7 +33,8 @@ Conv, ConvTranspose, Gemm or MatMul, fused or not)::
 
     floor = 8 * eps(dtype) * sqrt(K) * scale      K = the products summed per output
 
-Two exact-in-theory computations of a K-term sum (the folded weights against the original
+(A layout op after such a node, a Transpose a fold reached through, moves the same sums: its
+output gets the same floor.) Two exact-in-theory computations of a K-term sum (the folded weights against the original
 conv and BatchNormalization; a FusedConv against Conv then Relu) round in different
 places, and float32 rounding grows like eps * sqrt(K) times the size of the terms, which
 exceeds the result's where the terms cancel: ResNet-50's last 3x3 convs (K = 4608) differ
@@ -95,7 +96,7 @@ from opfuse.report import FusionRecord, OutputCheck, Verification
 from opfuse.runtime import create_session, serialized
 from opfuse.algebra import products_per_output
 from opfuse.targets.kernels import read_kernel
-from opfuse.vocabulary import OPS, first_line, is_onnx, op_info
+from opfuse.vocabulary import OPS, OpKind, first_line, is_onnx, op_info, op_kind
 
 # dtype -> (rtol, atol relative to the tensor's scale)
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -414,6 +415,9 @@ def _fan_in(model: ir.Model) -> dict[str, int]:
             continue
         k = products_per_output(tuple(weight.shape), spec.layout_of(node), spec.group_of(node))
         out[node.outputs[0].name] = k
+    for node in model.graph:  # a layout op after it (a fold through a Transpose) moves the same sums
+        if node.inputs and node.inputs[0] is not None and node.inputs[0].name in out and op_kind(node) is OpKind.INJECTIVE:
+            out.setdefault(node.outputs[0].name, out[node.inputs[0].name])
     return out
 
 

@@ -37,6 +37,9 @@ ACTIVATION_FUNCTIONS = {"Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwis
 BINARY_WITH_INPUT = ("PRelu", "Mul", "Sub", "Div", "Max", "Min")
 # FusedConv's activations, known independently of opfuse (see the module docstring)
 FUSED_CONV_RUNS = {"Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "Tanh", "HardSwish"}
+# ops that are a per-channel affine map of the layer's output (Neg: a scale by -1), which the
+# folds absorb into its weights before any epilogue is considered
+FOLDS_INTO_THE_LAYER = {"Neg"}
 
 
 def test_the_alphabet_is_onnx_ops_of_one_float_input():
@@ -71,7 +74,9 @@ def test_conv_then_one_op_fuses_exactly_when_the_kernel_runs_it(op):
     m = chain_model([op], seed=1)
     out, report = opfuse.optimize(m, target="onnxruntime", runtime_level="disabled")
     left = {n.name: n for n in out.graph}
-    if op in FUSED_CONV_RUNS:
+    if op in FOLDS_INTO_THE_LAYER:  # -y is y scaled by -1: the fold absorbs it into the weights
+        assert "op0" not in left and report.applied(f"Conv+{op}")
+    elif op in FUSED_CONV_RUNS:
         assert "op0" not in left and [n.op_type for n in out.graph] == ["FusedConv"], report.refusals
         assert report.applied(f"Conv+{op}")
     else:
@@ -90,11 +95,18 @@ def test_no_element_wise_op_after_a_layer_is_left_without_a_record(ops, seed):
     fused = {name for r in report.records for name in r.removed}
     # the oracle: the first op fuses when the kernel runs it; after an activation no other
     # activation merges unless both are Relu (Relu/Relu is one Relu)
+    folded = []  # leading ops that are a scale of the layer's output fold into its weights first
+    for op in ops:
+        if op not in FOLDS_INTO_THE_LAYER:
+            break
+        folded.append(f"op{len(folded)}")
     expected = []
-    for i, op in enumerate(ops):
+    for i in range(len(folded), len(ops)):
+        op = ops[i]
         if op not in FUSED_CONV_RUNS or (expected and not (op == "Relu" and ops[i - 1] == "Relu")):
             break
         expected.append(f"op{i}")
+    expected = folded + expected
     assert sorted(n for n in fused if n.startswith("op")) == expected, (ops, report.records, report.refusals)
     for node in out.graph:  # every op after a layer, and every activation, says why it stayed
         producer = node.inputs[0].producer()

@@ -3,6 +3,8 @@
 =====================  ==========================================================
 ``fold-batchnorm``     BatchNormalization -> Conv/ConvTranspose/Gemm/MatMul weights
 ``fold-arithmetic``    constant Add/Sub/Mul/Div -> Conv/ConvTranspose/Gemm weights
+``remove-casts``       Casts to a value's own dtype and exact round trips, removed
+``cancel-transposes``  Transposes moved past element-wise ops, inverse pairs removed
 ``fuse-activation``    Conv/Gemm + activation -> FusedConv/FusedGemm (onnxruntime)
 ``fuse-epilogue``      Conv + residual Add + activation -> FusedConv (onnxruntime)
 ``reshape-dims``       Reshape targets computed from shapes -> constants (0 = the input's dim)
@@ -34,6 +36,8 @@ from opfuse.targets import TARGET_DEFAULT_PASSES
 REGISTRY: dict[str, str] = {
     "fold-batchnorm": "opfuse.passes.fold_batchnorm:FoldBatchNormPass",
     "fold-arithmetic": "opfuse.passes.fold_arithmetic:FoldArithmeticPass",
+    "remove-casts": "opfuse.passes.remove_casts:NoOpCastPass",
+    "cancel-transposes": "opfuse.passes.cancel_transposes:CancelTransposesPass",
     "fuse-activation": "opfuse.passes.fuse_epilogue:ActivationFusionPass",
     "fuse-epilogue": "opfuse.passes.fuse_epilogue:EpilogueFusionPass",
     "fuse-patterns": "opfuse.passes.fuse_patterns:PatternFusionPass",

@@ -1,10 +1,11 @@
-"""Fold a constant Add, Sub, Mul or Div into the Conv, ConvTranspose or Gemm before it.
+"""Fold a constant Add, Sub, Mul or Div, or a Neg, into the Conv, ConvTranspose or Gemm before it.
 
 Algebra, with y the producer's output and c a constant per output channel:
 
     y + c, c + y  ->  s = 1,    t = c          y * c, c * y  ->  s = c,    t = 0
     y - c         ->  s = 1,    t = -c         y / c         ->  s = 1/c,  t = 0
     c - y         ->  s = -1,   t = c          c / y            not affine: refused
+    -y (Neg)      ->  s = -1,   t = 0          (tf2onnx writes it between a conv and a Transpose)
 
 then W' = s[o] * W[o], b' = s * b + t as for every fold (float64, cast back once).
 
@@ -17,8 +18,13 @@ Legality, beyond the common rules in :mod:`opfuse.passes.folding`:
    [C,1,1] or [1,C,1,1] after a 2-D Conv, [C] or [1,C] after Gemm. Anything else is
    refused even when a length equals C: a rank-1 [C] after a Conv aligns with the last
    (width) axis, [1,1,1,C] and [1,1,H,1] vary along space, and a constant of higher rank
-   than the output would change the output's shape.
+   than the output would change the output's shape. Through layout ops
+   (:mod:`opfuse.passes.layout_chain`) "the channel axis" is where they put it: after
+   ``Conv -> Transpose(0,2,3,1)`` a [C] or [1,1,1,C] constant is per channel, [C,1,1] is not.
 3. Division by a constant with a zero entry is refused.
+4. A MatMul producer (only through layout ops: ``MatMul -> Reshape -> Add``, TensorFlow's
+   Dense on 3-D input) keeps its op for a scale (Mul, Div: its weight's columns scale) and
+   becomes a Gemm for a shift, which needs its input to be known to be 2-D.
 """
 
 from __future__ import annotations
@@ -39,15 +45,22 @@ class FoldArithmeticPass(FoldPass):
     """Absorb constant Add/Sub/Mul/Div along the output-channel axis."""
 
     name = "fold-arithmetic"
-    consumer_ops = frozenset({"Add", "Sub", "Mul", "Div"})
-    producer_ops = frozenset(op for op in WEIGHTED_OPS if OPS[op].weights.bias is not None)  # a bias to absorb t
+    consumer_ops = frozenset({"Add", "Sub", "Mul", "Div", "Neg"})
+    # a bias to absorb t; and MatMul through layout ops (it becomes a Gemm: see is_candidate)
+    producer_ops = frozenset(op for op in WEIGHTED_OPS if OPS[op].weights.bias is not None or OPS[op].weights.batched)
 
     def producer_sides(self, node: ir.Node):
-        return (0, 1)
+        return (0,) if len(node.inputs) == 1 else (0, 1)
 
     def is_candidate(self, cand) -> bool:
         """Only a constant, or a parameter that looks like one (a graph input), is a
-        candidate: an operand computed by another node (a residual branch) is not."""
+        candidate: an operand computed by another node (a residual branch) is not. A MatMul
+        is one only through layout ops (TensorFlow's Dense on 3-D input: MatMul -> Reshape ->
+        Add); MatMul + Add is the matmul-add pattern's (:mod:`opfuse.passes.patterns.matmul_add`)."""
+        if cand.info.spec.bias is None and not cand.layout:
+            return False
+        if cand.consumer.op_type == "Neg":
+            return True
         other = cand.consumer.inputs[1 - cand.side]
         if other is None:
             return False
@@ -57,6 +70,8 @@ class FoldArithmeticPass(FoldPass):
     def affine(self, cand, out: ProducerShape) -> ChannelAffine | str:
         node, side = cand.consumer, cand.side
         op = node.op_type
+        if op == "Neg":
+            return ChannelAffine(np.array([-1.0]), None, detail="negated")
         other = node.inputs[1 - side]
         const = find_constant(other, "other operand")
         if isinstance(const, str):
@@ -64,7 +79,7 @@ class FoldArithmeticPass(FoldPass):
         c = const.array
         if str(c.dtype) not in FLOAT_DTYPES:
             return f"its constant is {c.dtype}, not floating point"
-        per_channel = _per_channel(c, out, describe(cand.producer))
+        per_channel = _per_channel(c, out, describe(cand.producer), through_layout=bool(cand.layout))
         if isinstance(per_channel, str):
             return per_channel
         shown = _show(c)
@@ -84,8 +99,9 @@ class FoldArithmeticPass(FoldPass):
         return ChannelAffine(1.0 / per_channel, None, detail=f"/ {shown}")
 
 
-def _per_channel(c: np.ndarray, out: ProducerShape, producer: str) -> np.ndarray | str:
-    """The constant as float64 values per output channel, or why it is not one."""
+def _per_channel(c: np.ndarray, out: ProducerShape, producer: str, through_layout: bool = False) -> np.ndarray | str:
+    """The constant as float64 values per output channel, or why it is not one. ``out`` is
+    the consumer's view: after layout ops, the rank and channel axis they leave."""
     values = c.astype(np.float64)
     if values.ndim == 0 or values.size == 1:
         if out.rank is not None and values.ndim > out.rank:
@@ -103,16 +119,16 @@ def _per_channel(c: np.ndarray, out: ProducerShape, producer: str) -> np.ndarray
     varying = [i for i, n in enumerate(aligned) if n != 1 and i != axis]
     if varying:
         i = varying[0]
-        what = AXIS_NAMES.get(i, "spatial")
+        what = "other" if through_layout else AXIS_NAMES.get(i, "spatial")
         hint = ""
-        if values.ndim == 1 and c.shape[0] == out.channels:
+        if values.ndim == 1 and c.shape[0] == out.channels and not through_layout:
             hint = (
                 f" (a rank-1 constant aligns with the last axis, not the channel axis; "
                 f"write it as [{out.channels}" + ", 1" * (out.rank - 2) + "])"
             )
         return (
             f"its constant of shape {list(c.shape)} varies along the {what} axis {i} "
-            f"of the output, not only along the channel axis {axis}{hint}"
+            f"of {'its input' if through_layout else 'the output'}, not only along the channel axis {axis}{hint}"
         )
     if aligned[axis] not in (1, out.channels):
         return (

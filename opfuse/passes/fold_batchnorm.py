@@ -18,6 +18,9 @@ Legality, beyond the common rules in :mod:`opfuse.passes.folding`:
    var + eps > 0.
 4. After MatMul, BatchNormalization's channel axis (1) must be the MatMul's last axis: the
    input must be known to be 2-D. The result is a Gemm.
+5. Through layout ops (:mod:`opfuse.passes.layout_chain`), the producer's channels must land
+   on axis 1 of BatchNormalization's input, the axis it normalises: ``Conv -> Transpose(0,1,3,2)
+   -> BatchNormalization`` folds, an NHWC ``Transpose(0,2,3,1)`` does not.
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ class FoldBatchNormPass(FoldPass):
         problem = _mode_problem(node, opset)
         if problem:
             return problem
-        if cand.info.op_type == "MatMul" and out.rank != 2:
+        if cand.info.op_type == "MatMul" and cand.producer_out.rank != 2:
             return (
                 f"{describe(cand.producer)}'s output is not known to be 2-D, and "
                 "BatchNormalization normalises axis 1, not necessarily the MatMul's last axis"
             )
+        if cand.layout and (out.rank is None or out.rank < 2 or out.channel_axis % out.rank != 1):
+            return "it normalises axis 1 of its input, which is not the axis of the output channels"
         params = []
         for index, role in enumerate(("scale", "B", "mean", "var"), start=1):
             found = find_constant(node.inputs[index] if index < len(node.inputs) else None, role)

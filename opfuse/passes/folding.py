@@ -8,21 +8,30 @@ Producers (:data:`PRODUCERS`, read from the op table's weighted ops): Conv, Conv
 Gemm, and MatMul with a 2-D constant weight (BatchNormalization only; it becomes a Gemm,
 the only way to carry a bias).
 
+Between producer and consumer there may be Identity nodes and layout ops (Transpose,
+Squeeze, Unsqueeze, Slice, Reshape, Flatten: :mod:`opfuse.passes.layout_chain`), which only
+move elements. The consumer's rule then reads the channel axis where the layout ops put it
+(``Conv -> Transpose(0,2,3,1) -> Add``: a [C] constant on the last axis is per channel).
+
 Legality, checked in this order; every failure is a :class:`~opfuse.report.Refusal`:
 
 1. The producer is in the same graph as the consumer.
-2. The producer's output, and every Identity output between it and the consumer, has
-   exactly one consumer and is not a graph output (otherwise the unfolded value must stay).
+2. The producer's output, and every Identity or layout output between it and the consumer,
+   has exactly one consumer and is not a graph output (otherwise the unfolded value must stay).
 3. Its weight, and its bias if it has one, are constants: initializers that are not also
    graph inputs, or Constant nodes, possibly behind Identity nodes.
-4. The consumer is an affine map along the output-channel axis only (the pass's rule).
+4. The layout ops keep the channel axis as one whole axis (:mod:`opfuse.passes.layout_chain`),
+   and the consumer is an affine map along that axis only (the pass's rule).
 5. The folded weight and bias are representable in the weight's dtype: no value overflows
    to inf and the weights are not flushed to zero (float16, bfloat16).
 
 Rewrite: the producer gets new, private weight and bias tensors (an original still used
 elsewhere is kept, and the report counts the extra bytes); the consumer and the Identity
 nodes between are removed; the producer's output takes over the consumer's output, and
-its name (so a tensor name means the same values before and after). Inputs, outputs and unrelated nodes are untouched.
+its name (so a tensor name means the same values before and after). Through layout ops, only
+the consumer goes: the last layout output takes over the consumer's output and its name, and
+the values before it, which now hold folded numbers, get fresh names. Inputs, outputs and
+unrelated nodes are untouched.
 """
 
 from __future__ import annotations
@@ -47,10 +56,10 @@ from opfuse.analyse import (
     node_label,
     iter_scopes,
     sole_use_problem,
-    trace_producer,
 )
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
+from opfuse.passes.layout_chain import describe_chain, follow_channel, has_layout_op, trace_through_layout
 from opfuse.report import FusionRecord
 from opfuse.vocabulary import FLOAT_DTYPES, ONNX_DOMAINS, OPS, WEIGHTED_OPS, WeightSpec, float_attr
 
@@ -62,6 +71,7 @@ FOLDED_WEIGHT = "opfuse.folded_weight"
 FOLDED_BIAS = "opfuse.folded_bias"
 SHARED_BY = "opfuse.shared_by_records"
 _FOLDED_SUFFIX = re.compile(r"_folded(_\d+)?$")
+_AFFINE_SUFFIX = re.compile(r"_affine(_\d+)?$")  # a value renamed by an earlier fold through layout ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +141,10 @@ class _Candidate:
     consumer: ir.Node
     side: int  # which consumer input carries the producer's output
     producer: ir.Node
-    through: list[ir.Node]  # Identity nodes, nearest the consumer first
+    through: list[ir.Node]  # Identity nodes, nearest the consumer first (no layout op between)
     info: Producer  # the producer's row of PRODUCERS
+    layout: list[ir.Node] = dataclasses.field(default_factory=list)  # Identity and layout ops, producer first
+    producer_out: ProducerShape | None = None  # the producer's own output (``affine`` gets the consumer's view)
 
 
 class FoldPass(OpfusePass):
@@ -175,7 +187,7 @@ class FoldPass(OpfusePass):
     # -- the pass ------------------------------------------------------------------------
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._names = NameTable(model)
-        self._model, self._shapes_inferred = model, False
+        self._model, self._shapes_inferred, self._symbolic_inferred = model, False, False
         modified = False
         for scope in list(iter_scopes(model)):
             for node in list(scope.graph):
@@ -194,14 +206,15 @@ class FoldPass(OpfusePass):
         for side in self.producer_sides(node):
             if side >= len(node.inputs) or node.inputs[side] is None:
                 continue
-            producer, through = trace_producer(node.inputs[side])
+            producer, chain = trace_through_layout(node.inputs[side])
             if (
                 producer is not None
                 and producer.domain in ONNX_DOMAINS
                 and producer.op_type in self.producer_ops
             ):
+                through, layout = (chain[::-1], []) if not has_layout_op(chain) else ([], chain)
                 candidates.append(
-                    _Candidate(scope, node, side, producer, through, PRODUCERS[producer.op_type])
+                    _Candidate(scope, node, side, producer, through, PRODUCERS[producer.op_type], layout)
                 )
         candidates = [c for c in candidates if self.is_candidate(c)]
         if not candidates:
@@ -224,7 +237,7 @@ class FoldPass(OpfusePass):
             return f"{describe(producer)} is in another graph than {describe(node)}"
         if len(producer.outputs) != 1:
             return f"{describe(producer)} has {len(producer.outputs)} outputs"
-        chain = [producer, *reversed(cand.through), node]
+        chain = [producer, *reversed(cand.through), *cand.layout, node]
         for owner, nxt in zip(chain, chain[1:]):
             problem = sole_use_problem(owner.outputs[0], owner, nxt)
             if problem:
@@ -242,14 +255,19 @@ class FoldPass(OpfusePass):
             return f"the weight of {describe(producer)} is {weight.array.dtype}, not floating point"
         out = info.output(producer, weight.array)
         if not isinstance(out, str) and out.rank is None and not self._shapes_inferred:
-            infer_shapes(self._model)  # once per pass, only when a rank is needed and unknown
-            self._shapes_inferred = True
+            self._infer_shapes()  # only when a rank is needed and unknown
             out = info.output(producer, weight.array)
         if isinstance(out, str):
             return out
-        affine = self.affine(cand, out)
+        cand.producer_out = out
+        affine = self._read_consumer(cand, out) if cand.layout else self.affine(cand, out)
         if isinstance(affine, str):
             return affine
+        if info.spec.bias is None and affine.shift is not None and cand.producer_out.rank != 2:
+            return (
+                f"folding {describe(node)} gives {describe(producer)} a bias, which needs a Gemm, and its "
+                "input is not known to be 2-D"
+            )
         for what, arr in (("scale", affine.scale), ("shift", affine.shift)):
             if arr is not None and arr.size not in (1, out.channels):
                 return (
@@ -257,6 +275,41 @@ class FoldPass(OpfusePass):
                     f"{out.channels} output channels"
                 )
         return self._rewrite(cand, weight, bias, affine, out)
+
+    def _read_consumer(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | str:
+        """The consumer's map through layout ops: along the axis they put the channels on, or,
+        when they do not keep that axis whole, a map with one value (it commutes with any op
+        that only moves elements)."""
+        producer, node = cand.producer, cand.consumer
+        if out.rank is None:
+            return f"the rank of {describe(producer)}'s output is unknown, so its channel axis cannot be followed"
+        view = follow_channel(cand.layout, out.rank, out.channel_axis % out.rank, out.channels,
+                              cand.scope.opset, self._infer_shapes)
+        if isinstance(view, str):
+            reason = f"{view}, between {describe(producer)} and {describe(node)}"
+            fed = node.inputs[cand.side]
+            if fed.shape is None:
+                return reason
+            scalar = self.affine(cand, ProducerShape(1, len(fed.shape), 0))
+            return reason if isinstance(scalar, str) else scalar
+        affine = self.affine(cand, ProducerShape(out.channels, view[0], view[1]))
+        if isinstance(affine, str):
+            affine += (f" ({describe_chain(cand.layout)} puts {describe(producer)}'s output channels "
+                       f"on axis {view[1]})")
+        return affine
+
+    def _infer_shapes(self, symbolic: bool = False) -> None:
+        """onnx's shape inference, once per pass, when a rank or a dim is needed and unknown;
+        with ``symbolic``, ONNX Runtime's too (once), for dims onnx's leaves unknown (a Reshape
+        whose target is computed from shapes)."""
+        if not self._shapes_inferred:
+            infer_shapes(self._model)
+            self._shapes_inferred = True
+        if symbolic and not self._symbolic_inferred:
+            from opfuse.symbolic_shapes import infer_symbolic_shapes  # (only when a computed reshape needs it)
+
+            infer_symbolic_shapes(self._model)
+            self._symbolic_inferred = True
 
     # -- rewrite -------------------------------------------------------------------------
     def _rewrite(
@@ -322,7 +375,7 @@ class FoldPass(OpfusePass):
 
         anchor = producer
         removed = [node, *cand.through]
-        if info.op_type == "MatMul":
+        if info.op_type == "MatMul" and new_b is not None:  # a bias: the MatMul becomes a Gemm
             anchor = ir.Node(
                 "",
                 "Gemm",
@@ -335,7 +388,7 @@ class FoldPass(OpfusePass):
         else:
             if new_w is not old_w:
                 producer.replace_input_with(info.weight_index, new_w)
-            if new_b is not None:
+            if new_b is not None and info.bias_index is not None:
                 if len(producer.inputs) <= info.bias_index:
                     producer.resize_inputs(info.bias_index + 1)
                 producer.replace_input_with(info.bias_index, new_b)
@@ -345,6 +398,12 @@ class FoldPass(OpfusePass):
                         producer.attributes[attr] = ir.AttrFloat32(attr, 1.0)
 
         result = anchor.outputs[0]
+        if cand.layout:  # the layout ops stay; what they read and write now holds folded values
+            if anchor is not producer:
+                producer.outputs[0].replace_all_uses_with(result)
+            for value in [result, *(n.outputs[0] for n in cand.layout[:-1])]:
+                value.name = self._names.fresh(f"{_AFFINE_SUFFIX.sub('', value.name or 'folded')}_affine")
+            result = node.inputs[cand.side]
         tail = node.outputs[0]
         tail_name = tail.name
         result.type = tail.type if tail.type is not None else result.type
@@ -382,7 +441,7 @@ class FoldPass(OpfusePass):
                 graph=scope.label,
                 weight_bytes=int((0 if w_arr is None else w_arr.nbytes) + (0 if b_arr is None else b_arr.nbytes)),
                 extra_bytes=extra,
-                detail=affine.detail,
+                detail=affine.detail + (f" through {describe_chain(cand.layout)}" if cand.layout else ""),
                 output=result.name or "",
             )
         )

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 __all__ = ["TARGET_MODULES", "TARGET_DEFAULT_PASSES", "TARGETS", "RUNTIME_LEVELS"]
 
-_FOLDS = ("fold-batchnorm", "fold-arithmetic")
+# a no-op Cast can sit between a layer and its map; Transposes left between the folded layers cancel
+_FOLDS = ("remove-casts", "fold-batchnorm", "fold-arithmetic", "cancel-transposes")
 # target -> the module that declares it
 TARGET_MODULES: dict[str, str] = {
     "onnx": "opfuse.targets.onnx",
