@@ -220,6 +220,8 @@ def optimize(
             if report_path is not None:  # what was attempted, and the failing check
                 write_text_atomic(report_path, report.to_json())
             written = f"only the report was written ({report_path})" if report_path else "nothing was written"
+            if report.verification.unverified:  # the original is no reference: no rewrite is blamed
+                raise VerificationError(f"not verified: {report.verification.unverified}; {written}", report)
             raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
     if not keep_shapes:
         restore_declared_types(work, declared)  # only the shape information the input had
