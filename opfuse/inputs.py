@@ -25,8 +25,8 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
     overflows to inf and the softmax after it to NaN), cast to bool, a Where condition,
     a logical Not/And/Or/Xor, or named ``*mask*``; the first position of its last axis is
     1, as every real attention mask keeps one token;
-  - **an index** into a table: the indices of a Gather or GatherElements, within the
-    table's size along the gathered axis (an Embedding's vocabulary);
+  - **an index** into a table: the indices of a Gather or GatherElements, anywhere in
+    the table's size along the gathered axis (an Embedding's vocabulary);
   - otherwise 0-7.
 - **Integer values that branch.** A random integer in 0-7 rarely equals the sample rate
   an ``If`` tests for. Integer inputs that reach a comparison with a constant (``Equal``,
@@ -260,8 +260,7 @@ def integer_ranges(model: ir.Model) -> dict[str, IntegerRange]:
             found.append(IntegerRange(2, "a mask by its name", mask=True))
         if found:
             best = min(found, key=lambda r: r.high)
-            if best.high < DEFAULT_INTEGER_HIGH:
-                out[value.name] = dataclasses.replace(best, mask=best.mask or any(r.mask for r in found))
+            out[value.name] = dataclasses.replace(best, mask=any(r.mask for r in found))
     return out
 
 

@@ -15,14 +15,17 @@ How verification makes them comparable (:func:`seed_random_nodes`):
 2. ONNX Runtime's random kernels keep their generator between runs of one session, so
    both models run in **fresh sessions, on the same input sets in the same order**: the
    k-th run of each draws the same numbers.
-3. The written model keeps its own attributes (the copies are private).
+3. The written model keeps its own attributes (the copies are private; a model derived
+   from a seeded copy, as ``opfuse quantize`` quantises one, drops the seeds given:
+   :func:`drop_given_seeds`).
 
 The ``seed`` attribute is a float for the random ops and an int for Dropout (ONNX's schemas).
 """
 
 from __future__ import annotations
 
-__all__ = ["RANDOM_OPS", "random_nodes", "seed_for", "seed_random_nodes", "describe_random"]
+__all__ = ["RANDOM_OPS", "draws_random", "random_nodes", "seed_for", "seed_random_nodes", "drop_given_seeds",
+           "describe_random"]
 
 import zlib
 from collections import Counter
@@ -45,7 +48,7 @@ RANDOM_OPS: dict[str, ir.AttributeType] = {
 TRAINING_MODE_INPUT = 2  # Dropout(data, ratio, training_mode), opset 12 on
 
 
-def _draws(node: ir.Node) -> bool:
+def draws_random(node: ir.Node) -> bool:
     """Whether ``node`` draws random numbers at run time."""
     if not is_onnx(node) or node.op_type not in RANDOM_OPS:
         return False
@@ -59,7 +62,7 @@ def _draws(node: ir.Node) -> bool:
 
 def random_nodes(model: ir.Model) -> list[ir.Node]:
     """Every node of every graph of ``model`` that draws random numbers, in graph order."""
-    return [node for scope in iter_scopes(model) for node in scope.graph if _draws(node)]
+    return [node for scope in iter_scopes(model) for node in scope.graph if draws_random(node)]
 
 
 def seed_for(node: ir.Node) -> int:
@@ -84,6 +87,15 @@ def seed_random_nodes(model: ir.Model) -> dict[str, int | float | None]:
             node.attributes["seed"] = ir.AttrFloat32("seed", float(seed))
         given[node.name] = seed
     return given
+
+
+def drop_given_seeds(model: ir.Model, seeded: dict[str, int | float | None]) -> None:
+    """Remove the seeds :func:`seed_random_nodes` gave (by node name) from a model derived
+    from the seeded copy, so the model written keeps the attributes it came with."""
+    given = {name for name, seed in seeded.items() if seed is not None}
+    for node in random_nodes(model):
+        if node.name in given:
+            node.attributes.pop("seed", None)
 
 
 def describe_random(seeded: dict[str, int | float | None], ops: Counter) -> str:

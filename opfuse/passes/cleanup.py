@@ -48,6 +48,7 @@ import onnxscript.optimizer
 
 from opfuse.analyse import iter_scopes, tensor_nbytes
 from opfuse.passes.base import OpfusePass
+from opfuse.random_ops import draws_random
 from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_onnx, is_op
 
 logger = logging.getLogger(__name__)
@@ -212,9 +213,11 @@ def _foldable(node: ir.Node) -> bool | None:
     """Which nodes constant folding may evaluate (None: onnxscript's own size rules).
 
     Only default-domain ops; never the quantisation ops (their Q/DQ pairs are the model's
-    meaning for a quantised runtime); a ConstantOfShape only when what it fills is small.
+    meaning for a quantised runtime), nor an op that draws random numbers (onnxscript
+    skips RandomNormal and its kin, not Bernoulli or a training-mode Dropout); a
+    ConstantOfShape only when what it fills is small.
     """
-    if not is_onnx(node) or node.op_type in KEEP:
+    if not is_onnx(node) or node.op_type in KEEP or draws_random(node):
         return False
     if node.op_type == "ConstantOfShape":
         shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None
