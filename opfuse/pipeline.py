@@ -206,7 +206,8 @@ def optimize(
     if fusion:
         work = run_fusion(work, fusion, report, chosen, runtime_level=runtime_level, veto=veto)
     if tidy is not None:
-        tidy(work)  # what the rewrites left unused
+        tidy.eliminate_common = True  # (not before the folds: a shared conv output blocks a fold)
+        tidy(work)  # what the rewrites left unused, and repeated nodes
         if tidy.summary():
             report.notes.append(tidy.summary())
     report.ops_after = op_counts(work)

@@ -34,7 +34,10 @@ Steps, each a well-kept pass where one exists:
    the same op, attributes and inputs as one before it is removed and its readers read
    the first (ONNX Runtime's dynamically quantised models compute each ``x_scale * w_scale``
    twice: 22 Mul in a CRNN); main graph only, not in a model that draws random numbers
-   (two draws are not one);
+   (two draws are not one), and only when asked (``eliminate_common``: the pipeline's run
+   after the rewrites; before them, two convs of one input and one weight merged into one
+   conv with two readers would keep a BatchNormalization from folding into either, where
+   a private copy of the shared weight folds);
 5. dead-code removal - onnx-ir's ``RemoveUnusedNodesPass``: nodes and initializers no
    output depends on.
 
@@ -68,11 +71,13 @@ logger = logging.getLogger(__name__)
 
 class CleanupPass(OpfusePass):
     name = "cleanup"
-    options = frozenset({"fold_constants", "infer_shapes"})
+    options = frozenset({"fold_constants", "infer_shapes", "eliminate_common"})
 
-    def __init__(self, report=None, fold_constants: bool = True, infer_shapes: bool = False, **options):
+    def __init__(self, report=None, fold_constants: bool = True, infer_shapes: bool = False,
+                 eliminate_common: bool = False, **options):
         super().__init__(report, **options)
         self.fold_constants = fold_constants
+        self.eliminate_common = eliminate_common  # step 4 (after the rewrites: see the module docstring)
         self.infer_shapes = infer_shapes  # node by node while folding, also where no decision reads one
         self.removed: dict[str, int] = {}  # op label -> nodes gone, over all runs
         self._shapes_seen: object = None  # the main graph's op counts after the last shape-value step
@@ -86,7 +91,7 @@ class CleanupPass(OpfusePass):
                 _fold_constants(model, before, self.infer_shapes or _inference_matters(before))
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
-        if not random_nodes(model):  # (it knows RandomNormal and kin, not Bernoulli or Dropout)
+        if self.eliminate_common and not random_nodes(model):  # (it skips RandomNormal and kin, not Bernoulli)
             common.CommonSubexpressionEliminationPass()(model)
         common.RemoveUnusedNodesPass()(model)
         after = _all_ops(model)
