@@ -88,7 +88,10 @@ class PatternFusionPass(OpfusePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         patterns = [p for p in PATTERN_ORDER if self.target.policy(p) == "fuse"]
-        if not patterns:
+        present = {("" if n.domain in ONNX_DOMAINS else n.domain, n.op_type)
+                   for scope in iter_scopes(model) for n in scope.graph}
+        if not any(_could_match(pattern_rules(p, self.target, approximate=self.approximate), present)
+                   for p in patterns):  # (then no shape inference: on a 48k-node conv chain it was most of the run)
             return ir.passes.PassResult(model, modified=False)
         names = NameTable(model)
         _constants_second(model)
@@ -185,6 +188,16 @@ class PatternFusionPass(OpfusePass):
                 changed = True
                 break
         return changed
+
+
+def _could_match(found, present: set[tuple[str, str]]) -> bool:
+    """Whether some stage of ``found`` has a rule whose root op is in the model (or a rule
+    that can root anywhere)."""
+    for stage in found.stages:
+        by_root, anywhere = _index(stage)
+        if anywhere or not present.isdisjoint(by_root):
+            return True
+    return False
 
 
 @functools.cache
