@@ -2,7 +2,8 @@
 
     python benchmarks/startup.py                    against the commit before the layout change
     python benchmarks/startup.py --before REV --runs 7
-    python benchmarks/startup.py --before REV --chain 16000     also the 48k-node chain
+    python benchmarks/startup.py --before REV --chain 16000     also the 48k-node chain (and 1 block)
+    python benchmarks/startup.py --before REV --chain 16000 --targets onnx,onnxruntime
 
 Each command runs as a fresh process (what a user waits for), for both trees in turn,
 ``--runs`` rounds, interleaved so that a busy machine slows both alike. Commands:
@@ -66,6 +67,8 @@ def main() -> int:
                         help="also time optimize --no-verify on an unnamed Conv+BN+Relu chain of BLOCKS "
                              "blocks (optimizer_speed.py's), for both trees: tells a slower machine from "
                              "slower code")
+    parser.add_argument("--targets", default="onnx", help="targets of the chain command, comma-separated "
+                        "(default: %(default)s)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="opfuse-startup-") as tmp:
@@ -88,8 +91,13 @@ def main() -> int:
 
             path = tmp / "chain.onnx"
             onnx.save(chain(args.chain, named=False), path)
-            commands[f"optimize chain {args.chain}"] = ["optimize", str(path), "-o", str(tmp / "chain.out.onnx"),
-                                                        "--no-verify", "-q"]
+            one = tmp / "chain1.onnx"
+            onnx.save(chain(1, named=False), one)
+            for target in args.targets.split(","):
+                for blocks, source in ((1, one), (args.chain, path)):
+                    commands[f"chain {blocks} --target {target}"] = [
+                        "optimize", str(source), "-o", str(tmp / "chain.out.onnx"), "--no-verify", "-q",
+                        "--target", target]
         times: dict[tuple[str, str], list[float]] = {}
         for label, cmd in commands.items():
             for tree in trees.values():
@@ -99,13 +107,13 @@ def main() -> int:
                     times.setdefault((label, name), []).append(timed(tree, cmd))
 
     print(f"{args.runs} runs each, interleaved; before = {args.before}, after = the working tree")
-    print(f"{'command':<26} {'tree':<12} {'median s':>9} {'min-max s':>13} {'x before':>9}")
+    print(f"{'command':<34} {'tree':<12} {'median s':>9} {'min-max s':>13} {'x before':>9}")
     for label in commands:
         before = statistics.median(times[(label, "before")])
         for name in trees:
             t = times[(label, name)]
             med = statistics.median(t)
-            print(f"{label:<26} {name:<12} {med:>9.3f} {min(t):>6.3f}-{max(t):<6.3f} {med / before:>8.2f}x")
+            print(f"{label:<34} {name:<12} {med:>9.3f} {min(t):>6.3f}-{max(t):<6.3f} {med / before:>8.2f}x")
     return 0
 
 

@@ -27,7 +27,8 @@ import zipfile
 
 import onnx
 
-WHEELS = ("rapidocr-onnxruntime==1.4.4", "nudenet==3.4.2", "silero-vad==6.2.3")
+WHEELS = ("rapidocr-onnxruntime==1.4.4", "nudenet==3.4.2", "silero-vad==6.2.3",
+          "ddddocr==1.6.1")  # ddddocr: two CRNN recognisers (opset 12, Conv stack, LSTM; one dynamic int8)
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "opfuse-wild"
 
 

@@ -16,6 +16,18 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
   the batch, like the ``[2, ?, 128]`` state of an RNN, is not forced up with the
   others). A dimension is *batch* when it is axis 0 of an input of rank 2 or more.
   Dimensions given with ``--dim`` never change. The sizes used are reported.
+- **Integer values that follow what they feed** (:func:`integer_ranges`). An integer
+  input's readers are walked (through the ops that pass its value on: Cast, Reshape,
+  Unsqueeze, Squeeze, Flatten, Expand, Slice, Transpose, Identity) and its values drawn
+  from the smallest range any of them takes:
+
+  - **a mask** (0/1): multiplied, subtracted from 1 (``(1 - mask) * finfo.min``: a 7 there
+    overflows to inf and the softmax after it to NaN), cast to bool, a Where condition,
+    a logical Not/And/Or/Xor, or named ``*mask*``; the first position of its last axis is
+    1, as every real attention mask keeps one token;
+  - **an index** into a table: the indices of a Gather or GatherElements, anywhere in
+    the table's size along the gathered axis (an Embedding's vocabulary);
+  - otherwise 0-7.
 - **Integer values that branch.** A random integer in 0-7 rarely equals the sample rate
   an ``If`` tests for. Integer inputs that reach a comparison with a constant (``Equal``,
   ``Less``, ``Greater`` and their ``OrEqual`` forms, through reshapes, casts and gathers)
@@ -31,6 +43,8 @@ __all__ = [
     "free_dims",
     "resolve_dims",
     "integer_cases",
+    "IntegerRange",
+    "integer_ranges",
     "make_feeds",
     "find_sizes",
 ]
@@ -51,6 +65,12 @@ MAX_INTEGER_CASES = 3  # extra input sets per model, from integer comparisons
 _VALUE_PRESERVING = ("Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Gather",
                      "Expand", "Slice")
 _COMPARISONS = ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")
+# ops through which an integer input's value reaches what decides its range
+_PASSES_VALUE_ON = ("Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Slice",
+                    "Transpose")
+_LOGICAL = ("Not", "And", "Or", "Xor")
+_INDEXING = ("Gather", "GatherElements")  # input 1 indexes input 0 along ``axis``
+DEFAULT_INTEGER_HIGH = 8  # integers are drawn from 0..7 unless a reader takes fewer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +181,89 @@ def integer_cases(model: ir.Model) -> dict[str, list[int]]:
     return cases
 
 
+@dataclasses.dataclass(frozen=True)
+class IntegerRange:
+    """The values drawn for one integer input: 0 .. high-1, and why (None: the default)."""
+
+    high: int
+    why: str | None = None
+    mask: bool = False  # a mask: one kept position per row (the first of the last axis)
+
+    def describe(self, name: str) -> str:
+        values = "0/1" if self.high == 2 else f"0-{self.high - 1}"
+        return f"{name} {values} ({self.why})"
+
+
+def _static_size(value: ir.Value | None, axis: int) -> int | None:
+    """The size of ``value``'s ``axis`` when it is known and static."""
+    if value is None:
+        return None
+    shape = value.const_value.shape if value.const_value is not None else value.shape
+    if shape is None or not -len(shape) <= axis < len(shape):
+        return None
+    dim = shape[axis]
+    return int(dim) if isinstance(dim, int) and dim > 0 else None
+
+
+def _is_one(value: ir.Value | None) -> bool:
+    const = find_constant(value)
+    return isinstance(const, Constant) and const.array.size == 1 and float(const.array.reshape(())) == 1.0
+
+
+def _range_from_reader(node: ir.Node, value: ir.Value) -> IntegerRange | None:
+    """The range a reader of the integer value ``value`` takes, None when it takes any."""
+    op = node.op_type
+    if is_op(node, *_INDEXING) and len(node.inputs) > 1 and node.inputs[1] is value:
+        axis = node.attributes.get_int("axis", 0)
+        size = _static_size(node.inputs[0], axis)
+        if size is not None:
+            return IntegerRange(size, f"indexes {op} '{node.name}' of {size} along axis {axis}")
+        return None
+    if is_op(node, "Mul"):
+        return IntegerRange(2, f"a mask: multiplied in '{node.name}'", mask=True)
+    if is_op(node, "Sub") and len(node.inputs) == 2 and node.inputs[1] is value and _is_one(node.inputs[0]):
+        return IntegerRange(2, f"a mask: subtracted from 1 in '{node.name}'", mask=True)
+    if is_op(node, "Where") and node.inputs and node.inputs[0] is value:
+        return IntegerRange(2, f"a mask: the condition of '{node.name}'", mask=True)
+    if is_op(node, *_LOGICAL):
+        return IntegerRange(2, f"a mask: read by {op} '{node.name}'", mask=True)
+    if is_op(node, "Cast") and node.attributes.get_int("to", 0) == ir.DataType.BOOL:
+        return IntegerRange(2, f"a mask: cast to bool in '{node.name}'", mask=True)
+    return None
+
+
+def integer_ranges(model: ir.Model) -> dict[str, IntegerRange]:
+    """Integer input name -> the values to draw for it (see the module docstring).
+
+    Decided by walking the input's readers in the main graph, and by name for a mask no
+    reader identifies; inputs with no such reader are left out (they take 0-7).
+    """
+    out: dict[str, IntegerRange] = {}
+    for value in runtime_inputs(model):
+        if value.dtype is None or np.dtype(value.dtype.numpy()).kind not in "iu":
+            continue
+        found: list[IntegerRange] = []
+        seen: set[int] = set()
+        todo = [value]
+        while todo:
+            v = todo.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            for node in _consumers(v):
+                taken = _range_from_reader(node, v)
+                if taken is not None:
+                    found.append(taken)
+                elif is_op(node, *_PASSES_VALUE_ON) and node.inputs and node.inputs[0] is v:
+                    todo.extend(node.outputs)
+        if not found and "mask" in value.name.lower():
+            found.append(IntegerRange(2, "a mask by its name", mask=True))
+        if found:
+            best = min(found, key=lambda r: r.high)
+            out[value.name] = dataclasses.replace(best, mask=any(r.mask for r in found))
+    return out
+
+
 def branch_conditions(model: ir.Model) -> dict[str, str]:
     """Scope label of each main-graph ``If`` -> the name of its condition tensor."""
     out = {}
@@ -186,14 +289,17 @@ def make_feeds(
     *,
     seed: int = 0,
     integers: Mapping[str, int] | None = None,
+    ranges: Mapping[str, IntegerRange] | None = None,
 ) -> dict[str, np.ndarray]:
     """Seeded random inputs at ``sizes`` (free-dimension key -> size; missing keys are 1).
 
-    Floats are standard normal; integers uniform in 0-7 unless ``integers`` fixes an
-    input's value; booleans fair coins.
+    Floats are standard normal; integers uniform in the range their readers take
+    (``ranges``, by default :func:`integer_ranges` of the model; else 0-7) unless
+    ``integers`` fixes an input's value; booleans fair coins.
     """
     rng = np.random.default_rng(seed)
     integers = dict(integers or {})
+    ranges = integer_ranges(model) if ranges is None else ranges
     feeds = {}
     for value in runtime_inputs(model):
         if value.type is None or value.shape is None or value.dtype is None:
@@ -213,7 +319,10 @@ def make_feeds(
             if value.name in integers:
                 data = np.full(shape, integers[value.name], dtype=dtype)
             else:
-                data = rng.integers(0, 8, size=shape).astype(dtype)
+                taken = ranges.get(value.name, IntegerRange(DEFAULT_INTEGER_HIGH))
+                data = rng.integers(0, taken.high, size=shape).astype(dtype)
+                if taken.mask and data.ndim:
+                    data[..., :1] = 1
         elif kind == "b":
             data = rng.random(shape) < 0.5
         else:
@@ -257,11 +366,12 @@ def find_sizes(
     """
     dims = free_dims(model)
     fixed = dict(fixed or {})
+    ranges = integer_ranges(model)
     last: Exception | None = None
     tried = 0
     for sizes in _candidates(dims, fixed):
         tried += 1
-        feeds = make_feeds(model, sizes, seed=seed, integers=integers)
+        feeds = make_feeds(model, sizes, seed=seed, integers=integers, ranges=ranges)
         try:
             return feeds, sizes, run(feeds)
         except BadInputError:

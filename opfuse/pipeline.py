@@ -222,7 +222,8 @@ def optimize(
     if fusion:
         work = run_fusion(work, fusion, report, chosen, runtime_level=runtime_level, veto=veto)
     if tidy is not None:
-        tidy(work)  # what the rewrites left unused
+        tidy.eliminate_common = True  # (not before the folds: a shared conv output blocks a fold)
+        tidy(work)  # what the rewrites left unused, and repeated nodes
         if tidy.summary():
             report.notes.append(tidy.summary())
     report.ops_after = op_counts(work)
@@ -236,6 +237,8 @@ def optimize(
             if report_path is not None:  # what was attempted, and the failing check
                 write_text_atomic(report_path, report.to_json())
             written = f"only the report was written ({report_path})" if report_path else "nothing was written"
+            if report.verification.unverified:  # the original is no reference: no rewrite is blamed
+                raise VerificationError(f"not verified: {report.verification.unverified}; {written}", report)
             raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
     compiled = None
     if device is not None:

@@ -88,6 +88,8 @@ class Verification:
     inputs: str  # "random (seed 0)" or the path of the user's inputs
     outputs: list[OutputCheck] = dataclasses.field(default_factory=list)
     skipped: str = ""  # why verification did not run, when it did not
+    unverified: str = ""  # why the comparison cannot conclude (the original is no reference), when so
+    notes: list[str] = dataclasses.field(default_factory=list)  # how inputs and random ops were handled
     rewrites: list[OutputCheck] = dataclasses.field(default_factory=list)  # one per rewrite and input set
     sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # free dimension -> size used
     input_sets: list[str] = dataclasses.field(default_factory=list)  # e.g. "sr=16000"
@@ -96,7 +98,7 @@ class Verification:
 
     @property
     def ok(self) -> bool:
-        return not self.skipped and all(o.ok for o in (*self.rewrites, *self.outputs))
+        return not self.skipped and not self.unverified and all(o.ok for o in (*self.rewrites, *self.outputs))
 
     def first_failure(self) -> OutputCheck | None:
         """The failing rewrite that comes first in the graph, else the first failing output."""
@@ -277,6 +279,8 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
     if v is not None:
         if v.skipped:
             console.print(f"verification: [yellow]skipped[/yellow] ({v.skipped})")
+        elif v.unverified:
+            console.print(f"verification: [red]not verified[/red] on {v.runtime}: {v.unverified}")
         else:
             status = "[green]passed[/green]" if v.ok else "[red]FAILED[/red]"
             worst = max(v.outputs, key=lambda o: o.max_scaled_error, default=None)
@@ -292,6 +296,8 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
                 f"verification: {status} on {v.runtime}, {len({o.name for o in v.outputs})} output(s)"
                 f"{checked}{sets}, inputs {v.inputs}{extra}"
             )
+            for note in v.notes:
+                console.print(f"  [yellow]note:[/yellow] {note}")
             bad = v.first_failure()
             if bad is not None:
                 console.print(f"  [red]first failure:[/red] {bad.label}: {bad.problem}")

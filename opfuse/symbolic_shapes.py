@@ -13,12 +13,13 @@ shapes it had, and the rules that need a shape refuse with their reason.
 
 from __future__ import annotations
 
-__all__ = ["infer_symbolic_shapes"]
+__all__ = ["infer_symbolic_shapes", "run_tool"]
 
 import contextlib
 import io
 import logging
 
+import onnx
 import onnx_ir as ir
 
 from opfuse.analyse import _inference_proto  # (the same proto onnx's inference reads)
@@ -34,21 +35,12 @@ def infer_symbolic_shapes(model: ir.Model) -> bool:
     the model's own input dims (``W1`` and ``W2``: the user may feed different sizes), the
     result is not used at all.
     """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
-
     inputs = {d.value for v in model.graph.inputs if v.shape is not None
               for d in v.shape if not isinstance(d, int) and d.value is not None}
-    try:
-        tool = SymbolicShapeInference(2**31 - 1, True, False, 0)  # (its infer_shapes writes a file on failure)
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints what it cannot infer
-            tool._preprocess(_inference_proto(model))
-            while tool.run_:
-                tool._infer_impl()
-            tool._update_output_from_vi()
-        inferred, merges = tool.out_mp_, dict(tool.suggested_merge_)
-    except Exception as e:  # noqa: BLE001 - the tool raises many kinds
-        logger.info("symbolic shape inference failed: %s", e)
+    tool = run_tool(model, auto_merge=True)
+    if tool is None:
         return False
+    inferred, merges = tool.out_mp_, dict(tool.suggested_merge_)
     if any(k in inputs and v in inputs and k != v for k, v in merges.items()):
         logger.info("symbolic shape inference assumed input dims equal (%s); not used", merges)
         return False
@@ -70,6 +62,31 @@ def infer_symbolic_shapes(model: ir.Model) -> bool:
         if dims is not None and _less_known(value.shape, dims):
             value.shape = ir.Shape(dims)
     return True
+
+
+def run_tool(model, *, auto_merge: bool):
+    """ONNX Runtime's SymbolicShapeInference run over ``model`` (an ``ir.Model``, or the
+    ``ModelProto`` to read) - its ``sympy_data_`` holds the values of shape tensors, its
+    ``known_vi_`` the inferred types - or None when it fails. ``auto_merge`` lets it
+    assume two dims equal where a broadcast meets them."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
+
+    tool_logger = logging.getLogger(SymbolicShapeInference.__module__)
+    level = tool_logger.level
+    tool_logger.setLevel(logging.ERROR)  # its warnings ("unsupported broadcast") are no user's concern
+    try:
+        tool = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)  # (its infer_shapes writes a file on failure)
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints what it cannot infer
+            tool._preprocess(model if isinstance(model, onnx.ModelProto) else _inference_proto(model))
+            while tool.run_:
+                tool._infer_impl()
+            tool._update_output_from_vi()
+    except Exception as e:  # noqa: BLE001 - the tool raises many kinds
+        logger.info("symbolic shape inference failed: %s", e)
+        return None
+    finally:
+        tool_logger.setLevel(level)
+    return tool
 
 
 def _less_known(shape, dims) -> bool:

@@ -3,7 +3,8 @@
 Both models run on ONNX Runtime's CPU provider with the runtime's own graph optimisations
 disabled (so only opfuse's rewrites differ), on the same inputs: the user's (an ``.npz``
 keyed by input name) or seeded random ones built from the model (:mod:`opfuse.inputs`:
-free dimensions at sizes that run, integer values that take each branch).
+free dimensions at sizes that run, integer values that follow what they feed and take
+each branch; :mod:`opfuse.reference` chooses the sets).
 
 What is compared
 ----------------
@@ -59,6 +60,20 @@ larger one), so a model whose rewrites all pass on it pays no third session.
 
 Integer and boolean tensors must match exactly; NaNs must sit in the same places.
 
+A reference that is no reference
+--------------------------------
+- **Non-finite outputs** (:mod:`opfuse.reference`). A float output of the original that
+  holds NaN or inf proves nothing: other inputs are drawn, and when none gives finite
+  outputs verification fails ("not verified: the original's output 'X' is NaN on
+  generated inputs; pass --inputs").
+- **Random ops** (:mod:`opfuse.random_ops`): private copies of both models give each
+  random node the same fixed seed, and both run in fresh sessions on the same input sets
+  in the same order, so each draws the same numbers; the report says which nodes.
+- **A rewrite is blamed only when measured at fault.** When a check fails, the original
+  runs again in a fresh session on the same inputs; if it differs from itself as much,
+  the model is nondeterministic and no rewrite is blamed (not verified, with the tensor
+  named).
+
 Coverage
 --------
 Rewrites in the main graph run on every input. A rewrite in a branch of a main-graph
@@ -73,7 +88,7 @@ __all__ = ["TOLERANCES", "make_inputs", "run_model", "verify_models", "compare_o
            "compare_tensor"]
 
 import os
-import pathlib
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -82,16 +97,9 @@ import onnxruntime as ort
 
 from opfuse.analyse import infer_shapes
 from opfuse.errors import BadInputError
-from opfuse.inputs import (
-    MAX_INTEGER_CASES,
-    branch_conditions,
-    find_sizes,
-    free_dims,
-    integer_cases,
-    make_feeds,
-    resolve_dims,
-    runtime_inputs,
-)
+from opfuse.inputs import branch_conditions, free_dims, make_feeds
+from opfuse.random_ops import describe_random, random_nodes, seed_random_nodes
+from opfuse.reference import NoReference, Runner as _Runner, input_sets, require_finite, rerun
 from opfuse.report import FusionRecord, OutputCheck, Verification
 from opfuse.runtime import create_session, serialized
 from opfuse.algebra import products_per_output
@@ -106,8 +114,6 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (5e-2, 1e-2),
 }
 EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
-
-
 def make_inputs(
     model: ir.Model, *, dims: Mapping[str, int] | None = None, seed: int = 0
 ) -> dict[str, np.ndarray]:
@@ -124,28 +130,6 @@ def make_inputs(
         if target is not None:
             sizes[target] = int(size)
     return make_feeds(model, sizes, seed=seed)
-
-
-def load_inputs(model: ir.Model, path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Inputs from an .npz file keyed by graph input name."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise BadInputError(f"{path}: no such inputs file")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            feeds = {k: data[k] for k in data.files}
-    except Exception as e:  # noqa: BLE001 - numpy raises many kinds for a bad file
-        raise BadInputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
-    expected = {v.name for v in runtime_inputs(model)}
-    missing = sorted(expected - set(feeds))
-    unknown = sorted(set(feeds) - expected)
-    if missing or unknown:
-        raise BadInputError(
-            f"{path}: inputs do not match the model"
-            + (f"; missing {missing}" if missing else "")
-            + (f"; not inputs of the model {unknown}" if unknown else "")
-        )
-    return feeds
 
 
 def run_model(model: ir.Model, feeds: Mapping[str, np.ndarray], threads: int | None = None):
@@ -281,19 +265,6 @@ def _probes(records: Sequence[FusionRecord], optimised: ir.Model) -> list[tuple[
     return sorted(found.items(), key=lambda item: order[item[0]])
 
 
-class _Runner:
-    """One ONNX Runtime session; runs return {name: array} for every output."""
-
-    def __init__(self, model):  # an ir.Model or what runtime.serialized made of one
-        self.session = create_session(model, "disabled")
-        self.names = [o.name for o in self.session.get_outputs()]
-
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self.names, self.session.run(self.names, dict(feeds))))
-
-
-# -- verification ---------------------------------------------------------------------------
-
 def verify_models(
     original: ir.Model,
     optimised: ir.Model,
@@ -312,8 +283,10 @@ def verify_models(
     floors_from = _floor_sources(typed, dtypes)
     extra = [t for t, _ in probes] + [n for names in floors_from.values() for n in names] + list(conditions.values())
     original_x, _ = _with_outputs(original, extra, dtypes)
-    original_x = serialized(original_x)  # once, for both of its sessions (serialising is most of their cost)
     optimised_x, _ = _with_outputs(optimised, [t for t, _ in probes], dtypes)
+    seeded = seed_random_nodes(original_x)  # private copies: the same node, the same seed
+    seed_random_nodes(optimised_x)
+    original_x = serialized(original_x)  # once, for all of its sessions (serialising is most of their cost)
     graph_outputs = [v.name for v in original.graph.outputs]
     try:
         run_original = _Runner(original_x)
@@ -322,7 +295,15 @@ def verify_models(
                             "pass --no-verify to skip verification") from None
 
     result = Verification(runtime=_runtime_name(), inputs="")
-    sets = _input_sets(original, run_original, inputs, dims, seed, result)
+    try:
+        sets = input_sets(original, run_original, inputs, dims, seed, result, graph_outputs)
+        if seeded:  # the draws advanced while the inputs were chosen: run again from a fresh session
+            result.notes.append(describe_random(seeded, Counter(n.op_type for n in random_nodes(original))))
+            sets = rerun(original_x, sets)
+            require_finite(sets[0][2], graph_outputs, "on generated inputs" if inputs is None else "on the given inputs")
+    except NoReference as e:
+        result.unverified = str(e)
+        return result
     try:
         run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
@@ -369,8 +350,36 @@ def verify_models(
             measured = 2 * noise.get((label, name), 0.0)
             if measured > floor:
                 checks[index] = compare_tensor(name, ref, got, rewrite=rewrite, inputs=label, floor=measured)
+    if not result.ok:
+        result.unverified = _unstable_original(original_x, sets, result)
     _coverage(result, records, original, taken)
     return result
+
+
+def _unstable_original(original_x, sets, result: Verification) -> str:
+    """Why no rewrite can be blamed, when the original run again on the same inputs differs
+    from itself at a failing check's tensor ("" when it does not). It runs twice more, from
+    a fresh session and then on that session again: an unseeded random kernel draws anew on
+    each run of a session (and from a seed that follows its position in the graph, so a
+    fresh session of the same graph repeats the first draw, while the rewritten graph draws
+    other numbers)."""
+    failing = {(c.inputs, c.name) for c in (*result.rewrites, *result.outputs) if not c.ok}
+    try:
+        runner = _Runner(original_x)
+        again = [[(label, runner(feeds)) for label, feeds, _ in sets] for _ in range(2)]
+    except Exception:  # noqa: BLE001 - it ran before: a failure now is itself instability
+        return "the original model failed on a second run of the same inputs; it is not a stable reference"
+    for run in again:
+        for (label, _, first), (_, second) in zip(sets, run):
+            for name in sorted(n for lab, n in failing if lab == label):
+                if name not in first or name not in second:
+                    continue
+                check = compare_tensor(name, np.asarray(first[name]), np.asarray(second[name]), inputs=label)
+                if not check.ok:
+                    return (f"the original's tensor '{name}' differs between two runs on the same inputs "
+                            f"({check.problem}): the model is nondeterministic, so no rewrite is blamed; "
+                            "pass --inputs FILE.npz on which it is deterministic (or --no-verify)")
+    return ""
 
 
 def _runtime_rounding(original_x, sets, tensors: list[str]) -> dict[tuple[str, str], float]:
@@ -434,44 +443,13 @@ def _floor(ref: np.ndarray, sources: Iterable[str], expected: Mapping[str, np.nd
     dtype = str(ref.dtype)
     if dtype not in TOLERANCES:
         return 0.0
-    scales = [float(np.nanmax(np.abs(np.asarray(expected[s], dtype=np.float64))))
-              for s in sources if s in expected and np.asarray(expected[s]).size]
+    scales = []
+    for s in sources:
+        values = np.abs(np.asarray(expected.get(s, ()), dtype=np.float64))
+        values = values[np.isfinite(values)]
+        if values.size:
+            scales.append(float(values.max()))
     return TOLERANCES[dtype][1] * max(scales, default=0.0)
-
-
-def _input_sets(original, run, inputs, dims, seed, result: Verification):
-    """[(label, feeds, expected outputs)]: the user's inputs, or random ones that run."""
-    if inputs is not None:
-        if isinstance(inputs, Mapping):
-            feeds, result.inputs = dict(inputs), "given"
-        else:
-            feeds, result.inputs = load_inputs(original, inputs), str(inputs)
-        try:
-            return [("", feeds, run(feeds))]
-        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise BadInputError(
-                "cannot verify: ONNX Runtime cannot run the input model on the given inputs "
-                f"({first_line(e)}); pass --no-verify to skip verification"
-            ) from None
-    fixed = resolve_dims(original, dims)
-    feeds, sizes, expected = find_sizes(original, run, fixed=fixed, seed=seed)
-    result.sizes = dict(sizes)
-    sets = [("", feeds, expected)]
-    for name, values in integer_cases(original).items():
-        for value in values:
-            if len(sets) > MAX_INTEGER_CASES:
-                break
-            try:
-                more = find_sizes(original, run, fixed=fixed, seed=seed, integers={name: value})
-            except BadInputError:
-                continue  # the value does not run at any size: no extra set
-            sets.append((f"{name}={value}", more[0], more[2]))
-            result.input_sets.append(f"{name}={value}")
-    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    result.inputs = f"random (seed {seed})" + (f" at {shown}" if shown else "")
-    if result.input_sets:
-        result.inputs += "; again with " + ", ".join(result.input_sets)
-    return sets
 
 
 def _coverage(result: Verification, records: Sequence[FusionRecord], original: ir.Model,

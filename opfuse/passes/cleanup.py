@@ -1,4 +1,4 @@
-"""``cleanup``: constant subexpressions folded, no Identity, nothing dead (before and after the folds).
+"""``cleanup``: constant subexpressions folded, no Identity, no repeated node, nothing dead (before and after the folds).
 
 Exporters write per-channel biases as ``Add(conv, Reshape(Constant))``, shapes as
 ``Shape -> Gather -> Unsqueeze`` on constants, and leave Identity nodes and, after
@@ -8,6 +8,11 @@ initializer the fold can absorb) and after them (what they left unused goes).
 
 Steps, each a well-kept pass where one exists:
 
+0. shape values - shape arithmetic on static dims becomes constants
+   (:mod:`opfuse.passes.shape_values`, from ONNX Runtime's symbolic shape inference: what
+   step 1 cannot fold, since onnxscript reads no dim through a scalar Gather, Unsqueeze,
+   Slice or arithmetic); run when the graph reads a shape, and again only when the graph
+   changed since;
 1. constant folding - onnxscript's ``fold_constants``: every node whose inputs are all
    constant is evaluated and replaced by its value, including shape arithmetic on static
    shapes and the slices an exporter takes of a weight (inputs up to 4M elements,
@@ -25,7 +30,15 @@ Steps, each a well-kept pass where one exists:
    an Identity between a graph input and a graph output stays. (onnx-ir's
    ``IdentityEliminationPass`` fails on a value that is the output of a subgraph and of
    its Identity, as silero-vad's If branches have; this step skips exactly those.)
-4. dead-code removal - onnx-ir's ``RemoveUnusedNodesPass``: nodes and initializers no
+4. common subexpressions - onnx-ir's ``CommonSubexpressionEliminationPass``: a node with
+   the same op, attributes and inputs as one before it is removed and its readers read
+   the first (ONNX Runtime's dynamically quantised models compute each ``x_scale * w_scale``
+   twice: 22 Mul in a CRNN); main graph only, not in a model that draws random numbers
+   (two draws are not one), and only when asked (``eliminate_common``: the pipeline's run
+   after the rewrites; before them, two convs of one input and one weight merged into one
+   conv with two readers would keep a BatchNormalization from folding into either, where
+   a private copy of the shared weight folds);
+5. dead-code removal - onnx-ir's ``RemoveUnusedNodesPass``: nodes and initializers no
    output depends on.
 
 Legality: each step computes the same outputs from the same inputs; graph input and
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 __all__ = ["CleanupPass"]
 
+import contextlib
 import inspect
 import logging
 
@@ -48,6 +62,8 @@ import onnxscript.optimizer
 
 from opfuse.analyse import iter_scopes, tensor_nbytes
 from opfuse.passes.base import OpfusePass
+from opfuse.passes.shape_values import fold_shape_values
+from opfuse.random_ops import draws_random, random_nodes
 from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_onnx, is_op
 
 logger = logging.getLogger(__name__)
@@ -55,22 +71,31 @@ logger = logging.getLogger(__name__)
 
 class CleanupPass(OpfusePass):
     name = "cleanup"
-    options = frozenset({"fold_constants", "infer_shapes"})
+    options = frozenset({"fold_constants", "infer_shapes", "eliminate_common"})
 
-    def __init__(self, report=None, fold_constants: bool = True, infer_shapes: bool = False, **options):
+    def __init__(self, report=None, fold_constants: bool = True, infer_shapes: bool = False,
+                 eliminate_common: bool = False, **options):
         super().__init__(report, **options)
         self.fold_constants = fold_constants
+        self.eliminate_common = eliminate_common  # step 4 (after the rewrites: see the module docstring)
         self.infer_shapes = infer_shapes  # node by node while folding, also where no decision reads one
         self.removed: dict[str, int] = {}  # op label -> nodes gone, over all runs
+        self._shapes_seen: object = None  # the main graph's op counts after the last shape-value step
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         before = _all_ops(model)
         if self.fold_constants:
-            _fold_constants(model, before, self.infer_shapes or _inference_matters(before))
+            if self._shapes_seen != count_ops(model.graph):  # (the inference costs; its answer would not change)
+                self.report.records.extend(fold_shape_values(model))
+            with _quiet_folder():
+                _fold_constants(model, before, self.infer_shapes or _inference_matters(before))
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
+        if self.eliminate_common and not random_nodes(model):  # (it skips RandomNormal and kin, not Bernoulli)
+            common.CommonSubexpressionEliminationPass()(model)
         common.RemoveUnusedNodesPass()(model)
         after = _all_ops(model)
+        self._shapes_seen = count_ops(model.graph)
         gone = before - after
         for op, n in gone.items():
             self.removed[op] = self.removed.get(op, 0) + n
@@ -84,6 +109,20 @@ class CleanupPass(OpfusePass):
         shown = ", ".join(f"{n} {op}" for op, n in sorted(self.removed.items(), key=lambda kv: -kv[1])[:6])
         return (f"clean-up: {total} node(s) removed (constants folded into initializers, Identity "
                 f"and unused nodes): {shown}{', ...' if len(self.removed) > 6 else ''}")
+
+
+@contextlib.contextmanager
+def _quiet_folder():
+    """onnxscript's folder logs each node it fails to evaluate ("Evaluation failed: ...")
+    as a warning, which reaches stderr with no handler set: a node left unfolded is no
+    problem of the user's (the log still has it at debug level through opfuse's logger)."""
+    folder = logging.getLogger("onnxscript.optimizer._constant_folding")
+    level = folder.level
+    folder.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        folder.setLevel(level)
 
 
 KEEP = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")  # a quantised model's structure
@@ -212,9 +251,11 @@ def _foldable(node: ir.Node) -> bool | None:
     """Which nodes constant folding may evaluate (None: onnxscript's own size rules).
 
     Only default-domain ops; never the quantisation ops (their Q/DQ pairs are the model's
-    meaning for a quantised runtime); a ConstantOfShape only when what it fills is small.
+    meaning for a quantised runtime), nor an op that draws random numbers (onnxscript
+    skips RandomNormal and its kin, not Bernoulli or a training-mode Dropout); a
+    ConstantOfShape only when what it fills is small.
     """
-    if not is_onnx(node) or node.op_type in KEEP:
+    if not is_onnx(node) or node.op_type in KEEP or draws_random(node):
         return False
     if node.op_type == "ConstantOfShape":
         shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None

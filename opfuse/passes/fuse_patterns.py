@@ -94,6 +94,11 @@ class PatternFusionPass(OpfusePass):
         unfused = self._unfuse(model) if self.target.unfused_ops else False
         if not patterns:
             return ir.passes.PassResult(model, modified=unfused)
+        present = {("" if n.domain in ONNX_DOMAINS else n.domain, n.op_type)
+                   for scope in iter_scopes(model) for n in scope.graph}
+        if not any(_could_match(pattern_rules(p, self.target, approximate=self.approximate), present)
+                   for p in patterns):  # (then no shape inference: on a 48k-node conv chain it was most of the run)
+            return ir.passes.PassResult(model, modified=unfused)
         names = NameTable(model)
         _constants_second(model)
         _scalar_constants(model, names)
@@ -206,6 +211,16 @@ class PatternFusionPass(OpfusePass):
                 changed = True
                 break
         return changed
+
+
+def _could_match(found, present: set[tuple[str, str]]) -> bool:
+    """Whether some stage of ``found`` has a rule whose root op is in the model (or a rule
+    that can root anywhere)."""
+    for stage in found.stages:
+        by_root, anywhere = _index(stage)
+        if anywhere or not present.isdisjoint(by_root):
+            return True
+    return False
 
 
 @functools.cache

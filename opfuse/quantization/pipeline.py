@@ -51,6 +51,7 @@ from opfuse.quantization.mixed import search
 from opfuse.quantization.qdq import CALIBRATION_METHODS, Quantizer, prepare, weight_storage
 from opfuse.quantization.report import QuantReport, QuantVerification
 from opfuse.quantization.sqnr import output_sqnr
+from opfuse.random_ops import drop_given_seeds, seed_random_nodes
 from opfuse.runtime import create_session
 from opfuse.save import check_destinations, save_model, write_text_atomic
 
@@ -130,9 +131,13 @@ def quantize(
         passes, target = [*TARGET_DEFAULT_PASSES["qnn"], *(["equalize"] if equalize else [])], "qnn"
     folded, fusion = optimize(work, passes=passes, target=target, inputs=held[0], compile_for_device=False)
     fusion.model = display
+    seeded = seed_random_nodes(folded)  # calibration and SQNR draw the same numbers (the output drops the seeds)
     float_model, prep_notes = prepare(ir.serde.serialize_model(folded), chosen)
     report = QuantReport(model=display, preset=preset, fusion=fusion, calibration_samples=len(calib),
                          notes=[*notes, *prep_notes])
+    if seeded:
+        report.notes.append(f"random ops ({', '.join(seeded)}) drew from a fixed seed for calibration and the "
+                            "SQNR measurement; the written model keeps its own attributes")
 
     with tempfile.TemporaryDirectory(prefix="opfuse-quantize-") as tmp:
         quantizer = Quantizer(float_model, chosen, calib, tmp)
@@ -177,6 +182,7 @@ def quantize(
         written = f"only the report was written ({report_path})" if report_path else "nothing was written"
         raise VerificationError(f"quantisation failed: {why}; costliest layers {costly}; {written}", report)
     result = ir.serde.deserialize_model(qdq)
+    drop_given_seeds(result, seeded)
     if output is not None:
         save_model(result, output)
     if htp is not None:
