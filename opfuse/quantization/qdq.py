@@ -138,7 +138,11 @@ CALIBRATION_METHODS = {
     "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
     "percentile": (ortq.CalibrationMethod.Percentile, {"CalibPercentile": 99.99}),  # clips the rarest 0.01%
     "entropy": (ortq.CalibrationMethod.Entropy, {}),  # KL divergence of the histograms (TensorRT's choice)
+    # each tensor's own best clipping range by its round-trip error (opfuse.quantization.ranges),
+    # written as a MinMax cache: candidates MinMax, the percentile and ranges clipped inside MinMax
+    "mse": (ortq.CalibrationMethod.MinMax, {}),
 }
+SEARCHED_METHODS = ("mse",)  # ranges opfuse computes from MinMax's, not ONNX Runtime's calibrators
 
 
 class Quantizer:
@@ -158,6 +162,7 @@ class Quantizer:
         self.samples = list(samples)
         self.method = method
         self.trials = 0
+        self.range_choices: list = []  # the mse method's choice per tensor (opfuse.quantization.ranges)
 
     @property
     def cache(self) -> pathlib.Path:
@@ -166,6 +171,8 @@ class Quantizer:
     def quantize(self, keep: Iterable[str] = ()) -> onnx.ModelProto:
         """A QDQ model with the nodes named in ``keep`` out of int8 (see the module docstring)."""
         keep = sorted(set(keep))
+        if self.method in SEARCHED_METHODS and not self.cache.exists():
+            self._search_ranges()
         out = self.workdir / f"qdq_{self.trials}.onnx"
         self.trials += 1
         kwargs = self._config(keep)
@@ -188,6 +195,24 @@ class Quantizer:
         if keep and self.preset.keep_as == "float":
             _read_float_inputs(model, set(keep), self.float_model)
         return model
+
+    def _search_ranges(self) -> None:
+        """The mse cache: MinMax's ranges (a first quantisation writes them), each tensor's
+        clipping range then chosen by its own round-trip error."""
+        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
+
+        from opfuse.quantization.ranges import search_ranges
+
+        method = self.method
+        self.method = "minmax"
+        try:
+            if not self.cache.exists():
+                self.quantize()
+            minmax = load_tensors_data(self.cache)
+        finally:
+            self.method = method
+        ranges, self.range_choices = search_ranges(self.float_model, self.samples, minmax)
+        save_tensors_data(ranges, self.cache)
 
     def _config(self, keep: list[str]) -> dict:
         preset = self.preset
