@@ -68,9 +68,10 @@ class TrialMaker:
         self.facts: dict[str, MethodFacts] = {}
         self._rounding_cache: dict = {}
 
-    def make(self, keep=()) -> onnx.ModelProto:
+    def make(self, keep=(), keep_as: str | None = None) -> onnx.ModelProto:
+        """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16")."""
         method = self.quantizer.method
-        qdq = self.quantizer.quantize(list(keep))
+        qdq = self.quantizer.quantize(list(keep), keep_as=keep_as)
         first = method not in self.facts
         facts = self.facts.setdefault(method, MethodFacts())
         if self.use_adaround and (first or facts.adaround):
