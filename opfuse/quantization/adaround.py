@@ -50,6 +50,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 import onnx.helper
 from onnx import numpy_helper
 
+from opfuse.quantization.sqnr import _exposed
 from opfuse.runtime import create_session
 from opfuse.vocabulary import ONNX_DOMAINS, weight_spec
 
@@ -243,8 +244,6 @@ def _fake_quant(x: np.ndarray, site: _Site) -> np.ndarray:
 
 
 def _grams(float_model: onnx.ModelProto, sites: list[_Site], samples, skipped: dict[str, str]) -> dict:
-    from opfuse.quantization.sqnr import _exposed
-
     names = sorted({s.x for s in sites})
     session = create_session(_exposed(float_model, names), "disabled")
     grams: dict[str, list[np.ndarray]] = {}

@@ -73,7 +73,67 @@ def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, li
         notes.append(f"opset upgraded {opset} -> {preset.min_opset} with onnx's version converter: "
                      f"the {preset.name} preset's QDQ needs it")
     _name_nodes(model)  # after the converter, which writes its nodes anew
+    renamed = _free_quantiser_names(model)
+    if renamed:
+        notes.append(f"{renamed} tensor(s) renamed before quantising (e.g. {renamed_example(model)}): ONNX "
+                     "Runtime's static quantiser names the scale of a tensor T 'T_scale' (and 'T_zero_point', "
+                     "...), names this model already uses (its dynamic quantiser's); left as they were, the QDQ "
+                     "graph it writes reads its own outputs, a cycle it reports as 'Graph is not a DAG'")
     return model, notes
+
+
+# what ONNX Runtime's quantisers append to a tensor's name for the values and nodes they add
+QUANTISER_SUFFIXES = ("_scale", "_zero_point", "_quantized", "_QuantizeLinear", "_DequantizeLinear",
+                      "_QuantizeLinear_Output", "_DequantizeLinear_Output")
+RENAMED_SUFFIX = "_opfuse"
+
+
+def _free_quantiser_names(model: onnx.ModelProto) -> int:
+    """Renames every tensor (and node) of the main graph called T + a quantiser suffix for
+    some tensor T of the graph, so ONNX Runtime's names for the values it adds are free.
+    Graph inputs and outputs keep their names (the caller feeds and reads them). Returns
+    how many tensors were renamed."""
+    graph = model.graph
+    tensors = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    tensors.update(o for n in graph.node for o in n.output if o)
+    fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
+    taken = {t + suffix for t in tensors for suffix in QUANTISER_SUFFIXES}
+    clash = sorted(t for t in tensors & taken if t not in fixed)
+    if not clash:
+        return 0
+    used = set(tensors)
+    mapping = {}
+    for name in clash:
+        new = name + RENAMED_SUFFIX
+        while new in used or new in taken:
+            new += "_"
+        used.add(new)
+        mapping[name] = new
+    _rename(graph, mapping)
+    for node in graph.node:
+        if node.name in taken:
+            node.name += RENAMED_SUFFIX
+    return len(mapping)
+
+
+def renamed_example(model: onnx.ModelProto) -> str:
+    return next((o for n in model.graph.node for o in n.output if o.endswith(RENAMED_SUFFIX)), "")
+
+
+def _rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
+    """Renames tensors in ``graph`` and every subgraph that reads them from outer scope."""
+    for node in graph.node:
+        node.input[:] = [mapping.get(i, i) for i in node.input]
+        node.output[:] = [mapping.get(o, o) for o in node.output]
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                inner = {k: v for k, v in mapping.items()
+                         if k not in {i.name for i in sub.input} | {i.name for i in sub.initializer}}
+                _rename(sub, inner)
+    for tensor in graph.initializer:
+        tensor.name = mapping.get(tensor.name, tensor.name)
+    for info in graph.value_info:
+        info.name = mapping.get(info.name, info.name)
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
@@ -202,9 +262,10 @@ class Quantizer:
     def _search_ranges(self) -> None:
         """The auto cache: MinMax's ranges (a first quantisation writes them), each tensor's
         clipping range then chosen by its own round-trip error."""
+        # ranges imports sqnr, which imports this module: loaded on first use
         from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
 
-        from opfuse.quantization.ranges import search_ranges
+        from opfuse.quantization.ranges import search_ranges  # (the same cycle)
 
         method = self.method
         self.method = "minmax"
