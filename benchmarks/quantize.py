@@ -30,10 +30,21 @@ weights (``quantize_static``), unless it is opfuse's own command:
 - opfuse quantize: ``opfuse.quantize(model, calibration, preset=..., equalize=...)``;
   when it raises, the row says "error" and why.
 
-Measures: for PP-OCRv4 rec (``ocr``; see ``benchmarks/ocr_text.py``), exact-match accuracy
-on 200 rendered text lines (seed 1; calibration on 64 others, seed 2), and for every model
+- opfuse quantize cpu --min-sqnr 20: the mixed-precision search's target;
+- AIMET (CLE + AdaRound) and NNCF (``quantize`` with defaults; ``quantize_with_accuracy_control``
+  with the benchmark's own metric) per channel and per tensor, run by
+  ``benchmarks/int8_peers.py`` in a venv of their own (``--peers-python``; setup:
+  ``python3 -m venv .venv-peers && .venv-peers/bin/pip install -c constraints.txt -e ".[int8-peers]"``),
+  on the same float model and calibration samples; a peer that fails is a cell with its error.
+
+Measures: for PP-OCRv4 rec (``ocr``) and PP-OCRv6 rec (``ocr-v6``; see
+``benchmarks/ocr_text.py``), exact-match accuracy on ``--lines`` text lines of each
+evaluation rendering (default, grey-words, serif-blur, mono-noise, inverse-sans; seed 1),
+calibrated on 64 lines of another rendering (bold-mixed, seed 2), the worst rendering and
+its drop from float reported (fonts: ``apt-get install fonts-dejavu-core fonts-dejavu-extra
+fonts-liberation fonts-noto-core``), and for every model
 the output SQNR in dB against the float model on held-out inputs (10 log10 sum f^2 /
-sum (q - f)^2 over all outputs; the OCR rows on the 200 evaluation lines, the image models
+sum (q - f)^2 over all outputs; the OCR rows on all the evaluation lines, the image models
 on 32 smooth random images normalised like ImageNet, calibrated on 64 others), the number
 of QuantizeLinear nodes, Conv/Gemm/MatMul whose weight is stored as an int8 initializer,
 BatchNormalization left, the file size as a share of the float file, and latency on ONNX
@@ -90,7 +101,11 @@ from opfuse.quantization.sqnr import sqnr_db  # noqa: E402
 from opfuse.report import json_text  # noqa: E402
 from opfuse.runtime import create_session  # noqa: E402
 
-MODELS = ("ocr", "mobilenetv2", "resnet18", "torch-mobilenetv2", "torch-resnet18")
+MODELS = ("ocr", "ocr-v6", "mobilenetv2", "resnet18", "torch-mobilenetv2", "torch-resnet18")
+CALIBRATION_RENDERING = "bold-mixed"
+EVAL_RENDERINGS = ("default", "grey-words", "serif-blur", "mono-noise", "inverse-sans")
+VALIDATION_SAMPLES = 32  # NNCF's accuracy control: the calibration rendering (OCR) or smooth images, seed 3 / 103
+PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
 CALIBRATION_SAMPLES, HELD_OUT_SAMPLES = 64, 32
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)[:, None, None]
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)[:, None, None]
@@ -122,7 +137,9 @@ class Case:
     calibration: list[dict[str, np.ndarray]]
     held_out: list[dict[str, np.ndarray]]
     opfuse_calibration: object  # what opfuse.quantize gets: an .npz path or the feed dicts
-    score: Callable[[list[np.ndarray]], float] | None = None  # accuracy from held-out outputs
+    score: Callable[[list[np.ndarray]], dict[str, float]] | None = None  # accuracy per rendering
+    validation: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # NNCF's accuracy control
+    metric: dict = dataclasses.field(default_factory=dict)  # int8_peers.py --metric
     note: str = ""
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # flow family -> what happened
     graphs: dict[str, onnx.ModelProto] = dataclasses.field(default_factory=dict)  # shared float graphs
@@ -146,21 +163,29 @@ def smooth_images(count: int, size: int, seed: int) -> list[np.ndarray]:
     return images
 
 
-def ocr_case(cache: pathlib.Path, work: pathlib.Path) -> Case:
-    path = ocr_text.rec_model(cache)
+def ocr_case(cache: pathlib.Path, work: pathlib.Path, which: str, lines: int) -> Case:
+    path = ocr_text.rec_model(cache, which)
     chars = ocr_text.characters(path)
-    evaluation = ocr_text.render_lines(200, ocr_text.EVAL_SEED)
-    calibration = ocr_text.render_lines(64, ocr_text.CALIBRATION_SEED)
+    evaluation = {r: ocr_text.render(r, lines, ocr_text.EVAL_SEED) for r in EVAL_RENDERINGS}
+    calibration = ocr_text.render(CALIBRATION_RENDERING, 64, ocr_text.CALIBRATION_SEED)
+    validation = ocr_text.render(CALIBRATION_RENDERING, VALIDATION_SAMPLES, 3)
     npz = ocr_text.calibration_npz(work / "ocr-calibration.npz", calibration)
-    texts = [text for text, _ in evaluation]
+    order = [(r, text) for r, group in evaluation.items() for text, _ in group]
 
-    def score(outputs: list[np.ndarray]) -> float:
+    def score(outputs: list[np.ndarray]) -> dict[str, float]:
         got = ocr_text.decode_batch(outputs[0], chars)
-        return sum(g == t for g, t in zip(got, texts)) / len(texts)
+        right: dict[str, list[bool]] = {r: [] for r in evaluation}
+        for g, (r, text) in zip(got, order):
+            right[r].append(g == text)
+        return {r: sum(v) / len(v) for r, v in right.items()}
 
-    return Case("ocr", path, [{"x": ocr_text.preprocess(im)} for _, im in calibration],
-                [{"x": ocr_text.preprocess(im)} for _, im in evaluation], npz, score,
-                "PP-OCRv4 rec (rapidocr-onnxruntime 1.4.4), 200 evaluation lines, 64 calibration lines")
+    name = {"ppocrv4": "PP-OCRv4 rec (rapidocr-onnxruntime 1.4.4)", "ppocrv6": "PP-OCRv6 rec small (rapidocr 3.10.0)"}
+    return Case("ocr" if which == "ppocrv4" else "ocr-v6", path, [{"x": ocr_text.preprocess(im)} for _, im in calibration],
+                [{"x": ocr_text.preprocess(im)} for group in evaluation.values() for _, im in group], npz, score,
+                f"{name[which]}, {lines} lines per rendering ({', '.join(EVAL_RENDERINGS)}), calibrated on 64 "
+                f"{CALIBRATION_RENDERING} lines",
+                validation=[{"x": ocr_text.preprocess(im)} for _, im in validation],
+                metric={"kind": "ocr", "texts": [t for t, _ in validation], "chars": chars})
 
 
 def image_feeds(name: str, size: int) -> tuple[list[dict], list[dict]]:
@@ -174,8 +199,17 @@ def builtin_case(name: str, size: int, work: pathlib.Path) -> Case:
     path = work / f"{name}.onnx"
     onnx.save(build(name, image_size=size), path)
     calibration, held = image_feeds("input", size)
-    return Case(name, path, calibration, held, calibration,
-                note=f"opfuse.models.build({name!r}, image_size={size})")
+    return with_validation(Case(name, path, calibration, held, calibration,
+                                note=f"opfuse.models.build({name!r}, image_size={size})"), size)
+
+
+def with_validation(case: Case, size: int) -> Case:
+    """NNCF's accuracy control on images: agreement of the top class with the float model's."""
+    case.validation = [{"input": x} for x in smooth_images(VALIDATION_SAMPLES, size, 103)]
+    float_session = create_session(str(case.path), "disabled")
+    case.metric = {"kind": "agreement",
+                   "labels": [int(float_session.run(None, f)[0].argmax()) for f in case.validation]}
+    return case
 
 
 def torch_case(name: str, size: int, work: pathlib.Path) -> Case:
@@ -207,9 +241,9 @@ def torch_case(name: str, size: int, work: pathlib.Path) -> Case:
     if kept != len(bns):
         raise SystemExit(f"{name}: the export kept {kept} BatchNormalization nodes of {len(bns)}")
     calibration, held = image_feeds("input", size)
-    return Case(name, path, calibration, held, calibration,
-                note=f"tests/torch_nets.py {arch}, BN statistics from train mode, exported with "
-                     f"{kept} BatchNormalization (opset 17)")
+    return with_validation(Case(name, path, calibration, held, calibration,
+                                note=f"tests/torch_nets.py {arch}, BN statistics from train mode, exported with "
+                                     f"{kept} BatchNormalization (opset 17)"), size)
 
 
 # -- the flows ----------------------------------------------------------------------------------
@@ -352,12 +386,46 @@ def flow_fold_first(case: Case, out: pathlib.Path, per_channel: bool) -> pathlib
     return ort_static(model, out, case, per_channel, "fold" + suffix)
 
 
-def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool) -> tuple[pathlib.Path, str]:
-    """(the quantised model's path, its report's summary)."""
+def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool, **options) -> tuple[pathlib.Path, str]:
+    """(the quantised model's path, its report's summary); a failed --min-sqnr keeps the
+    reason and writes the best model the search found nowhere: the row is an error."""
     with quiet():
         _, report = opfuse.quantize(str(case.path), calibration=case.opfuse_calibration, preset=preset,
-                                    equalize=equalize, output=str(out))
-    return out, report.summary()
+                                    equalize=equalize, output=str(out), **options)
+    steps = [s for s in report.search if s.phase in ("base", "step")]
+    walk = "; walk " + " ".join(f"{s.sqnr_db:.1f}" + ("" if s.accepted else "x") for s in steps) if len(steps) > 1 else ""
+    return out, report.summary() + walk
+
+
+PEERS_SETUP = 'python3 -m venv .venv-peers && .venv-peers/bin/pip install -c constraints.txt -e ".[int8-peers]"'
+PEER_OPTIONS: dict = {"python": PEERS_PYTHON, "adaround_iterations": 1000}
+
+
+def flow_peer(case: Case, out: pathlib.Path, flow: str, per_tensor: bool) -> tuple[pathlib.Path, str]:
+    """AIMET's or NNCF's flow by benchmarks/int8_peers.py in the peers' venv; (path, what it did)."""
+    import json
+    import subprocess
+
+    python = pathlib.Path(PEER_OPTIONS["python"])
+    if not python.exists():
+        raise RuntimeError(f"{python}: no peers venv; set it up with: {PEERS_SETUP}")
+    calib = out.parent / "peers-calibration.npz"
+    if not calib.exists():
+        np.savez(calib, **{k: np.stack([s[k] for s in case.calibration]) for k in case.calibration[0]})
+    command = [str(python), str(HERE / "int8_peers.py"), flow, str(case.path), str(calib), str(out),
+               "--adaround-iterations", str(PEER_OPTIONS["adaround_iterations"])]
+    if per_tensor:
+        command.append("--per-tensor")
+    if flow == "nncf-ac":
+        validation, metric = out.parent / "peers-validation.npz", out.parent / "peers-metric.json"
+        np.savez(validation, **{k: np.stack([s[k] for s in case.validation]) for k in case.validation[0]})
+        metric.write_text(json.dumps(case.metric))
+        command += ["--validation", str(validation), "--metric", str(metric)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(f"{flow} exited {done.returncode}: " + " | ".join(lines[-3:]))
+    return out, done.stdout.strip().splitlines()[-1]
 
 
 # label -> build function (case, output path) -> quantised model path (or (path, summary));
@@ -380,6 +448,13 @@ FLOWS: list[tuple[str, Callable | None]] = [
     ("opfuse quantize per-tensor", lambda c, o: flow_opfuse(c, o, "per-tensor", False)),
     ("opfuse quantize per-tensor + equalize", lambda c, o: flow_opfuse(c, o, "per-tensor", True)),
     ("opfuse quantize qnn", lambda c, o: flow_opfuse(c, o, "qnn", False)),
+    ("opfuse quantize cpu --min-sqnr 20", lambda c, o: flow_opfuse(c, o, "cpu", False, min_sqnr=20)),
+    ("AIMET CLE+AdaRound, per-channel", lambda c, o: flow_peer(c, o, "aimet", False)),
+    ("AIMET CLE+AdaRound, per-tensor", lambda c, o: flow_peer(c, o, "aimet", True)),
+    ("NNCF quantize, per-channel", lambda c, o: flow_peer(c, o, "nncf", False)),
+    ("NNCF quantize, per-tensor", lambda c, o: flow_peer(c, o, "nncf", True)),
+    ("NNCF accuracy control, per-channel", lambda c, o: flow_peer(c, o, "nncf-ac", False)),
+    ("NNCF accuracy control, per-tensor", lambda c, o: flow_peer(c, o, "nncf-ac", True)),
 ]
 
 
@@ -490,9 +565,14 @@ def measure_case(case: Case, flows, work: pathlib.Path, *, rounds: int, threads:
             continue
         row["sqnr_db"] = None if build is None else output_db(reference, outputs)  # None: a float row
         if case.score is not None:
-            row["accuracy"] = case.score(outputs)
+            row["accuracy"] = case.score(outputs)  # per rendering
+            row["worst"] = min(row["accuracy"].values())
+            if build is not None and "accuracy" in rows[0]:
+                row["worst_drop"] = max(rows[0]["accuracy"][r] - a for r, a in row["accuracy"].items())
         sessions[label] = sess
-        shown = f", accuracy {row['accuracy']:.1%}" if "accuracy" in row else ""
+        shown = (f", exact match {' '.join(f'{a:.1%}' for a in row['accuracy'].values())}"
+                 + (f", worst drop {100 * row['worst_drop']:.1f} points" if "worst_drop" in row else "")
+                 if "accuracy" in row else "")
         db = "float" if row["sqnr_db"] is None else f"SQNR {row['sqnr_db']:.1f} dB"
         progress(f"{case.name}: {label}: {db}{shown} ({time.perf_counter() - start:.1f} s)")
     progress(f"{case.name}: timing {len(sessions)} entries, {rounds} interleaved rounds")
@@ -517,8 +597,11 @@ def table(case: Case, rows: list[dict], rounds: int, threads: int) -> tuple[Tabl
               caption=f"latency: batch 1, ORT CPU ORT_ENABLE_ALL, {threads} threads, {rounds} interleaved rounds; "
                       "SQNR vs the float model on held-out inputs", caption_justify="left")
     t.add_column("flow")
-    if case.score is not None:
-        t.add_column("exact match", justify="right")
+    renderings = list(next((r["accuracy"] for r in rows if "accuracy" in r), {}))
+    for r in renderings:
+        t.add_column(r, justify="right")
+    if renderings:
+        t.add_column("worst drop", justify="right")
     for name in ("SQNR dB", "QuantizeLinear", "int8 W", "BN", "size", "median ms", "min-max ms", "vs float"):
         t.add_column(name, justify="right")
     width = len(t.columns)
@@ -529,8 +612,9 @@ def table(case: Case, rows: list[dict], rounds: int, threads: int) -> tuple[Tabl
             t.add_row(row["flow"], f"({len(notes)})", *[""] * (width - 2))
             continue
         cells = [row["flow"]]
-        if case.score is not None:
-            cells.append(f"{row['accuracy']:.1%}")
+        if renderings:
+            cells += [f"{100 * row['accuracy'][r]:.1f}" for r in renderings]
+            cells.append(f"{100 * row['worst_drop']:.1f}" if "worst_drop" in row else "-")
         lat = row.get("latency_ms")
         cells += [
             "float" if row["sqnr_db"] is None else f"{row['sqnr_db']:.1f}",
@@ -552,6 +636,11 @@ def main() -> int:
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE, help="wheel and model cache")
     parser.add_argument("--flows", default="", help="only flows whose label contains one of these (comma-separated)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every row as JSON")
+    parser.add_argument("--lines", type=int, default=100, help="OCR lines per evaluation rendering (default 100)")
+    parser.add_argument("--peers-python", type=pathlib.Path, default=PEERS_PYTHON,
+                        help="the python of the venv with aimet-onnx and nncf (default: .venv-peers)")
+    parser.add_argument("--adaround-iterations", type=int, default=1000,
+                        help="AIMET's AdaRound iterations per layer (AIMET recommends 10000; default 1000)")
     args = parser.parse_args()
     names = [m for m in args.models.split(",") if m]
     unknown = sorted(set(names) - set(MODELS))
@@ -560,6 +649,7 @@ def main() -> int:
     wanted = [f for f in args.flows.split(",") if f]
     flows = [(label, build) for label, build in FLOWS
              if build is None or not wanted or any(w in label for w in wanted)]
+    PEER_OPTIONS.update(python=args.peers_python, adaround_iterations=args.adaround_iterations)
     ort.set_default_logger_severity(3)
     console = Console(width=None if sys.stdout.isatty() else 160)
     everything: list[dict] = []
@@ -568,8 +658,8 @@ def main() -> int:
             work = pathlib.Path(tmp) / name
             work.mkdir()
             progress(f"{name}: preparing the float model and its data")
-            if name == "ocr":
-                case = ocr_case(args.cache, work)
+            if name in ("ocr", "ocr-v6"):
+                case = ocr_case(args.cache, work, "ppocrv4" if name == "ocr" else "ppocrv6", args.lines)
             elif name.startswith("torch-"):
                 case = torch_case(name, args.image_size, work)
             else:

@@ -98,10 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "below it on the held-out samples: exit 1, nothing written")
     qnt.add_argument("--holdout", type=int, metavar="N", help="samples held out for verification (default: a quarter)")
     qnt.add_argument("--no-bias-correction", action="store_true", help="skip the empirical bias correction")
+    qnt.add_argument("--adaround", action="store_true",
+                     help="choose each weight's rounding to reconstruct its layer's float output (AdaRound); "
+                          "kept only where it raises the output SQNR on the calibration samples")
     qnt.add_argument("--calibrate", choices=("auto", "minmax", "percentile", "entropy"), default="auto",
-                     help="how activation ranges are read off the calibration data; auto tries minmax and "
-                          "percentile (99.99) and keeps the better (default: %(default)s)")
-    qnt.add_argument("--max-steps", type=int, default=12, help="mixed-precision steps at most (default: %(default)s)")
+                     help="how activation ranges are read off the calibration data; auto gives each tensor the "
+                          "range of least round-trip error (minmax, percentile 99.99 or clipped) "
+                          "(default: %(default)s)")
+    qnt.add_argument("--max-steps", type=int, default=64,
+                     help="mixed-precision walk steps at most, one candidate each (default: %(default)s)")
     qnt.add_argument("--dim", action="append", type=_dim, default=[], metavar="NAME=N",
                      help="with --preset qnn: bind a symbolic dimension (default: the calibration samples' size)")
     _add_npu_options(qnt)
@@ -315,7 +320,8 @@ def _quantize(args) -> int:
     start = time.perf_counter()
     _, report = quantize(
         args.input, args.calibration, preset=args.preset, equalize=args.equalize, min_sqnr=args.min_sqnr,
-        bias_correction=not args.no_bias_correction, calibrate=args.calibrate, holdout=args.holdout,
+        bias_correction=not args.no_bias_correction, adaround=args.adaround, calibrate=args.calibrate,
+        holdout=args.holdout,
         max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
         dims=dict(args.dim), require_npu=args.require_npu, htp_options=dict(args.htp), context=args.context,

@@ -20,7 +20,9 @@ samples to hold some out (:func:`split`). A failure is one line
 
 Samples are split in order: the last quarter (at least one) is **held out**, never
 seen by calibration, bias correction or the mixed-precision search, and the output SQNR
-reported and checked against ``--min-sqnr`` is measured on it alone.
+reported and checked against ``--min-sqnr`` is measured on it alone. With a target, the
+search splits the rest the same way again: tuning samples, and check samples for its
+stopping test (:mod:`.search`).
 """
 
 from __future__ import annotations

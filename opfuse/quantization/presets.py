@@ -10,8 +10,9 @@ preset         activations        weights            granularity  a costly layer
 =============  =================  =================  ===========  ========================
 
 All three write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops) through
-ONNX Runtime's quantiser, calibrated as ``--calibrate`` says (by default ``auto``: MinMax
-and the 99.99th percentile both tried, the better kept; :mod:`.mixed`).
+ONNX Runtime's quantiser, calibrated as ``--calibrate`` says (by default ``auto``: each
+tensor the range of least round-trip error among MinMax, the 99.99th percentile and
+ranges clipped inside MinMax; :mod:`.ranges`).
 
 What ``cpu`` and ``per-tensor`` quantise (:data:`CPU_OPS`): the layers with weights, the
 activations ONNX Runtime folds into them (Relu, Clip), and the ops that only move or pool

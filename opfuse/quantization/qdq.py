@@ -6,7 +6,8 @@ needs it, with onnx's version converter (per-channel DequantizeLinear needs opse
 ONNX Runtime's own pre-processing leaves an opset-12 model invalid there).
 
 :class:`Quantizer` calibrates once per method (:data:`CALIBRATION_METHODS`: MinMax, the
-99.99th percentile, entropy; the ranges of every tensor cached in a file) and then writes
+99.99th percentile, entropy, and ``auto``: each tensor's range by its own round-trip error,
+:mod:`.ranges`; the ranges of every tensor cached in a file) and then writes
 as many QDQ models as the mixed-precision search asks for, each keeping a different set
 of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``, with 16-bit
 activations (tensor overrides).
@@ -72,7 +73,67 @@ def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, li
         notes.append(f"opset upgraded {opset} -> {preset.min_opset} with onnx's version converter: "
                      f"the {preset.name} preset's QDQ needs it")
     _name_nodes(model)  # after the converter, which writes its nodes anew
+    renamed = _free_quantiser_names(model)
+    if renamed:
+        notes.append(f"{renamed} tensor(s) renamed before quantising (e.g. {renamed_example(model)}): ONNX "
+                     "Runtime's static quantiser names the scale of a tensor T 'T_scale' (and 'T_zero_point', "
+                     "...), names this model already uses (its dynamic quantiser's); left as they were, the QDQ "
+                     "graph it writes reads its own outputs, a cycle it reports as 'Graph is not a DAG'")
     return model, notes
+
+
+# what ONNX Runtime's quantisers append to a tensor's name for the values and nodes they add
+QUANTISER_SUFFIXES = ("_scale", "_zero_point", "_quantized", "_QuantizeLinear", "_DequantizeLinear",
+                      "_QuantizeLinear_Output", "_DequantizeLinear_Output")
+RENAMED_SUFFIX = "_opfuse"
+
+
+def _free_quantiser_names(model: onnx.ModelProto) -> int:
+    """Renames every tensor (and node) of the main graph called T + a quantiser suffix for
+    some tensor T of the graph, so ONNX Runtime's names for the values it adds are free.
+    Graph inputs and outputs keep their names (the caller feeds and reads them). Returns
+    how many tensors were renamed."""
+    graph = model.graph
+    tensors = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    tensors.update(o for n in graph.node for o in n.output if o)
+    fixed = {i.name for i in graph.input} | {o.name for o in graph.output}
+    taken = {t + suffix for t in tensors for suffix in QUANTISER_SUFFIXES}
+    clash = sorted(t for t in tensors & taken if t not in fixed)
+    if not clash:
+        return 0
+    used = set(tensors)
+    mapping = {}
+    for name in clash:
+        new = name + RENAMED_SUFFIX
+        while new in used or new in taken:
+            new += "_"
+        used.add(new)
+        mapping[name] = new
+    _rename(graph, mapping)
+    for node in graph.node:
+        if node.name in taken:
+            node.name += RENAMED_SUFFIX
+    return len(mapping)
+
+
+def renamed_example(model: onnx.ModelProto) -> str:
+    return next((o for n in model.graph.node for o in n.output if o.endswith(RENAMED_SUFFIX)), "")
+
+
+def _rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
+    """Renames tensors in ``graph`` and every subgraph that reads them from outer scope."""
+    for node in graph.node:
+        node.input[:] = [mapping.get(i, i) for i in node.input]
+        node.output[:] = [mapping.get(o, o) for o in node.output]
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                inner = {k: v for k, v in mapping.items()
+                         if k not in {i.name for i in sub.input} | {i.name for i in sub.initializer}}
+                _rename(sub, inner)
+    for tensor in graph.initializer:
+        tensor.name = mapping.get(tensor.name, tensor.name)
+    for info in graph.value_info:
+        info.name = mapping.get(info.name, info.name)
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
@@ -138,7 +199,11 @@ CALIBRATION_METHODS = {
     "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
     "percentile": (ortq.CalibrationMethod.Percentile, {"CalibPercentile": 99.99}),  # clips the rarest 0.01%
     "entropy": (ortq.CalibrationMethod.Entropy, {}),  # KL divergence of the histograms (TensorRT's choice)
+    # each tensor's own best range by its round-trip error (opfuse.quantization.ranges), written as a
+    # MinMax cache: the candidates are MinMax, the 99.99th percentile and ranges clipped inside MinMax
+    "auto": (ortq.CalibrationMethod.MinMax, {}),
 }
+SEARCHED_METHODS = ("auto",)  # ranges opfuse computes from MinMax's, not ONNX Runtime's calibrators
 
 
 class Quantizer:
@@ -158,17 +223,22 @@ class Quantizer:
         self.samples = list(samples)
         self.method = method
         self.trials = 0
+        self.range_choices: list = []  # auto: the range chosen per tensor (opfuse.quantization.ranges)
 
     @property
     def cache(self) -> pathlib.Path:
         return self.workdir / f"calibration-{self.method}.json"
 
-    def quantize(self, keep: Iterable[str] = ()) -> onnx.ModelProto:
-        """A QDQ model with the nodes named in ``keep`` out of int8 (see the module docstring)."""
+    def quantize(self, keep: Iterable[str] = (), keep_as: str | None = None) -> onnx.ModelProto:
+        """A QDQ model with the nodes named in ``keep`` out of int8 (see the module docstring):
+        ``keep_as`` "float" (excluded) or "int16" (16-bit activations); by default the preset's."""
         keep = sorted(set(keep))
+        keep_as = keep_as or self.preset.keep_as
+        if self.method in SEARCHED_METHODS and not self.cache.exists():
+            self._search_ranges()
         out = self.workdir / f"qdq_{self.trials}.onnx"
         self.trials += 1
-        kwargs = self._config(keep)
+        kwargs = self._config(keep, keep_as)
         root = logging.getLogger()
         level = root.level
         root.setLevel(logging.ERROR)  # its advice to pre-process: opfuse has folded and prepared the model
@@ -185,24 +255,46 @@ class Quantizer:
             ort.set_default_logger_severity(2)  # the runtime's default (ONNX Runtime has no getter to restore from)
         model = onnx.load(out)
         out.unlink()
-        if keep and self.preset.keep_as == "float":
+        if keep and keep_as == "float":
             _read_float_inputs(model, set(keep), self.float_model)
         return model
 
-    def _config(self, keep: list[str]) -> dict:
+    def _search_ranges(self) -> None:
+        """The auto cache: MinMax's ranges (a first quantisation writes them), each tensor's
+        clipping range then chosen by its own round-trip error."""
+        # ranges imports sqnr, which imports this module: loaded on first use
+        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
+
+        from opfuse.quantization.ranges import search_ranges  # (the same cycle)
+
+        method = self.method
+        self.method = "minmax"
+        try:
+            if not self.cache.exists():
+                self.quantize()
+            minmax = load_tensors_data(self.cache)
+        finally:
+            self.method = method
+        ranges, self.range_choices = search_ranges(self.float_model, self.samples, minmax)
+        save_tensors_data(ranges, self.cache)
+
+    def _config(self, keep: list[str], keep_as: str) -> dict:
         preset = self.preset
         reader = SampleReader(self.samples) if not self.cache.exists() else None
+        sixteen = keep if keep_as == "int16" else []
+        excluded = keep if keep_as == "float" else []
         if preset.qnn:
             from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (QNN helpers load only for this preset)
 
-            overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(keep)}
+            overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(sixteen)}
             method, extra = CALIBRATION_METHODS[self.method]
             config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
                                         calibrate_method=method, init_overrides=overrides or None)
             return dict(
                 calibration_data_reader=reader, quant_format=config.quant_format,
                 activation_type=config.activation_type, weight_type=config.weight_type,
-                op_types_to_quantize=config.op_types_to_quantize, nodes_to_exclude=config.nodes_to_exclude,
+                op_types_to_quantize=config.op_types_to_quantize,
+                nodes_to_exclude=[*(config.nodes_to_exclude or []), *excluded],
                 per_channel=config.per_channel, calibrate_method=config.calibrate_method,
                 extra_options={**config.extra_options, **extra},
             )
@@ -214,8 +306,10 @@ class Quantizer:
             per_channel=preset.per_channel,
             calibrate_method=CALIBRATION_METHODS[self.method][0],
             op_types_to_quantize=list(preset.op_types) if preset.op_types else None,
-            nodes_to_exclude=keep,
-            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False, **CALIBRATION_METHODS[self.method][1]},
+            nodes_to_exclude=excluded,
+            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False, **CALIBRATION_METHODS[self.method][1],
+                           **({"TensorQuantOverrides": {t: [{"quant_type": ortq.QuantType.QUInt16}]
+                                                        for t in self._outputs_of(sixteen)}} if sixteen else {})},
         )
 
     def _outputs_of(self, names: list[str]) -> list[str]:

@@ -10,7 +10,7 @@ verification on held-out samples. It renders as JSON (``to_json``) and as rich t
 
 from __future__ import annotations
 
-__all__ = ["LayerRow", "SearchStep", "QuantVerification", "QuantReport", "print_quant_report"]
+__all__ = ["LayerRow", "SearchStep", "RankedCandidate", "QuantVerification", "QuantReport", "print_quant_report"]
 
 import dataclasses
 from typing import Any
@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from opfuse.report import FusionReport, json_text, print_report
+
+INFINITE_DB = 200.0  # the SQNR shown for identical outputs (opfuse.quantization.sqnr.INFINITE)
 
 
 @dataclasses.dataclass
@@ -47,9 +49,24 @@ class SearchStep:
     """One trial of the mixed-precision search."""
 
     kept: list[str]  # layers kept out of int8 in this trial
-    sqnr_db: float  # output SQNR on the calibration samples
+    sqnr_db: float  # output SQNR on the tuning samples
     metric: float | None = None
     calibration: str = ""  # the calibration method of this trial
+    added: list[str] = dataclasses.field(default_factory=list)  # what this trial adds to the kept set
+    phase: str = ""  # "calibration", "base", "sensitivity" (a candidate alone) or "step" (the walk)
+    accepted: bool | None = None  # a step: taken (the tuning SQNR rose) or not
+    check_sqnr_db: float | None = None  # an accepted step: output SQNR on the check samples
+
+
+@dataclasses.dataclass
+class RankedCandidate:
+    """One candidate of the sensitivity ranking, measured by re-quantising with it kept."""
+
+    label: str  # a node, or "every OP"
+    nodes: list[str]
+    gain_db: float  # tuning output SQNR with it kept, minus without
+    kept_before: int  # layers already kept when it was measured
+    metric: float | None = None
 
 
 @dataclasses.dataclass
@@ -66,10 +83,12 @@ class QuantVerification:
     # qnn: the figure above is the HTP's; these are the same QDQ model on ONNX Runtime's CPU
     cpu_qdq_sqnr_db: float | None = None  # CPU QDQ vs float
     htp_vs_cpu_sqnr_db: float | None = None  # the HTP's outputs vs the CPU QDQ's
+    floor_sqnr_db: float | None = None  # with no --min-sqnr: below it the result is no model of the float one
 
     @property
     def ok(self) -> bool:
         sqnr_ok = self.min_sqnr_db is None or self.sqnr_db >= self.min_sqnr_db
+        sqnr_ok = sqnr_ok and (self.floor_sqnr_db is None or self.sqnr_db >= self.floor_sqnr_db)
         metric_ok = self.min_metric is None or (self.metric is not None and self.metric >= self.min_metric)
         return sqnr_ok and metric_ok
 
@@ -81,9 +100,16 @@ class QuantReport:
     calibration: str = ""  # the calibration method used: minmax, percentile or entropy
     fusion: FusionReport = dataclasses.field(default_factory=FusionReport)
     calibration_samples: int = 0
+    tuning_samples: int = 0  # with a search: the calibration samples it tuned on
+    check_samples: int = 0  # with a search: those its stopping test ran on
     notes: list[str] = dataclasses.field(default_factory=list)
     layers: list[LayerRow] = dataclasses.field(default_factory=list)
     search: list[SearchStep] = dataclasses.field(default_factory=list)
+    ranking: list[RankedCandidate] = dataclasses.field(default_factory=list)
+    range_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # --calibrate auto: tensors per chosen kind of range
+    adaround_layers: int = 0  # layers whose AdaRound rounding was kept
+    adaround_sqnr_db: tuple[float, float] | None = None  # tuning output SQNR without -> with
+    adaround_errors: list[dict] = dataclasses.field(default_factory=list)  # per layer: nearest vs AdaRound
     bias_corrected: int = 0
     bias_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     bias_sqnr_db: tuple[float, float] | None = None  # calibration output SQNR without -> with
@@ -113,9 +139,16 @@ class QuantReport:
             return sorted((r for r in self.layers if r.gain_db is not None), key=lambda r: -r.gain_db)[:n]
         return sorted(self.layers, key=lambda r: r.own_sqnr_db)[:n]
 
+    @property
+    def nothing_quantised(self) -> bool:
+        return self.quantize_linear == 0
+
     def summary(self) -> str:
         v = self.verification
         sqnr = f"output SQNR {v.sqnr_db:.1f} dB on {v.samples} held-out sample(s)" if v else "not verified"
+        if self.nothing_quantised:
+            return f"{self.preset}: nothing was quantised (no QuantizeLinear in the model written); " + \
+                ("the outputs equal the float model's" if v and v.sqnr_db >= INFINITE_DB else sqnr)
         return (f"{self.preset}: {len(self.layers) - len(self.kept())} of {len(self.layers)} layers in int8, "
                 f"{len(self.kept())} kept; weights {100 * self.weights_8bit_fraction:.0f}% 8-bit; "
                 f"size {self.size_ratio:.2f}x; {sqnr}")
@@ -131,14 +164,22 @@ class QuantReport:
                 "weights_8bit_fraction": self.weights_8bit_fraction,
                 "size_ratio": self.size_ratio,
                 "quantize_linear": self.quantize_linear,
-                "output_sqnr_db": None if self.verification is None else self.verification.sqnr_db,
+                "output_sqnr_db": None if self.verification is None or self.nothing_quantised
+                else self.verification.sqnr_db,
+                "nothing_quantised": self.nothing_quantised,
                 "verified": None if self.verification is None else self.verification.ok,
             },
             "fusion": self.fusion.to_dict(),
             "calibration_samples": self.calibration_samples,
+            "tuning_samples": self.tuning_samples,
+            "check_samples": self.check_samples,
             "notes": list(self.notes),
             "layers": [dataclasses.asdict(r) for r in self.layers],
             "search": [dataclasses.asdict(s) for s in self.search],
+            "ranking": [dataclasses.asdict(r) for r in self.ranking],
+            "ranges": dict(self.range_kinds),
+            "adaround": {"layers": self.adaround_layers, "output_sqnr_db": self.adaround_sqnr_db,
+                         "per_layer": list(self.adaround_errors)},
             "bias_correction": {"layers": self.bias_corrected, "skipped": dict(self.bias_skipped),
                                 "output_sqnr_db": self.bias_sqnr_db},
             "weights": {"8bit": self.weights_8bit, "total": self.weights_total},
@@ -172,9 +213,23 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
             table.add_row(r.name, r.op_type, f"{r.sqnr_db:.1f}", f"{r.own_sqnr_db:.1f}", gain, r.precision,
                           r.reason, style=style)
         console.print(table)
-    if report.search and len(report.search) > 1:
-        steps = "; ".join(f"{s.calibration}, {len(s.kept)} kept: {s.sqnr_db:.1f} dB" for s in report.search)
-        console.print(f"mixed precision: {steps}")
+    if report.ranking:
+        top = sorted(report.ranking, key=lambda r: -r.gain_db)[:8]
+        console.print(f"sensitivity (each candidate kept alone, re-quantised; {len(report.ranking)} measured): "
+                      + ", ".join(f"{r.label} {r.gain_db:+.2f} dB" for r in top))
+    walk = [s for s in report.search if s.phase in ("base", "step")]
+    if len(walk) > 1:
+        steps = "; ".join(f"+{','.join(s.added) or '-'} {s.sqnr_db:.1f} dB "
+                          + (f"(check {s.check_sqnr_db:.1f})" if s.accepted else "(not taken)")
+                          for s in walk)
+        console.print(f"mixed precision, tuning SQNR per step: {steps}")
+    if report.range_kinds:
+        console.print("activation ranges per tensor: " + ", ".join(f"{n} {k}" for k, n in report.range_kinds.items()))
+    if report.adaround_sqnr_db is not None:
+        before, after = report.adaround_sqnr_db
+        console.print(f"AdaRound: {report.adaround_layers} layer(s) rounded to reconstruct their float output; "
+                      f"tuning output SQNR {before:.1f} -> {after:.1f} dB"
+                      + ("" if after > before else " (not applied: it did not raise it)"))
     if report.bias_sqnr_db is not None:
         before, after = report.bias_sqnr_db
         console.print(f"bias correction: {report.bias_corrected} layer(s); calibration output SQNR "
@@ -187,7 +242,11 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
     if report.device is not None:
         report.device.render(console)
     v = report.verification
-    if v is not None:
+    if v is not None and report.nothing_quantised:
+        console.print(f"verification: nothing was quantised; output SQNR {v.sqnr_db:.1f} dB on {v.samples} "
+                      "held-out sample(s)" if v.sqnr_db < INFINITE_DB else
+                      "verification: nothing was quantised; the outputs equal the float model's")
+    elif v is not None:
         status = "[green]passed[/green]" if v.ok else "[red]FAILED[/red]"
         limit = f" (minimum {v.min_sqnr_db:g} dB)" if v.min_sqnr_db is not None else " (no minimum set)"
         per = ", ".join(f"{k} {x:.1f}" for k, x in list(v.outputs.items())[:4])
