@@ -39,6 +39,11 @@ def tensordot(op="Add", target_tail=(M,), const_size=M, opset=13, out_shape=("N"
     return model(nodes, [vinfo("x", ["N", L, K])], [vinfo("y", list(out_shape))], inits, opset=opset)
 
 
+def folds(report):
+    """The fold records (the clean-up's shape arithmetic, issue 19, may make the target constant first)."""
+    return [r.pattern for r in report.records if r.pattern != "shape arithmetic->constant"]
+
+
 def _optimise(m):
     out, report = opfuse.optimize(m, dims={"N": 2})
     assert report.verification.ok
@@ -50,7 +55,7 @@ def _optimise(m):
 @pytest.mark.parametrize("opset", [13, 17])
 def test_a_tf2onnx_tensordot_bias_folds_and_the_matmul_becomes_a_gemm(opset):
     out, report = _optimise(tensordot("Add", opset=opset))
-    assert [r.pattern for r in report.records] == ["MatMul+Add"], report.refusals
+    assert folds(report) == ["MatMul+Add"], report.refusals
     assert "Add" not in ops(out) and "Gemm" in ops(out) and "MatMul" not in ops(out)
     assert ops(out).count("Reshape") == 2  # the layout stays, reading the folded Gemm
     assert not report.refusals, report.refusals
@@ -58,7 +63,7 @@ def test_a_tf2onnx_tensordot_bias_folds_and_the_matmul_becomes_a_gemm(opset):
 
 def test_a_tf2onnx_tensordot_scale_folds_into_the_matmul_columns():
     out, report = _optimise(tensordot("Mul"))
-    assert [r.pattern for r in report.records] == ["MatMul+Mul"], report.refusals
+    assert folds(report) == ["MatMul+Mul"], report.refusals
     assert "Mul" not in ops(out) and "MatMul" in ops(out)
 
 
@@ -68,9 +73,12 @@ def test_a_computed_reshape_merging_the_columns_with_another_axis_is_refused_wit
     m.graph.node[1].input[1] = "first"  # the target takes N only: [N, L * M]
     m.graph.initializer.append(tensor("first", np.array([0], np.int64)))
     out, report = _optimise(m)
-    assert not report.records
+    assert not folds(report)
     reasons = [r.reason for r in report.refusals if r.node == "BiasAdd"]
-    assert reasons and "computed at run time" in reasons[0] and "do not prove" in reasons[0], report.refusals
+    # the target is computed at run time; the clean-up (issue 19) may make it a constant first:
+    # either way the refusal names the sizes that do not prove the columns stay whole
+    assert reasons and (("computed at run time" in reasons[0] and "do not prove" in reasons[0])
+                        or ("[?, 35]" in reasons[0] and "cannot prove" in reasons[0])), report.refusals
     assert "Add" in ops(out) and "MatMul" in ops(out)
 
 
@@ -81,4 +89,4 @@ def test_an_int_target_through_a_cast_folds_too():
     graph.node[2].output[0] = "target32"
     graph.node.insert(3, n("Cast", ["target32"], ["target"], name="to_int64", to=TensorProto.INT64))
     out, report = _optimise(m)
-    assert [r.pattern for r in report.records] == ["MatMul+Add"], report.refusals
+    assert folds(report) == ["MatMul+Add"], report.refusals

@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from graphs import model, ort_run, rng, tensor, vinfo
+from opfuse.errors import VerificationError
 from opfuse.cli import main
 from opfuse.pipeline import optimize
 from opfuse.random_ops import random_nodes, seed_for, seed_random_nodes
@@ -155,5 +156,6 @@ def test_quantize_measures_a_model_with_random_ops_on_the_same_draws(tmp_model, 
     assert report.verification.sqnr_db > 20 and any("random ops (noise)" in n for n in report.notes)
     assert all("seed" not in n.attributes for n in q.graph)
     monkeypatch.setattr("opfuse.quantization.pipeline.seed_random_nodes", lambda m: {})
-    _, unseeded = quantize(str(path), "random:8")
-    assert unseeded.verification.sqnr_db < 10
+    with pytest.raises(VerificationError) as failed:  # (two draws: under the 3 dB floor, exit 1, issue 18)
+        quantize(str(path), "random:8")
+    assert failed.value.report.verification.sqnr_db < 10

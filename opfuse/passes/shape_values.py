@@ -52,7 +52,7 @@ import onnx_ir as ir
 from opfuse.analyse import NameTable, _inference_proto, node_label
 from opfuse.report import FusionRecord
 from opfuse.symbolic_shapes import run_tool
-from opfuse.vocabulary import int_attr, is_onnx, is_op, op_info
+from opfuse.vocabulary import MS_DOMAIN, ONNX_DOMAINS, int_attr, is_onnx, is_op, op_info
 
 PATTERN = "shape arithmetic->constant"
 
@@ -105,7 +105,7 @@ def fold_shape_values(model: ir.Model) -> list[FusionRecord]:
 # transposed, are not read when it is set)
 SHAPE_TWINS = {
     ("", "ConvInteger"): ("Conv", 2),
-    ("com.microsoft", "DynamicQuantizeLSTM"): ("LSTM", 8),
+    (MS_DOMAIN, "DynamicQuantizeLSTM"): ("LSTM", 8),
 }
 
 
@@ -113,7 +113,7 @@ def _with_shape_twins(proto: onnx.ModelProto) -> onnx.ModelProto:
     """``proto`` (a private copy) with each op of :data:`SHAPE_TWINS` as its twin, for the
     inference only."""
     for node in proto.graph.node:
-        twin = SHAPE_TWINS.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        twin = SHAPE_TWINS.get(("" if node.domain in ONNX_DOMAINS else node.domain, node.op_type))
         if twin is None or (twin[0] == "LSTM" and not any(a.name == "hidden_size" for a in node.attribute)):
             continue
         node.op_type, node.domain = twin[0], ""
