@@ -138,11 +138,11 @@ class Case:
     held_out: list[dict[str, np.ndarray]]
     opfuse_calibration: object  # what opfuse.quantize gets: an .npz path or the feed dicts
     score: Callable[[list[np.ndarray]], dict[str, float]] | None = None  # accuracy per rendering
-    validation: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # NNCF's accuracy control
-    metric: dict = dataclasses.field(default_factory=dict)  # int8_peers.py --metric
     note: str = ""
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # flow family -> what happened
     graphs: dict[str, onnx.ModelProto] = dataclasses.field(default_factory=dict)  # shared float graphs
+    validation: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)  # NNCF's accuracy control
+    metric: dict = dataclasses.field(default_factory=dict)  # int8_peers.py --metric
 
 
 def smooth_images(count: int, size: int, seed: int) -> list[np.ndarray]:
