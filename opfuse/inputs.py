@@ -152,6 +152,25 @@ def _consumers(value: ir.Value) -> Iterator[ir.Node]:
         yield node
 
 
+def _readers(value: ir.Value, passes_on: tuple[str, ...], stop=None) -> Iterator[tuple[ir.Node, ir.Value]]:
+    """(reader, the value it reads) for every node reached from ``value`` through ops of
+    ``passes_on`` that take it as their first input; a reader for which ``stop`` says
+    something (not None) is not followed further."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        for node in _consumers(v):
+            yield node, v
+            if stop is not None and stop(node, v) is not None:
+                continue
+            if is_op(node, *passes_on) and node.inputs and node.inputs[0] is v:
+                todo.extend(node.outputs)
+
+
 def integer_cases(model: ir.Model) -> dict[str, list[int]]:
     """input name -> values that flip a comparison it reaches (see the module docstring)."""
     cases: dict[str, list[int]] = {}
@@ -159,22 +178,13 @@ def integer_cases(model: ir.Model) -> dict[str, list[int]]:
         if value.dtype is None or np.dtype(value.dtype.numpy()).kind not in "iu":
             continue
         found: list[int] = []
-        seen: set[int] = set()
-        todo = [value]
-        while todo:
-            v = todo.pop()
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            for node in _consumers(v):
-                if is_op(node, *_VALUE_PRESERVING) and node.inputs and node.inputs[0] is v:
-                    todo.extend(node.outputs)
-                elif is_op(node, *_COMPARISONS) and len(node.inputs) == 2:
-                    other = node.inputs[1] if node.inputs[0] is v else node.inputs[0]
-                    const = find_constant(other)
-                    if isinstance(const, Constant) and const.array.size == 1:
-                        c = int(np.asarray(const.array).reshape(()))
-                        found += [c] if node.op_type == "Equal" else [c - 1, c + 1]
+        for node, v in _readers(value, _VALUE_PRESERVING):
+            if is_op(node, *_COMPARISONS) and len(node.inputs) == 2:
+                other = node.inputs[1] if node.inputs[0] is v else node.inputs[0]
+                const = find_constant(other)
+                if isinstance(const, Constant) and const.array.size == 1:
+                    c = int(np.asarray(const.array).reshape(()))
+                    found += [c] if node.op_type == "Equal" else [c - 1, c + 1]
         unique = list(dict.fromkeys(found))
         if unique:
             cases[value.name] = unique
@@ -243,19 +253,10 @@ def integer_ranges(model: ir.Model) -> dict[str, IntegerRange]:
         if value.dtype is None or np.dtype(value.dtype.numpy()).kind not in "iu":
             continue
         found: list[IntegerRange] = []
-        seen: set[int] = set()
-        todo = [value]
-        while todo:
-            v = todo.pop()
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            for node in _consumers(v):
-                taken = _range_from_reader(node, v)
-                if taken is not None:
-                    found.append(taken)
-                elif is_op(node, *_PASSES_VALUE_ON) and node.inputs and node.inputs[0] is v:
-                    todo.extend(node.outputs)
+        for node, v in _readers(value, _PASSES_VALUE_ON, stop=lambda node, v: _range_from_reader(node, v)):
+            taken = _range_from_reader(node, v)
+            if taken is not None:
+                found.append(taken)
         if not found and "mask" in value.name.lower():
             found.append(IntegerRange(2, "a mask by its name", mask=True))
         if found:

@@ -50,7 +50,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 import onnx.helper
 from onnx import numpy_helper
 
-from opfuse.quantization.sqnr import _exposed
+from opfuse.quantization.sqnr import QdqIndex, _exposed
 from opfuse.runtime import create_session
 from opfuse.vocabulary import ONNX_DOMAINS, weight_spec
 
@@ -105,13 +105,9 @@ class _Site:
 
 
 def _sites(float_model: onnx.ModelProto, qdq: onnx.ModelProto, skipped: dict[str, str]) -> list[_Site]:
-    inits = {i.name: i for i in qdq.graph.initializer}
-    float_inits = {i.name: i for i in float_model.graph.initializer}
-    producer = {o: n for n in qdq.graph.node for o in n.output}
-    float_nodes = {n.name: n for n in float_model.graph.node if n.name}
-
-    def const(name):
-        return numpy_helper.to_array(inits[name]) if name in inits else None
+    index = QdqIndex(float_model, qdq)
+    inits, float_inits, producer, float_nodes = index.inits, index.float_inits, index.producer, index.float_nodes
+    const = index.const
 
     sites = []
     for node in qdq.graph.node:

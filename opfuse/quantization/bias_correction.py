@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.quantization.sqnr import _exposed
+from opfuse.quantization.sqnr import QdqIndex, _exposed
 from opfuse.runtime import create_session
 
 CORRECTABLE = ("Conv", "Gemm")
@@ -68,13 +68,9 @@ class _Site:
 
 
 def _sites(float_model: onnx.ModelProto, qdq: onnx.ModelProto, skipped: dict[str, str]) -> list[_Site]:
-    inits = {i.name: i for i in qdq.graph.initializer}
-    float_inits = {i.name: i for i in float_model.graph.initializer}
-    producer = {o: n for n in qdq.graph.node for o in n.output}
-    float_nodes = {n.name: n for n in float_model.graph.node if n.name}
-
-    def const(name):
-        return numpy_helper.to_array(inits[name]) if name in inits else None
+    index = QdqIndex(float_model, qdq)
+    inits, float_inits, producer, float_nodes = index.inits, index.float_inits, index.producer, index.float_nodes
+    const = index.const
 
     def dequantised(name):
         dq = producer.get(name)

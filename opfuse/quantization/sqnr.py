@@ -21,7 +21,7 @@ out of int8.
 
 from __future__ import annotations
 
-__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "layer_costs", "layer_pairs"]
+__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "layer_costs", "layer_pairs", "QdqIndex"]
 
 import math
 from collections.abc import Iterable, Mapping
@@ -210,3 +210,18 @@ def layer_pairs(layers: list[QdqLayer]) -> dict[str, tuple[str, str, int]]:
 
 CHANNEL_FIRST = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "Resize",
                  "BatchNormalization", "InstanceNormalization")
+
+
+class QdqIndex:
+    """A float model and the QDQ model made from it, indexed for reading a layer's
+    quantisation back (AdaRound and bias correction)."""
+
+    def __init__(self, float_model: onnx.ModelProto, qdq: onnx.ModelProto):
+        self.inits = {i.name: i for i in qdq.graph.initializer}
+        self.float_inits = {i.name: i for i in float_model.graph.initializer}
+        self.producer = {o: n for n in qdq.graph.node for o in n.output}
+        self.float_nodes = {n.name: n for n in float_model.graph.node if n.name}
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The QDQ model's initializer ``name`` as an array (None: not an initializer)."""
+        return onnx.numpy_helper.to_array(self.inits[name]) if name in self.inits else None
