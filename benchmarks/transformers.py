@@ -34,9 +34,6 @@ import sys
 import tempfile
 import time
 
-import onnx
-import onnx_ir as ir
-
 # This file's own folder first on sys.path would make it the `transformers` package: the
 # repository takes that place instead.
 sys.path[0] = str(pathlib.Path(__file__).resolve().parent.parent)

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from graphs import model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.pipeline import optimize
 from opfuse.qnn import backend
 from opfuse.qnn.backend import open_session
-from opfuse.qnn.probe import probe, quantize_like_qnn_flow
+from opfuse.qnn.probe import probe
 from qnn_graphs import conv_then, feeds, needs_htp
 
 pytestmark = needs_htp

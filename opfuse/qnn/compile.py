@@ -106,7 +106,7 @@ def compile_on_htp(model, report=None, *, options: HtpOptions | None = None, req
         config = context_config(pending / "context.onnx")
     try:
         session = open_session(model, options, session_config=config)
-    except HtpCompileError as e:
+    except HtpCompileError:
         if pending is not None:
             shutil.rmtree(pending, ignore_errors=True)
         raise
