@@ -1,7 +1,7 @@
 """Transformers through opfuse and its peers, side by side, in one interleaved run.
 
-    python benchmarks/transformers.py                          small BERT and ViT, both exporters
-    python benchmarks/transformers.py --models bert,bert-base,vit,encoder --rounds 30 --json out.json
+    python benchmarks/transformer_encoders.py                          small BERT and ViT, both exporters
+    python benchmarks/transformer_encoders.py --models bert,bert-base,vit,encoder --rounds 30 --json out.json
 
 Per model (``opfuse.models.transformers``: Hugging Face BertModel / ViTModel from configs
 with random weights, torch's TransformerEncoder) and exporter (TorchScript at opset 17 with
@@ -34,16 +34,12 @@ import sys
 import tempfile
 import time
 
-# This file's own folder first on sys.path would make it the `transformers` package: the
-# repository takes that place instead.
-sys.path[0] = str(pathlib.Path(__file__).resolve().parent.parent)
+import onnx
+import onnx_ir as ir
 
-import onnx  # noqa: E402
-import onnx_ir as ir  # noqa: E402
-
-import opfuse  # noqa: E402
-from opfuse.bench.measure import Variant, measure  # noqa: E402
-from opfuse.models.transformers import BERT_BASE, SMALL_BERT, SMALL_VIT, example_feeds, export  # noqa: E402
+import opfuse
+from opfuse.bench.measure import Variant, measure
+from opfuse.models.transformers import BERT_BASE, SMALL_BERT, SMALL_VIT, example_feeds, export
 
 EXPORTS = {"torchscript": 17, "dynamo": 18}
 HEADS = {"bert": (SMALL_BERT["num_attention_heads"], SMALL_BERT["hidden_size"]),
