@@ -22,7 +22,9 @@ match on rendered text lines (``benchmarks/ocr_text.py``), read on the HTP.
 
 Models: the built-in ResNet-18/50, MobileNetV2 and VGG (random N(0,1) images), BERT and
 ViT from ``opfuse.models.transformers`` (TorchScript export, opset 17; random tokens), and
-the ONNX files of the wheels of ``benchmarks/wild.py``.
+the ONNX files of the wheels of ``benchmarks/wild.py`` (``--only`` picks some by label; their
+samples come from opfuse's own ``random:N`` generator, shared by both flows), and PP-OCRv6 rec
+small (``ppocrv6``, rendered lines like PP-OCRv4 rec).
 """
 
 from __future__ import annotations
@@ -49,7 +51,16 @@ BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
 TRANSFORMERS = ("bert", "vit")
 
 
-def _samples(proto: onnx.ModelProto, count: int, seed: int, dims: dict) -> list[dict]:
+def _samples(proto: onnx.ModelProto, count: int, seed: int, dims: dict, wild: bool = False) -> list[dict]:
+    """Random samples: for a wheel model, opfuse's own ``random:N`` generator (the smallest
+    sizes at which the model runs; integer inputs by what they feed), which both flows
+    then share; for the built-in and transformer models, N(0, 1) images and tokens 0-49."""
+    if wild:
+        import onnx_ir as ir
+
+        from opfuse.quantization.calibration import _random_samples
+
+        return _random_samples(ir.serde.deserialize_model(proto), count, seed)
     rng = np.random.default_rng(seed)
     inits = {i.name for i in proto.graph.initializer}
     out = []
@@ -71,8 +82,8 @@ def _samples(proto: onnx.ModelProto, count: int, seed: int, dims: dict) -> list[
     return out
 
 
-def _models(names: list[str], tmp: pathlib.Path, cache: pathlib.Path):
-    """(label, path, dims) per model."""
+def _models(names: list[str], tmp: pathlib.Path, cache: pathlib.Path, only: list[str] = ()):
+    """(label, path, traits) per model (traits: {"wild": True} for a wheel model)."""
     for name in names:
         if name in BUILTIN:
             from opfuse.models import build
@@ -84,11 +95,16 @@ def _models(names: list[str], tmp: pathlib.Path, cache: pathlib.Path):
             from opfuse.models.transformers import export
 
             yield name, export(name, "torchscript", 17, tmp / f"{name}.onnx"), {}
+        elif name == "ppocrv6":  # (not a wild.py wheel: rapidocr 3.10.0, as benchmarks/quantize.py)
+            from ocr_text import rec_model
+
+            yield "ppocrv6 rec small (rapidocr 3.10.0)", rec_model(cache, "ppocrv6"), {}
         elif name == "wild":
             from wild import extract, fetch
 
             for label, path in extract(fetch(cache), tmp):
-                yield label, path, {}
+                if not only or any(o in label for o in only):
+                    yield label, path, {"wild": True}
 
 
 def _placement(session) -> dict:
@@ -152,7 +168,7 @@ def run_model(label, path, dims, args) -> dict:
         held = samples[-args.holdout:]
         calib = samples[:-args.holdout]
     else:
-        samples = _samples(proto, args.calibration + args.holdout, 0, dims)
+        samples = _samples(proto, args.calibration + args.holdout, 0, {}, wild=dims.get("wild", False))
         calib, held = samples[:args.calibration], samples[args.calibration:]
     shape_dims = {}
     import onnx_ir as ir
@@ -187,7 +203,7 @@ def run_model(label, path, dims, args) -> dict:
     ours: dict = {}
     start = time.perf_counter()
     try:
-        q, report = opfuse.quantize(str(path), samples, preset="qnn", holdout=len(held))
+        q, report = opfuse.quantize(str(path), samples, preset=args.preset, holdout=len(held))
         ours["quantize_s"] = round(time.perf_counter() - start, 1)
         qdq = ir.serde.serialize_model(q)
         ours.update(_judge(label, fixed, qdq, held, ocr))
@@ -201,16 +217,19 @@ def run_model(label, path, dims, args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join((*BUILTIN, *TRANSFORMERS, "wild")))
+    parser.add_argument("--models", default=",".join((*BUILTIN, *TRANSFORMERS, "wild", "ppocrv6")))
     parser.add_argument("--calibration", type=int, default=16)
     parser.add_argument("--holdout", type=int, default=8)
     parser.add_argument("--lines", type=int, default=30, help="rendered text lines for PP-OCR rec exact match")
     parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "opfuse-wild")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--only", default="", help="wheel models whose label contains one of these (comma-separated)")
+    parser.add_argument("--preset", default="qnn", help="opfuse's preset (qnn, or qnn-per-channel)")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="opfuse-qnn-bench-") as tmp:
-        for label, path, dims in _models(args.models.split(","), pathlib.Path(tmp), args.cache):
+        for label, path, dims in _models(args.models.split(","), pathlib.Path(tmp), args.cache,
+                                         [o for o in args.only.split(",") if o]):
             start = time.perf_counter()
             try:
                 row = run_model(label, path, dims, args)
