@@ -11,6 +11,7 @@ __all__ = ["optimize", "inspect_model", "run_passes", "run_fusion", "Inspection"
 import contextlib
 import dataclasses
 import gc
+import importlib
 import os
 import pathlib
 from collections import defaultdict
@@ -184,13 +185,13 @@ def optimize(
             )
     check_destinations(output, report_path, context)
     device = None
-    if chosen.name == "qnn" and compile_for_device or context is not None or require_npu:
-        from opfuse.qnn.backend import HtpOptions, require_backend  # (the NPU's backend: only for its target)
-
-        if chosen.name != "qnn":
-            raise BadInputError("--context and --require-npu compile for the NPU: use them with --target qnn")
-        require_backend()  # not installed: one line with the install command, before any work
-        device = HtpOptions.parse(htp_options)
+    if chosen.device and compile_for_device or context is not None or require_npu:
+        if not chosen.device:
+            raise BadInputError("--context and --require-npu compile for the NPU: use them with --target "
+                                + ", ".join(n for n in TARGETS if load_target(n).device))
+        backend = importlib.import_module(chosen.device)  # (a device's backend: only for its target)
+        backend.require_backend()  # not installed: one line with the install command, before any work
+        device = backend.Options.parse(htp_options)
 
     work, display = load_model(model)
     label_unnamed(work)  # the log names an unnamed node by op type and position
@@ -242,10 +243,8 @@ def optimize(
             raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
     compiled = None
     if device is not None:
-        from opfuse.qnn.compile import compile_on_htp  # (the NPU's backend: only for its target)
-
         try:
-            compiled = compile_on_htp(work, report, options=device, require_npu=require_npu, context=context)
+            compiled = backend.compile(work, report, options=device, require_npu=require_npu, context=context)
         except OpfuseError as e:
             if report_path is not None and isinstance(e, VerificationError):
                 write_text_atomic(report_path, report.to_json())

@@ -183,6 +183,7 @@ class Target:
     reads: tuple[EpilogueKernel, ...] = ()  # kernels the runtime writes itself (read, never emitted)
     static_shapes: bool = False  # its compiler takes static shapes only (opfuse.static_shapes binds them)
     compiler_fuses_epilogues: bool = False  # its own compiler fuses a layer's activation from standard ops
+    device: str | None = None  # the module compiling for its own backend (opfuse.qnn.device's interface)
 
     def __post_init__(self):
         bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}

@@ -66,4 +66,4 @@ PATTERNS: dict[str, str] = {
 }
 
 TARGET = Target(name="qnn", title="Qualcomm QNN HTP", patterns=PATTERNS, pattern_ops="qnn", static_shapes=True,
-                compiler_fuses_epilogues=True)
+                compiler_fuses_epilogues=True, device="opfuse.qnn.device")
