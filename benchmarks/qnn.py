@@ -51,16 +51,16 @@ BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
 TRANSFORMERS = ("bert", "vit")
 
 
-def _samples(proto: onnx.ModelProto, count: int, seed: int, dims: dict, wild: bool = False) -> list[dict]:
+def _samples(proto: onnx.ModelProto, count: int, seed: int, wild: bool = False) -> list[dict]:
     """Random samples: for a wheel model, opfuse's own ``random:N`` generator (the smallest
     sizes at which the model runs; integer inputs by what they feed), which both flows
     then share; for the built-in and transformer models, N(0, 1) images and tokens 0-49."""
     if wild:
         import onnx_ir as ir
 
-        from opfuse.quantization.calibration import _random_samples
+        from opfuse.quantization.calibration import load_calibration
 
-        return _random_samples(ir.serde.deserialize_model(proto), count, seed)
+        return load_calibration(f"random:{count}", ir.serde.deserialize_model(proto), seed=seed)[0]
     rng = np.random.default_rng(seed)
     inits = {i.name for i in proto.graph.initializer}
     out = []
@@ -70,7 +70,7 @@ def _samples(proto: onnx.ModelProto, count: int, seed: int, dims: dict, wild: bo
             if inp.name in inits:
                 continue
             t = inp.type.tensor_type
-            shape = [d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, 1) for d in t.shape.dim]
+            shape = [d.dim_value if d.HasField("dim_value") else 1 for d in t.shape.dim]
             dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
             if np.issubdtype(dtype, np.floating):
                 s[inp.name] = rng.normal(0, 1, shape).astype(dtype)
@@ -156,7 +156,7 @@ def _ocr_tools(path: pathlib.Path, lines: int):
     return calib, exact, float_exact
 
 
-def run_model(label, path, dims, args) -> dict:
+def run_model(label, path, traits, args) -> dict:
     import opfuse
 
     row: dict = {"model": label}
@@ -168,9 +168,8 @@ def run_model(label, path, dims, args) -> dict:
         held = samples[-args.holdout:]
         calib = samples[:-args.holdout]
     else:
-        samples = _samples(proto, args.calibration + args.holdout, 0, {}, wild=dims.get("wild", False))
+        samples = _samples(proto, args.calibration + args.holdout, 0, wild=traits.get("wild", False))
         calib, held = samples[:args.calibration], samples[args.calibration:]
-    shape_dims = {}
     import onnx_ir as ir
 
     from opfuse.static_shapes import dims_from_samples
@@ -224,15 +223,15 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "opfuse-wild")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--only", default="", help="wheel models whose label contains one of these (comma-separated)")
-    parser.add_argument("--preset", default="qnn", help="opfuse's preset (qnn, or qnn-per-channel)")
+    parser.add_argument("--preset", default="qnn", help="opfuse's preset (default qnn)")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="opfuse-qnn-bench-") as tmp:
-        for label, path, dims in _models(args.models.split(","), pathlib.Path(tmp), args.cache,
+        for label, path, traits in _models(args.models.split(","), pathlib.Path(tmp), args.cache,
                                          [o for o in args.only.split(",") if o]):
             start = time.perf_counter()
             try:
-                row = run_model(label, path, dims, args)
+                row = run_model(label, path, traits, args)
             except Exception as e:  # noqa: BLE001 - one model's failure is a row
                 row = {"model": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             row["seconds"] = round(time.perf_counter() - start, 1)

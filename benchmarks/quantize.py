@@ -468,9 +468,9 @@ def session(path: pathlib.Path, threads: int) -> ort.InferenceSession:
 def run_all(sess: ort.InferenceSession, feeds: list[dict[str, np.ndarray]], batch: int = 8) -> list[np.ndarray]:
     """Every output over every feed, concatenated along the batch axis (one feed per run
     where the model's batch is fixed: the ``qnn`` preset's static shapes)."""
-    fixed = sess.get_inputs()[0].shape[0] if sess.get_inputs()[0].shape else None
-    if isinstance(fixed, int) and fixed > 0:
-        batch = fixed
+    shape = sess.get_inputs()[0].shape
+    if shape and isinstance(shape[0], int) and shape[0] > 0:
+        batch = shape[0]
     parts: list[list[np.ndarray]] = []
     for start in range(0, len(feeds), batch):
         chunk = feeds[start:start + batch]

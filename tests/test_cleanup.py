@@ -198,3 +198,33 @@ def test_a_weight_sliced_from_a_large_constant_folds_unless_that_stores_it_twice
     else:  # the slice becomes the weight, the whole one goes
         assert "Slice" not in ops(out) and sizes == [8 * 64 * 9]
     assert_same(m, out)
+
+
+def test_folder_is_skipped_only_where_nothing_can_fold(monkeypatch):
+    """onnxscript's folder runs when some node has only constant inputs (an initializer or a
+    Constant's output) or an op it evaluates partially; on a Conv -> Relu chain it is
+    skipped, and the clean-up's result is the same as with it."""
+    import onnx_ir as ir
+
+    from opfuse.passes import cleanup
+
+    w = rng(1).normal(size=(2, 2, 1, 1)).astype(np.float32)
+    chain = model([helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Relu", ["c"], ["y"])],
+                  [vinfo("x", [1, 2, 4, 4])], [vinfo("y", [1, 2, 4, 4])], [tensor("w", w)])
+    assert not cleanup._could_fold(ir.serde.deserialize_model(chain))
+    constant_add = model([constant_node("k", "k", np.ones(2, np.float32)),
+                          helper.make_node("Add", ["k", "b"], ["kb"]), helper.make_node("Mul", ["x", "kb"], ["y"])],
+                         [vinfo("x", [2])], [vinfo("y", [2])], [tensor("b", np.ones(2, np.float32))])
+    assert cleanup._could_fold(ir.serde.deserialize_model(constant_add))
+    shape = model([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["y"], to=1)],
+                  [vinfo("x", [2, "n"])], [vinfo("y", [2])])
+    assert cleanup._could_fold(ir.serde.deserialize_model(shape))
+
+    calls = []
+    original = cleanup._fold_constants
+    monkeypatch.setattr(cleanup, "_fold_constants", lambda *a: (calls.append(1), original(*a)))
+    skipped, report = opfuse.optimize(chain)
+    assert not calls and report.verification.ok
+    monkeypatch.setattr(cleanup, "_could_fold", lambda m: True)
+    folded, _ = opfuse.optimize(chain)
+    assert calls and ops(skipped) == ops(folded)

@@ -20,7 +20,7 @@ Steps, each a well-kept pass where one exists:
    quantised runtime reads. The folder infers shapes node by node (onnx's inference per
    node: ~100 us each, most of this stage) only where a folding decision can read one:
    when the model has an op whose partial evaluation reads a shape or a type (Reshape,
-   Shape, Size, Cast, Concat, Expand...; see :func:`_shape_readers`), or when the shapes
+   Shape, Size, Cast, Concat, Expand...; see :data:`SHAPE_READERS`), or when the shapes
    are wanted in the output (``--keep-shapes``). Otherwise it folds the same nodes
    without, and a pass that needs a shape infers it;
 2. constant lifting - onnx-ir's ``LiftConstantsToInitializersPass``: Constant nodes
@@ -165,22 +165,6 @@ SHAPE_FREE = frozenset({"Abs", "Add", "ConcatFromSequence", "Dropout", "Gather",
                         "SequenceAt", "SequenceConstruct", "Squeeze"})
 
 
-def _shape_readers() -> frozenset[str] | None:
-    """Default-domain ops whose partial evaluation in onnxscript's folder may read a shape
-    or a type: every op it has an evaluator for that is not known to read neither (a new
-    evaluator counts as a reader). None when its registry cannot be read: always infer."""
-    try:
-        from onnxscript.optimizer import _constant_folding  # private: inside the try, so another version falls back
-
-        ops = {op for domain, op in _constant_folding.registry.op_evaluators if domain in ONNX_DOMAINS}
-    except Exception:  # noqa: BLE001 - another onnxscript: infer everywhere, as before
-        return None
-    return frozenset(ops - SHAPE_FREE)
-
-
-SHAPE_READERS = _shape_readers()
-
-
 def _evaluated_ops() -> frozenset[tuple[str, str]] | None:
     """(domain, op) of every op onnxscript's folder evaluates partially (its registry:
     private, so None when it cannot be read: then the folder always runs)."""
@@ -193,6 +177,10 @@ def _evaluated_ops() -> frozenset[tuple[str, str]] | None:
 
 
 EVALUATED_OPS = _evaluated_ops()
+# Default-domain ops whose partial evaluation may read a shape or a type: every op the folder
+# has an evaluator for that is not known to read neither (a new evaluator counts as a
+# reader). None when its registry cannot be read: always infer.
+SHAPE_READERS = None if EVALUATED_OPS is None else frozenset(op for d, op in EVALUATED_OPS if d == "") - SHAPE_FREE
 
 
 def _could_fold(model: ir.Model) -> bool:
