@@ -48,7 +48,9 @@ def extract(rev: str, into: pathlib.Path) -> pathlib.Path:
         subprocess.run(["git", "-C", str(ROOT), "archive", rev], stdout=f, check=True)
     tree = into / rev
     with tarfile.open(archive) as tar:
-        tar.extractall(tree, filter="data")
+        # a symlink to an absolute path (a local venv committed by mistake) is not source: skip it
+        tar.extractall(tree, filter=lambda member, dest: None if member.issym() and member.linkname.startswith("/")
+                       else tarfile.data_filter(member, dest))
     return tree
 
 
