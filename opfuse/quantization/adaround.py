@@ -267,9 +267,8 @@ def _grams(float_model: onnx.ModelProto, sites: list[_Site], samples, skipped: d
 
 def reconstruction_error(wq: np.ndarray, w: np.ndarray, grams) -> float:
     """E(Wq) of the module docstring, from the Gram matrices (Gqq, Gfq, Gff)."""
-    gqq, gfq, gff = grams
-    return float(np.einsum("gok,gkl,gol->", wq, gqq, wq) - 2 * np.einsum("gok,gkl,gol->", w, gfq, wq)
-                 + np.einsum("gok,gkl,gol->", w, gff, w))
+    gqq, gfq, gff = grams  # (as matrix products: einsum over three operands does not use BLAS)
+    return float(np.sum((wq @ gqq) * wq) - 2 * np.sum((w @ gfq) * wq) + np.sum((w @ gff) * w))
 
 
 def _optimise(site: _Site, grams, nearest: np.ndarray) -> np.ndarray:
