@@ -122,8 +122,17 @@ def make_static_proto(proto: onnx.ModelProto, given: Mapping[str, int] | None, *
                 by_input.setdefault(name, {})[axis] = value
     for inp in graph.input:
         if inp.name in by_input:
-            shape = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else by_input[inp.name].get(i, 0)
-                     for i, d in enumerate(inp.type.tensor_type.shape.dim)]
+            given_axes = by_input[inp.name]
+            dims_of = inp.type.tensor_type.shape.dim
+            for axis, value in given_axes.items():
+                # an unnamed dim may still carry a placeholder name shared by several axes
+                # (Paddle writes "?" for each): make_input_shape_fixed would fix it by name,
+                # binding every "?" in the graph to the first axis's value, so it is set here
+                if dims_of[axis].HasField("dim_param"):
+                    dims_of[axis].Clear()
+                    dims_of[axis].dim_value = value
+            shape = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else given_axes.get(i, 0)
+                     for i, d in enumerate(dims_of)]
             make_input_shape_fixed(graph, inp.name, shape)
     del graph.value_info[:]
     for output in graph.output:  # their symbols may be stale; inference gives them anew

@@ -150,6 +150,19 @@ def test_every_dimension_named_or_unnamed_is_bound_and_every_tensor_gets_a_stati
     assert "bound batch=2, x:2=5 (from --dim)" in info.note()
 
 
+def test_placeholder_dim_names_shared_by_several_axes_are_bound_axis_by_axis():
+    # Paddle2ONNX writes "?" for every free spatial axis (PP-OCR cls: [-1, 3, "?", "?"]);
+    # binding them by name would give both axes the first value
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [-1, 3, "?", "?"])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [-1, 3, "?", "?"])
+    m = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    fixed, info = make_static_proto(m, {"x:0": 1, "x:2": 4, "x:3": 6})
+    assert [d.dim_value for d in fixed.graph.input[0].type.tensor_type.shape.dim] == [1, 3, 4, 6]
+    assert [d.dim_value for d in fixed.graph.output[0].type.tensor_type.shape.dim] == [1, 3, 4, 6]
+    assert not info.unknown
+
+
 def test_an_unbound_dimension_is_one_line_naming_it():
     with pytest.raises(BadInputError) as e:
         make_static_proto(_reshape_through_shape(), {"batch": 1})
