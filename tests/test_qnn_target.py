@@ -176,3 +176,29 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
     noise = sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(f, h))
     assert abs(v.sqnr_db - 10 * np.log10(signal / noise)) < 1e-3
     assert v.sqnr_db > 20 and ctx.exists()
+
+
+def test_the_a16_preset_writes_16_bit_activations_and_runs_them_on_the_htp_more_exactly(tmp_path):
+    from opfuse.quantization.pipeline import quantize
+
+    # no weights: every error is an activation's (x * Sigmoid(x), as SiLU is written out)
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 6, 6])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 6, 6])
+    m = helper.make_model(helper.make_graph([helper.make_node("Sigmoid", ["x"], ["s"]),
+                                             helper.make_node("Mul", ["x", "s"], ["y"])], "silu", [x], [y]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    r = np.random.default_rng(3)
+    samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
+    figures = {}
+    for preset in ("qnn", "qnn-a16"):
+        q, report = quantize(m, samples, preset=preset, holdout=2, require_npu=True, output=tmp_path / f"{preset}.onnx")
+        qdq = onnx.load(tmp_path / f"{preset}.onnx")
+        inits = {i.name: i for i in qdq.graph.initializer}
+        # the activations' zero points
+        zeros = {inits[n.input[2]].data_type for n in qdq.graph.node
+                 if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
+        assert zeros == {onnx.TensorProto.UINT16 if preset == "qnn-a16" else onnx.TensorProto.UINT8}
+        assert report.device.placement.all_on_npu
+        figures[preset] = report.verification.sqnr_db
+    assert any("MinMax ranges for uint16" in n for n in report.notes)
+    assert figures["qnn-a16"] > figures["qnn"] + 3, figures

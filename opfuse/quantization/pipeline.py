@@ -163,6 +163,10 @@ def quantize(
     if searching and len(calib) < 2:
         report.notes.append("one calibration sample: the search's stopping test runs on the sample it tuned on")
     action = KEEP_ACTIONS[keep_as or chosen.keep_as]
+    if calibrate == "auto" and chosen.activation != "uint8":  # auto judges ranges by their 8-bit round trip
+        calibrate = "minmax"
+        report.notes.append(f"--calibrate auto reads MinMax ranges for {chosen.activation} activations: its "
+                            "per-tensor search judges a range by the 8-bit round trip")
     with tempfile.TemporaryDirectory(prefix="opfuse-quantize-") as tmp:
         quantizer = Quantizer(float_model, chosen, tune, tmp, method=calibrate)
         maker = TrialMaker(quantizer, float_model, tune, adaround=adaround, bias_correction=bias_correction)

@@ -7,6 +7,8 @@ preset         activations        weights            granularity  a costly layer
 ``per-tensor`` uint8, asymmetric  int8, symmetric    per tensor   in float
 ``qnn``        ONNX Runtime's ``get_qnn_qdq_config`` (uint8 activations, uint8 weights,
                per tensor: its Qualcomm NPU defaults)             with 16-bit activations
+``qnn-a16``    the same with uint16 activations (QNN's "w8a16": the HTP runs 16-bit
+               activations natively, at a cost in speed)           (all are 16-bit)
 =============  =================  =================  ===========  ========================
 
 All three write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops) through
@@ -25,7 +27,9 @@ QLinearAdd, but quantising them cost PP-OCRv4 rec half a point (97.0% -> 96.5% e
 match, float 98.0%), so ResNet-style skip connections run in float between a
 DequantizeLinear and a QuantizeLinear: a few more kernels per block, measured in the int8
 rows of ``opfuse bench``.
-``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float. Per-channel weights need
+``qnn-a16`` calibrates with MinMax when ``--calibrate`` is ``auto``: auto's per-tensor search
+judges a range by its 8-bit round trip (:mod:`.ranges`), which is not what a 16-bit tensor
+loses. ``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float. Per-channel weights need
 DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants opset 11 or later
 (:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly layer in
 int8 weights with 16-bit activations instead of leaving it in float.
@@ -42,7 +46,7 @@ import dataclasses
 class Preset:
     name: str
     summary: str
-    activation: str  # "uint8"
+    activation: str  # "uint8" or "uint16"
     weight: str  # "int8" or "uint8"
     per_channel: bool
     qnn: bool = False  # the configuration comes from ONNX Runtime's get_qnn_qdq_config
@@ -68,5 +72,7 @@ PRESETS: dict[str, Preset] = {
                          "uint8", "int8", per_channel=False, op_types=CPU_OPS),
     "qnn": Preset("qnn", "ONNX Runtime's get_qnn_qdq_config: uint8 activations and weights, per tensor",
                   "uint8", "uint8", per_channel=False, qnn=True, keep_as="int16"),
+    "qnn-a16": Preset("qnn-a16", "as qnn with uint16 activations (QNN's w8a16)",
+                      "uint16", "uint8", per_channel=False, qnn=True, keep_as="int16"),
 }
 DEFAULT_PRESET = "cpu"

@@ -195,6 +195,8 @@ class SampleReader(ortq.CalibrationDataReader):
 
 
 # --calibrate: how activation ranges are read off the calibration data
+ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
+
 CALIBRATION_METHODS = {
     "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
     "percentile": (ortq.CalibrationMethod.Percentile, {"CalibPercentile": 99.99}),  # clips the rarest 0.01%
@@ -289,7 +291,8 @@ class Quantizer:
             overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(sixteen)}
             method, extra = CALIBRATION_METHODS[self.method]
             config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
-                                        calibrate_method=method, init_overrides=overrides or None)
+                                        calibrate_method=method, init_overrides=overrides or None,
+                                        activation_type=ACTIVATION_TYPES[preset.activation])
             return dict(
                 calibration_data_reader=reader, quant_format=config.quant_format,
                 activation_type=config.activation_type, weight_type=config.weight_type,
