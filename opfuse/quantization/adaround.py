@@ -282,12 +282,13 @@ def _optimise(site: _Site, grams, nearest: np.ndarray) -> np.ndarray:
     v = -np.log((ZETA - GAMMA) / (rest - GAMMA) - 1)  # h(V) = rest: Wq = W
     norm = max(reconstruction_error(s * nearest, w, grams), 1e-30)
     m, u = np.zeros_like(v), np.zeros_like(v)
+    target = w @ gfq  # the float layer's term of the gradient: the same every iteration
     warm = int(ITERATIONS * WARMUP)
     for step in range(1, ITERATIONS + 1):
         sig = 1 / (1 + np.exp(-v))
         h = np.clip(sig * (ZETA - GAMMA) + GAMMA, 0, 1)
         wq = s * np.where(free, base + h, nearest)
-        grad_wq = 2 * (wq @ gqq - w @ gfq) / norm
+        grad_wq = 2 * (wq @ gqq - target) / norm
         grad_h = grad_wq * s
         if step > warm:
             beta = BETA[1] + (BETA[0] - BETA[1]) * (1 - (step - warm) / (ITERATIONS - warm))
