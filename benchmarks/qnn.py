@@ -216,7 +216,7 @@ def run_model(label, path, traits, args) -> dict:
     ours: dict = {}
     start = time.perf_counter()
     try:
-        q, report = opfuse.quantize(str(path), samples, preset=args.preset, holdout=len(held))
+        q, report = opfuse.quantize(str(path), samples, preset=args.preset, holdout=len(held), adaround=args.adaround)
         ours["quantize_s"] = round(time.perf_counter() - start, 1)
         qdq = ir.serde.serialize_model(q)
         ours.update(_judge(label, fixed, qdq, held, ocr))
@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--only", default="", help="wheel models whose label contains one of these (comma-separated)")
     parser.add_argument("--preset", default="qnn", help="opfuse's preset (default qnn)")
+    parser.add_argument("--adaround", action="store_true", help="opfuse with --adaround (layer-wise weight rounding)")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="opfuse-qnn-bench-") as tmp:
