@@ -645,7 +645,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
     parser.add_argument("--image-size", type=int, default=160, help="image models' input size (default 160)")
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE, help="wheel and model cache")
-    parser.add_argument("--flows", default="", help="only flows whose label contains one of these (comma-separated)")
+    parser.add_argument("--flows", default="", help="only flows whose label contains one of these (comma-separated; '=LABEL' for that label alone)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every row as JSON")
     parser.add_argument("--lines", type=int, default=100, help="OCR lines per evaluation rendering (default 100)")
     parser.add_argument("--peers-python", type=pathlib.Path, default=PEERS_PYTHON,
@@ -659,7 +659,7 @@ def main() -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     wanted = [f for f in args.flows.split(",") if f]
     flows = [(label, build) for label, build in FLOWS
-             if build is None or not wanted or any(w in label for w in wanted)]
+             if build is None or not wanted or any(label == w[1:] if w.startswith("=") else w in label for w in wanted)]
     PEER_OPTIONS.update(python=args.peers_python, adaround_iterations=args.adaround_iterations)
     ort.set_default_logger_severity(3)
     console = Console(width=None if sys.stdout.isatty() else 160)
