@@ -30,6 +30,8 @@ weights (``quantize_static``), unless it is opfuse's own command:
 - opfuse quantize: ``opfuse.quantize(model, calibration, preset=..., equalize=...)``;
   when it raises, the row says "error" and why.
 
+- opfuse quantize cpu --calibrate minmax / percentile: one range method for every tensor,
+  against ``auto``'s per-tensor MSE choice (the default);
 - opfuse quantize cpu --min-sqnr 20: the mixed-precision search's target;
 - AIMET (CLE + AdaRound) and NNCF (``quantize`` with defaults; ``quantize_with_accuracy_control``
   with the benchmark's own metric) per channel and per tensor, run by
@@ -447,6 +449,8 @@ FLOWS: list[tuple[str, Callable | None]] = [
     ("opfuse quantize cpu + equalize", lambda c, o: flow_opfuse(c, o, "cpu", True)),
     ("opfuse quantize per-tensor", lambda c, o: flow_opfuse(c, o, "per-tensor", False)),
     ("opfuse quantize per-tensor + equalize", lambda c, o: flow_opfuse(c, o, "per-tensor", True)),
+    ("opfuse quantize cpu --calibrate minmax", lambda c, o: flow_opfuse(c, o, "cpu", False, calibrate="minmax")),
+    ("opfuse quantize cpu --calibrate percentile", lambda c, o: flow_opfuse(c, o, "cpu", False, calibrate="percentile")),
     ("opfuse quantize cpu + adaround", lambda c, o: flow_opfuse(c, o, "cpu", False, adaround=True)),
     ("opfuse quantize per-tensor + equalize + adaround",
      lambda c, o: flow_opfuse(c, o, "per-tensor", True, adaround=True)),
