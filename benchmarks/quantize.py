@@ -396,7 +396,13 @@ def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool, **op
                                     equalize=equalize, output=str(out), **options)
     steps = [s for s in report.search if s.phase in ("base", "step")]
     walk = "; walk " + " ".join(f"{s.sqnr_db:.1f}" + ("" if s.accepted else "x") for s in steps) if len(steps) > 1 else ""
-    return out, report.summary() + walk
+    rounding = ""
+    if report.adaround_sqnr_db is not None:  # what AdaRound did, kept or not (the guard's reading)
+        before, after = report.adaround_sqnr_db
+        better = sum(e["adaround"] < e["nearest"] for e in report.adaround_errors)
+        rounding = (f"; AdaRound: {better} of {len(report.adaround_errors)} layers' errors lowered, tuning SQNR "
+                    f"{before:.2f} -> {after:.2f} dB, {'kept' if report.adaround_layers else 'left out'}")
+    return out, report.summary() + rounding + walk
 
 
 PEERS_SETUP = 'python3 -m venv .venv-peers && .venv-peers/bin/pip install -c constraints.txt -e ".[int8-peers]"'
