@@ -17,6 +17,7 @@ __all__ = ["main", "build_parser"]
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -186,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("opfuse: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug of opfuse's or of a library under it: one line, not a traceback
+        if os.environ.get("OPFUSE_TRACEBACK"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"opfuse: internal error: {type(e).__name__}: {first} (outputs are written whole or not at all; "
+              "OPFUSE_TRACEBACK=1 shows the traceback, please report it)", file=sys.stderr)
+        return 1
 
 
 def _console(stderr: bool = False):

@@ -270,3 +270,23 @@ def test_config_names_select_the_chapters_ablation_rows(tmp_path):
     assert counts == {"none": 69, "conv-bn": 49, "conv-act": 69, "conv-bn-act": 40, "all": 24}
     rc = main(["optimize", str(path), "-o", str(tmp_path / "x.onnx"), "--config", "all", "--passes", "fold-batchnorm"])
     assert rc == 2
+
+
+def test_an_internal_error_is_one_line_exit_1_and_its_traceback_on_request(tmp_path, capsys, monkeypatch):
+    """A bug (here: a pass raising ValueError) is one line naming it, exit 1, nothing written;
+    OPFUSE_TRACEBACK=1 lets the exception through for a bug report."""
+    import opfuse.cli
+
+    def broken(args):
+        raise ValueError("a bug\nwith a second line")
+
+    monkeypatch.setitem(opfuse.cli.COMMANDS, "optimize", broken)
+    out = tmp_path / "o.onnx"
+    monkeypatch.delenv("OPFUSE_TRACEBACK", raising=False)
+    rc = main(["optimize", str(tmp_path / "m.onnx"), "-o", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("opfuse: internal error: ValueError: a bug ("), lines
+    assert not out.exists()
+    monkeypatch.setenv("OPFUSE_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="a bug"):
+        main(["optimize", str(tmp_path / "m.onnx"), "-o", str(out)])
