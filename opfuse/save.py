@@ -70,7 +70,8 @@ def restore_declared_types(model: ir.Model, declared: Declared) -> None:
     """
     for value in _all_values(model):
         if value.is_initializer():
-            if not value.is_graph_input():  # (an input keeps the input's declaration)
+            # (an input keeps the input's declaration; an output needs a type, ONNX says)
+            if not value.is_graph_input() and not value.is_graph_output():
                 value.type, value.shape = None, None  # its tensor says both; no value_info
             continue
         type_, shape = declared.get(value.name, (None, None))

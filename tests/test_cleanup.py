@@ -219,12 +219,29 @@ def test_folder_is_skipped_only_where_nothing_can_fold(monkeypatch):
     shape = model([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["y"], to=1)],
                   [vinfo("x", [2, "n"])], [vinfo("y", [2])])
     assert cleanup._could_fold(ir.serde.deserialize_model(shape))
+    then, other = (helper.make_graph([helper.make_node(op, ["x"], [op])], op, [], [vinfo(op, [2])])
+                   for op in ("Relu", "Neg"))
+    branch = model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+                   [vinfo("x", [2])], [vinfo("y", [2])], [tensor("c", np.array(True))])
+    assert cleanup._could_fold(ir.serde.deserialize_model(branch))  # an If on a constant: inlined
 
     calls = []
     original = cleanup._fold_constants
-    monkeypatch.setattr(cleanup, "_fold_constants", lambda *a: (calls.append(1), original(*a)))
+    monkeypatch.setattr(cleanup, "_fold_constants", lambda *a: calls.append(1) or original(*a))
     skipped, report = opfuse.optimize(chain)
     assert not calls and report.verification.ok
     monkeypatch.setattr(cleanup, "_could_fold", lambda m: True)
     folded, _ = opfuse.optimize(chain)
     assert calls and ops(skipped) == ops(folded)
+
+
+def test_a_graph_output_folded_into_a_constant_keeps_its_type():
+    """onnxscript's new initializer has no type; ONNX requires one on a graph output."""
+    import onnx_ir as ir
+
+    m = model([helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Neg", ["c"], ["y"])],
+              [vinfo("x", [2])], [vinfo("a", [2]), vinfo("y", [2])], [tensor("c", np.array([1.0, 2.0], np.float32))])
+    result, report = opfuse.optimize(m)
+    written = ir.serde.serialize_model(result)
+    onnx.checker.check_model(written, full_check=True)
+    assert [o.name for o in written.graph.output] == ["a", "y"] and report.verification.ok

@@ -22,7 +22,14 @@ Steps, each a well-kept pass where one exists:
    when the model has an op whose partial evaluation reads a shape or a type (Reshape,
    Shape, Size, Cast, Concat, Expand...; see :data:`SHAPE_READERS`), or when the shapes
    are wanted in the output (``--keep-shapes``). Otherwise it folds the same nodes
-   without, and a pass that needs a shape infers it;
+   without, and a pass that needs a shape infers it. An ``If`` whose condition folds to
+   a constant (an input bound with ``--constant-input``, a shape made static) is replaced
+   by the branch it takes, nested ones too, each recorded
+   (:mod:`opfuse.passes.constant_branches`: the rules, and the guard that makes
+   onnxscript's inlining keep the graph's outputs). A model with an ``If`` always gets
+   this step, since the folder evaluates ``If`` (:func:`_could_fold`). When an ``If``
+   was resolved, steps 0 and 1 run again (up to :data:`BRANCH_ROUNDS` times): the shape
+   arithmetic of its branch, now in the main graph, may decide the Ifs inside it;
 2. constant lifting - onnx-ir's ``LiftConstantsToInitializersPass``: Constant nodes
    become initializers (ONNX Runtime does this itself when it loads a model);
 3. Identity elimination - ``y = Identity(x)`` is removed and its readers read ``x``;
@@ -62,8 +69,10 @@ import onnxscript.optimizer
 
 from opfuse.analyse import iter_scopes, tensor_nbytes
 from opfuse.passes.base import OpfusePass
+from opfuse.passes.constant_branches import GUARD, RESOLVED, guard
 from opfuse.passes.shape_values import fold_shape_values
 from opfuse.random_ops import draws_random, random_nodes
+from opfuse.report import FusionRecord
 from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_onnx, is_op
 
 logger = logging.getLogger(__name__)
@@ -84,13 +93,21 @@ class CleanupPass(OpfusePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         before = _all_ops(model)
-        if self.fold_constants:
+        ops = before
+        for _ in range(BRANCH_ROUNDS if self.fold_constants else 0):
             if self._shapes_seen != count_ops(model.graph):  # (the inference costs; its answer would not change)
                 self.report.records.extend(fold_shape_values(model))
-            infer = self.infer_shapes or _inference_matters(before)
-            if infer or _could_fold(model):  # (a pass over 48k nodes that folds nothing: ~0.5 s)
-                with _quiet_folder():
-                    _fold_constants(model, before, infer)
+                self._shapes_seen = count_ops(model.graph)
+            infer = self.infer_shapes or _inference_matters(ops)
+            if not infer and not _could_fold(model):  # (a pass over 48k nodes that folds nothing: ~0.5 s)
+                break
+            with _quiet_folder():
+                records = _fold_constants(model, ops, infer)
+            self.report.records.extend(records)
+            _type_constant_outputs(model)
+            if not any(r.pattern == RESOLVED for r in records):
+                break
+            ops = _all_ops(model)  # an If became its branch: the shapes inside it may now fold its Ifs
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
         if self.eliminate_common and not random_nodes(model):  # (it skips RandomNormal and kin, not Bernoulli)
@@ -127,6 +144,7 @@ def _quiet_folder():
         folder.setLevel(level)
 
 
+BRANCH_ROUNDS = 8  # shape values and folding again while Ifs become their branches (silero-vad: 2)
 KEEP = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")  # a quantised model's structure
 FILL_LIMIT = 1 << 16  # ConstantOfShape outputs folded up to this many elements
 INPUT_LIMIT = 1 << 22  # constant inputs up to this many elements (a weight sliced by an exporter)
@@ -209,7 +227,7 @@ def _inference_matters(ops) -> bool:
     return SHAPE_READERS is None or any(op in SHAPE_READERS for op in ops)
 
 
-def _fold_constants(model: ir.Model, ops, infer: bool) -> None:
+def _fold_constants(model: ir.Model, ops, infer: bool) -> list[FusionRecord]:
     """Fold with large inputs allowed, unless that grows the weights (a weight another
     branch still reads in full would be stored twice); then with onnxscript's own limit.
 
@@ -219,7 +237,8 @@ def _fold_constants(model: ir.Model, ops, infer: bool) -> None:
     adopted if its weights are not larger than the model's after the first fold (O(model)
     either way; no copy and no size count for most models).
     A failure keeps what was folded before it (``ops``: the op counts before folding).
-    ``infer``: with per-node shape inference.
+    ``infer``: with per-node shape inference. Returns the records of the Ifs replaced by
+    their taken branch (in the model it keeps).
     """
     large: list[ir.Node] = []
 
@@ -229,33 +248,40 @@ def _fold_constants(model: ir.Model, ops, infer: bool) -> None:
             large.append(node)  # the input limit decides this node
         return verdict
 
-    if not _try_fold(model, should_fold, None, ops, infer) or not large:
-        return
+    folded, records = _try_fold(model, should_fold, None, ops, infer)
+    if not folded or not large:
+        return records
     before = _constant_bytes(model)  # (only here: summing every tensor's size is O(model))
     work = model.clone()
-    if not _try_fold(work, _foldable, INPUT_LIMIT, None, infer):
-        return
+    folded, more = _try_fold(work, _foldable, INPUT_LIMIT, None, infer)
+    if not folded:
+        return records
     common.RemoveUnusedNodesPass()(work)
     if _constant_bytes(work) <= before * GROWTH_LIMIT + 4096:
         _adopt(model, work)
+        records += more
+    return records
 
 
-def _try_fold(model: ir.Model, should_fold, limit: int | None, ops, infer: bool) -> bool:
-    """onnxscript's constant folding (``infer``: with per-node shape inference); False if it failed.
+def _try_fold(model: ir.Model, should_fold, limit: int | None, ops, infer: bool) -> tuple[bool, list[FusionRecord]]:
+    """onnxscript's constant folding (``infer``: with per-node shape inference): whether it
+    finished, and the records of the Ifs it replaced by their taken branch.
 
     onnxscript gives the values it creates unique names when it finishes; after a failure
     in the middle, the same is done here if anything was folded (the op counts changed).
     """
+    watch = guard(model)  # (the Ifs' branch outputs made safe to inline; taken out again after)
     try:
         onnxscript.optimizer.fold_constants(
             model, should_fold=should_fold,
             onnx_shape_inference=infer, **({"input_size_limit": limit} if limit else {}))
     except Exception as e:  # noqa: BLE001 - a folding failure only leaves constants unfolded
         logger.info("constant folding stopped: %s", e)
+        records = watch.finish()
         if ops is not None and _all_ops(model) != ops:
             common.NameFixPass()(model)
-        return False
-    return True
+        return False, records
+    return True, watch.finish()
 
 
 def _has_large_input(node: ir.Node) -> bool:
@@ -277,9 +303,10 @@ def _foldable(node: ir.Node) -> bool | None:
     Only default-domain ops; never the quantisation ops (their Q/DQ pairs are the model's
     meaning for a quantised runtime), nor an op that draws random numbers (onnxscript
     skips RandomNormal and its kin, not Bernoulli or a training-mode Dropout); a
-    ConstantOfShape only when what it fills is small.
+    ConstantOfShape only when what it fills is small; never the Identity that guards an
+    If's branch output (:mod:`~opfuse.passes.constant_branches`: it is taken out again).
     """
-    if not is_onnx(node) or node.op_type in KEEP or draws_random(node):
+    if not is_onnx(node) or node.op_type in KEEP or draws_random(node) or GUARD in node.meta:
         return False
     if node.op_type == "ConstantOfShape":
         shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None
@@ -287,6 +314,15 @@ def _foldable(node: ir.Node) -> bool | None:
             return False
         return int(np.prod(shape.numpy(), dtype=np.int64)) <= FILL_LIMIT
     return None
+
+
+def _type_constant_outputs(model: ir.Model) -> None:
+    """A graph output folded into a constant gets the constant's type and shape (onnxscript's
+    new initializer has none, and ONNX requires an output's type)."""
+    for value in model.graph.outputs:
+        if value.type is None and value.const_value is not None:
+            value.type = ir.TensorType(value.const_value.dtype)
+            value.shape = value.shape or ir.Shape(value.const_value.shape)
 
 
 def _all_ops(model: ir.Model):
