@@ -1,7 +1,7 @@
 """The ``opfuse`` command line.
 
     opfuse optimize IN.onnx -o OUT.onnx [--passes ...] [--report r.json] [--inputs x.npz]
-                                        [--dim batch=4] [--no-verify]
+                                        [--dim batch=4] [--constant-input sr=16000] [--no-verify]
     opfuse inspect IN.onnx [--json]
     opfuse demo [--model resnet50]
     opfuse quantize IN.onnx -o OUT.onnx --calibration DATA [--preset cpu|per-tensor|qnn]
@@ -42,6 +42,30 @@ def _dim(text: str) -> tuple[str, int]:
     return name, int(value)
 
 
+def _constant_input(text: str) -> tuple[str, str]:
+    """NAME=VALUE as given; the value is read against the model's input (one line if it does not fit)."""
+    name, sep, value = text.partition("=")
+    return (name, value) if sep and name else ("", text)
+
+
+def _constant_inputs(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        if not name:
+            raise BadInputError(f"--constant-input {value}: expected NAME=VALUE (sr=16000, or a comma-separated list)")
+        if name in out:
+            raise BadInputError(f"--constant-input {name}: given twice ({out[name]} and {value})")
+        out[name] = value
+    return out
+
+
+def _add_constant_input(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--constant-input", action="append", type=_constant_input, default=[], metavar="NAME=VALUE",
+                   help="bind a graph input to the value a deployment fixes (a number or a comma-separated list, "
+                        "read with its dtype and shape): it becomes a constant, leaves the model's inputs, and what "
+                        "it decides folds (an If on it becomes its taken branch); repeatable")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opfuse",
@@ -61,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="value of a symbolic dimension for random verification inputs (default 1); with "
              "--target qnn it binds the dimension in the model (every one must be bound)",
     )
+    _add_constant_input(opt)
     _add_npu_options(opt)
     opt.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs")
     opt.add_argument("--no-verify", action="store_true", help="skip running both models on ONNX Runtime")
@@ -110,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="mixed-precision walk steps at most, one candidate each (default: %(default)s)")
     qnt.add_argument("--dim", action="append", type=_dim, default=[], metavar="NAME=N",
                      help="with --preset qnn: bind a symbolic dimension (default: the calibration samples' size)")
+    _add_constant_input(qnt)
     _add_npu_options(qnt)
     qnt.add_argument("--report", metavar="FILE", help="write the report as JSON (also on failure)")
     qnt.add_argument("--seed", type=int, default=0, help="seed for random:N calibration")
@@ -227,6 +253,7 @@ def _optimize(args) -> int:
         verify=not args.no_verify,
         inputs=args.inputs,
         dims=dict(args.dim),
+        constant_inputs=_constant_inputs(args.constant_input),
         seed=args.seed,
         output=args.output,
         report_path=args.report,
@@ -332,7 +359,8 @@ def _quantize(args) -> int:
         holdout=args.holdout,
         max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
-        dims=dict(args.dim), require_npu=args.require_npu, htp_options=dict(args.htp), context=args.context,
+        dims=dict(args.dim), constant_inputs=_constant_inputs(args.constant_input),
+        require_npu=args.require_npu, htp_options=dict(args.htp), context=args.context,
     )
     return _print_result(args, report, print_quant_report, time.perf_counter() - start)
 

@@ -21,6 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.analyse import epsilon_census, label_unnamed, op_counts
+from opfuse.constant_inputs import BINDING, bind_inputs, resolve_constant_inputs
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
 from opfuse.leftovers import leftover_notes
@@ -28,6 +29,7 @@ from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
+from opfuse.passes.constant_branches import RESOLVED
 from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.targets.accelerator import fusion_veto
@@ -129,6 +131,7 @@ def optimize(
     verify: bool = True,
     inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
     dims: Mapping[str, int] | None = None,
+    constant_inputs: Mapping[str, object] | None = None,
     seed: int = 0,
     output: str | os.PathLike | None = None,
     report_path: str | os.PathLike | None = None,
@@ -158,7 +161,11 @@ def optimize(
     the shape information the input declared; ``keep_shapes`` keeps the inferred shapes.
     ``opset`` raises the model's opset first (onnx's version converter), so patterns can
     become standard ops that need it; ``approximate`` lets a pattern become an op that
-    approximates it (a tanh GELU for an erf one), recorded as such.
+    approximates it (a tanh GELU for an erf one), recorded as such. ``constant_inputs``
+    (``{"sr": 16000}``; text as ``--constant-input`` gives it, numbers or arrays) binds
+    inputs to values a deployment fixes: each becomes an initializer and leaves the graph's
+    inputs, and the clean-up folds what it decides (an ``If`` on it becomes its taken
+    branch; :mod:`opfuse.constant_inputs`); verification feeds the original those values.
     """
     if target not in TARGETS:
         raise BadInputError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
@@ -195,13 +202,18 @@ def optimize(
 
     work, display = load_model(model)
     label_unnamed(work)  # the log names an unnamed node by op type and position
+    bound = resolve_constant_inputs(work, constant_inputs)  # a value that does not fit: one line, before any work
     if verify and inputs is None:
         resolve_dims(work, dims)  # a --dim the model does not have is a usage error, before any work
     original = work.clone() if verify else None
     report = FusionReport(model=display, target=target, passes=names)
+    if bound:
+        report.records.extend(bind_inputs(work, bound))
+    static = None
     if chosen.static_shapes:
         work, static = make_static(work, dims)  # an unbound dimension: one line naming it
         report.notes.append(static.note())
+        static_note = len(report.notes) - 1
     if opset is not None:
         work, note = upgrade_opset(work, opset)
         report.notes.extend([note] if note else [])
@@ -215,6 +227,10 @@ def optimize(
     tidy = CleanupPass(report, infer_shapes=keep_shapes) if cleanup else None
     if tidy is not None:
         tidy(work)  # constant subexpressions become initializers the folds can absorb
+    if static is not None and static.unknown and any(r.pattern == RESOLVED for r in report.records):
+        work, again = make_static(work, None)  # an If's outputs had no static shape; its branch's do
+        static.unknown = again.unknown
+        report.notes[static_note] = static.note()
     rewrites = [n for n in names if n not in fusion]
     targeted = {"target": chosen} if any("target" in pass_class(n).options for n in rewrites) else {}
     if approximate and any("approximate" in pass_class(n).options for n in rewrites):
@@ -227,12 +243,13 @@ def optimize(
         tidy(work)  # what the rewrites left unused, and repeated nodes
         if tidy.summary():
             report.notes.append(tidy.summary())
+    report.notes.extend(binding_notes(report, cleanup))
     report.ops_after = op_counts(work)
     report.notes.extend(leftover_notes(work, report, chosen))
 
     if verify:
         report.verification = verify_models(original, work, inputs=inputs, dims=dims, seed=seed,
-                                            records=report.records)
+                                            records=report.records, constant_inputs=bound)
         if not report.verification.ok:
             bad = report.verification.first_failure()
             if report_path is not None:  # what was attempted, and the failing check
@@ -262,6 +279,21 @@ def optimize(
     if report_path is not None:
         write_text_atomic(report_path, report.to_json())
     return work, report
+
+
+def binding_notes(report: FusionReport, cleanup: bool = True) -> list[str]:
+    """One note for the bound inputs and the Ifs the clean-up resolved (the records have each)."""
+    bound = [r.detail for r in report.records if r.pattern == BINDING]
+    resolved = [r for r in report.records if r.pattern == RESOLVED]
+    if not bound and not resolved:
+        return []
+    parts = list(bound)
+    if resolved:
+        shown = ", ".join(f"'{r.node}' to its {r.produced}" for r in resolved[:4])
+        parts.append(f"{len(resolved)} If(s) resolved: {shown}{', ...' if len(resolved) > 4 else ''}")
+    elif bound and not cleanup:
+        parts.append("--no-cleanup: nothing the bound values decide was folded")
+    return ["; ".join(parts)]
 
 
 @dataclasses.dataclass

@@ -4,7 +4,9 @@ its outputs can be a reference at all.
 - **Input sets** (:func:`input_sets`): the user's (an ``.npz`` keyed by input name), or
   seeded random ones built from the model (:mod:`opfuse.inputs`: free dimensions at
   sizes that run, integer values that follow what they feed, extra sets for the values
-  that take each branch).
+  that take each branch). Inputs bound with ``--constant-input`` are not drawn (``model``
+  is the bound one, ``run`` adds their values); the user's inputs may carry one, with
+  exactly its bound value.
 - **Finite outputs.** A float output of the original that holds NaN or inf proves
   nothing (a NaN "matches" a NaN wherever it sits): the inputs are drawn again with the
   next seeds (:data:`FINITE_RETRIES`) at the same sizes; when every draw still gives one,
@@ -27,6 +29,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from opfuse.constant_inputs import drop_bound
 from opfuse.errors import BadInputError
 from opfuse.inputs import (
     MAX_INTEGER_CASES,
@@ -59,8 +62,10 @@ class Runner:
         return dict(zip(self.names, self.session.run(self.names, dict(feeds))))
 
 
-def load_inputs(model: ir.Model, path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Inputs from an .npz file keyed by graph input name."""
+def load_inputs(model: ir.Model, path: str | os.PathLike,
+                bound: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Inputs from an .npz file keyed by graph input name (a ``bound`` input, when the file
+    has it, must hold its bound value and is dropped)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise BadInputError(f"{path}: no such inputs file")
@@ -69,6 +74,8 @@ def load_inputs(model: ir.Model, path: str | os.PathLike) -> dict[str, np.ndarra
             feeds = {k: data[k] for k in data.files}
     except Exception as e:  # noqa: BLE001 - numpy raises many kinds for a bad file
         raise BadInputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
+    if bound:
+        feeds = drop_bound([feeds], bound, str(path), numbered=False)[0]
     expected = {v.name for v in runtime_inputs(model)}
     missing = sorted(expected - set(feeds))
     unknown = sorted(set(feeds) - expected)
@@ -110,14 +117,15 @@ def require_finite(outputs, names, where: str) -> None:
                           "are finite (or --no-verify)")
 
 
-def input_sets(original, run, inputs, dims, seed, result: Verification, graph_outputs):
+def input_sets(original, run, inputs, dims, seed, result: Verification, graph_outputs, bound=None):
     """[(label, feeds, expected outputs)]: the user's inputs, or random ones that run, on
-    which the original's outputs are finite (:class:`NoReference` when none are)."""
+    which the original's outputs are finite (:class:`NoReference` when none are).
+    ``bound``: the values of the inputs bound with ``--constant-input`` (not in the feeds)."""
     if inputs is not None:
         if isinstance(inputs, Mapping):
-            feeds, result.inputs = dict(inputs), "given"
+            feeds, result.inputs = drop_bound([dict(inputs)], bound or {}, "inputs", numbered=False)[0], "given"
         else:
-            feeds, result.inputs = load_inputs(original, inputs), str(inputs)
+            feeds, result.inputs = load_inputs(original, inputs, bound), str(inputs)
         try:
             expected = run(feeds)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types

@@ -25,7 +25,7 @@ Nothing else in the graph changes: the model computes what it did at those sizes
 
 from __future__ import annotations
 
-__all__ = ["StaticShapes", "make_static", "make_static_proto", "dims_from_samples"]
+__all__ = ["StaticShapes", "make_static", "make_static_proto", "dims_from_samples", "not_static"]
 
 import contextlib
 import dataclasses
@@ -142,23 +142,23 @@ def make_static_proto(proto: onnx.ModelProto, given: Mapping[str, int] | None, *
                     d.Clear()
     out = _infer(out)
     fix_output_shapes(out)
-    return out, StaticShapes(bound, source, _not_static(out))
+    return out, StaticShapes(bound, source, not_static(out))
 
 
 def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
     inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
-    if not _not_static(inferred):
+    if not not_static(inferred):
         return inferred
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy, rarely needed)
 
     with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()):  # (it raises many kinds)
         better = SymbolicShapeInference.infer_shapes(inferred, auto_merge=False, guess_output_rank=False)
-        if better is not None and len(_not_static(better)) < len(_not_static(inferred)):
+        if better is not None and len(not_static(better)) < len(not_static(inferred)):
             return better
     return inferred
 
 
-def _not_static(proto: onnx.ModelProto) -> list[str]:
+def not_static(proto: onnx.ModelProto) -> list[str]:
     """The main graph's node outputs with no static tensor shape (in node order)."""
     known = {}
     for info in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input):

@@ -74,6 +74,12 @@ A reference that is no reference
   the model is nondeterministic and no rewrite is blamed (not verified, with the tensor
   named).
 
+Bound inputs
+------------
+An input bound with ``--constant-input`` (:mod:`opfuse.constant_inputs`) is gone from the
+rewritten model. Inputs are drawn for the rewritten model's inputs; the original is fed
+the same ones plus each bound input's value, the rewritten one only its own.
+
 Coverage
 --------
 Rewrites in the main graph run on every input. A rewrite in a branch of a main-graph
@@ -96,6 +102,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from opfuse.analyse import infer_shapes
+from opfuse.constant_inputs import bound_view, show_value
 from opfuse.errors import BadInputError
 from opfuse.inputs import branch_conditions, free_dims, make_feeds
 from opfuse.random_ops import describe_random, random_nodes, seed_random_nodes
@@ -273,8 +280,12 @@ def verify_models(
     dims: Mapping[str, int] | None = None,
     seed: int = 0,
     records: Sequence[FusionRecord] = (),
+    constant_inputs: Mapping[str, np.ndarray] | None = None,
 ) -> Verification:
-    """Run both models on the same inputs; compare every rewrite and every output."""
+    """Run both models on the same inputs; compare every rewrite and every output.
+
+    ``constant_inputs``: inputs of ``original`` that ``optimised`` has bound (see above)."""
+    bound = dict(constant_inputs or {})
     probes = _probes(records, optimised)
     conditions = branch_conditions(original)
     typed = original.clone()
@@ -295,8 +306,11 @@ def verify_models(
                             "pass --no-verify to skip verification") from None
 
     result = Verification(runtime=_runtime_name(), inputs="")
+    run_reference = (lambda feeds: run_original({**feeds, **bound})) if bound else run_original
     try:
-        sets = input_sets(original, run_original, inputs, dims, seed, result, graph_outputs)
+        sets = input_sets(bound_view(original, bound), run_reference, inputs, dims, seed, result, graph_outputs,
+                          bound)
+        sets = [(label, {**feeds, **bound}, expected) for label, feeds, expected in sets]  # the original's feeds
         if seeded:  # the draws advanced while the inputs were chosen: run again from a fresh session
             result.notes.append(describe_random(seeded, Counter(n.op_type for n in random_nodes(original))))
             sets = rerun(original_x, sets)
@@ -319,7 +333,7 @@ def verify_models(
             if cond in expected:
                 taken.setdefault(if_label, set()).add(bool(np.asarray(expected[cond]).reshape(-1)[0]))
         try:
-            actual = run_optimised(feeds)
+            actual = run_optimised({k: v for k, v in feeds.items() if k not in bound})
         except Exception as e:  # noqa: BLE001
             result.outputs.append(OutputCheck("<model>", "", (), np.inf, np.inf, 0.0, False,
                                               f"ONNX Runtime cannot run the optimised model: {first_line(e)}",
@@ -350,6 +364,9 @@ def verify_models(
             measured = 2 * noise.get((label, name), 0.0)
             if measured > floor:
                 checks[index] = compare_tensor(name, ref, got, rewrite=rewrite, inputs=label, floor=measured)
+    if bound:
+        result.notes.append("the original was fed " + ", ".join(f"{n}={show_value(v)}" for n, v in bound.items())
+                            + " (--constant-input); the rewritten model has no such input")
     if not result.ok:
         result.unverified = _unstable_original(original_x, sets, result)
     _coverage(result, records, original, taken)

@@ -13,6 +13,10 @@ Three forms, each giving a list of samples (one feed dict per sample, keyed by i
 
 In Python, any iterable of mappings ``{input name: array}`` (one per sample) too.
 
+Inputs bound with ``--constant-input`` (:mod:`opfuse.constant_inputs`) are not inputs of
+the model quantised: ``random:N`` does not draw them, and a sample that carries one must
+hold exactly its bound value (else one line naming the sample); it is dropped.
+
 Every sample is checked before any work: the names are exactly the model's inputs, each
 array has the input's rank, its fixed dimensions and its dtype, and there are enough
 samples to hold some out (:func:`split`). A failure is one line
@@ -37,6 +41,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from opfuse.constant_inputs import drop_bound, show_value
 from opfuse.errors import BadInputError
 from opfuse.inputs import find_sizes, make_feeds, runtime_inputs
 from opfuse.runtime import create_session
@@ -49,9 +54,10 @@ CalibrationSource = str | os.PathLike | Iterable[Mapping[str, np.ndarray]]
 
 
 def load_calibration(
-    source: CalibrationSource, model: ir.Model, *, seed: int = 0
+    source: CalibrationSource, model: ir.Model, *, seed: int = 0, bound: Mapping[str, np.ndarray] | None = None
 ) -> tuple[list[Sample], list[str]]:
-    """(samples, notes) from ``source``, checked against ``model``'s inputs."""
+    """(samples, notes) from ``source``, checked against ``model``'s inputs (``model``: with
+    the ``bound`` inputs already bound; see the module docstring)."""
     notes: list[str] = []
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
@@ -76,6 +82,13 @@ def load_calibration(
         except (TypeError, ValueError) as e:
             raise BadInputError(f"calibration: not an iterable of {{input: array}} mappings ({e})") from None
         where = "the calibration samples"
+    if bound:
+        carried = [n for n in bound if any(n in s for s in samples)]
+        samples = drop_bound(samples, bound, where)
+        if carried:
+            notes.append("calibration samples: " + ", ".join(f"{n} ({show_value(bound[n])} wherever given)"
+                                                               for n in carried)
+                         + " dropped from the feeds: bound with --constant-input")
     _check(samples, model, where)
     return samples, notes
 

@@ -2,7 +2,9 @@
 
 The steps, in order (each its own module):
 
-1. load (:mod:`opfuse.load`) and read the calibration data (:mod:`.calibration`); the last
+1. load (:mod:`opfuse.load`), read the ``constant_inputs`` (:mod:`opfuse.constant_inputs`:
+   the bound inputs are no inputs of the model quantised) and the calibration data
+   (:mod:`.calibration`); the last
    quarter of the samples is held out for step 7; with a target (``min_sqnr`` or a
    ``metric``) the last quarter of the rest is the search's **check** set, and what is
    left the **tuning** set (everything else is tuned on it alone);
@@ -48,9 +50,11 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from opfuse.constant_inputs import bound_view, resolve_constant_inputs
 from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
 from opfuse.passes import DEFAULT_PASSES
+from opfuse.passes.constant_branches import RESOLVED
 from opfuse.targets import TARGET_DEFAULT_PASSES
 from opfuse.pipeline import optimize
 from opfuse.quantization.calibration import CalibrationSource, check_runs, load_calibration, split
@@ -91,6 +95,7 @@ def quantize(
     overwrite: bool = False,
     seed: int = 0,
     dims: dict[str, int] | None = None,
+    constant_inputs: dict[str, object] | None = None,
     require_npu: bool = False,
     htp_options: dict[str, str] | None = None,
     context: str | os.PathLike | None = None,
@@ -114,6 +119,10 @@ def quantize(
     is the report's ``device`` section (``require_npu``: any CPU fallback fails, nothing
     written; ``context``: the EPContext model), and the held-out SQNR (and ``metric``) is
     measured on the HTP's outputs, the CPU-QDQ figure beside it.
+
+    ``constant_inputs`` (``{"sr": 16000}``) binds inputs a deployment fixes, as
+    :func:`opfuse.optimize` does: the result no longer takes them, a calibration sample that
+    carries one must hold exactly that value, and ``random:N`` does not draw them.
     """
     if calibrate != "auto" and calibrate not in CALIBRATION_METHODS:
         raise BadInputError(f"unknown calibration method {calibrate!r}; choose from auto, "
@@ -138,18 +147,28 @@ def quantize(
         require_backend()  # not installed: one line with the install command, before any work
         htp = HtpOptions.parse(htp_options)
     work, display = load_model(model)
-    samples, notes = load_calibration(calibration, work, seed=seed)
+    bound = resolve_constant_inputs(work, constant_inputs)  # a value that does not fit: one line, before any work
+    view = bound_view(work, bound)  # the inputs the result takes
+    samples, notes = load_calibration(calibration, view, seed=seed, bound=bound)
     calib, held = split(samples, holdout)
-    check_runs(work, samples)  # before any work: a sample the model cannot run on is named
+    check_runs(view, samples)  # before any work: a sample the model cannot run on is named
 
     passes = [*DEFAULT_PASSES, *(["equalize"] if equalize else [])]
     target = "onnx"
+    static = None
     if chosen.qnn:
-        work, static_note = _static_from_samples(work, samples, dims)
-        notes.append(static_note)
+        work, static = _static_from_samples(work, [{**s, **bound} for s in samples], dims)
+        static_note = len(notes)
+        notes.append(static.note())
         passes, target = [*TARGET_DEFAULT_PASSES["qnn"], *(["equalize"] if equalize else [])], "qnn"
-    folded, fusion = optimize(work, passes=passes, target=target, inputs=held[0], compile_for_device=False)
+    folded, fusion = optimize(work, passes=passes, target=target, inputs=held[0], constant_inputs=bound,
+                              compile_for_device=False)
     fusion.model = display
+    if static is not None and static.unknown and fusion.applied(RESOLVED):
+        from opfuse.static_shapes import not_static  # (static shapes: only the qnn preset needs them)
+
+        static.unknown = not_static(ir.serde.serialize_model(folded))  # an If's outputs: now its branch's
+        notes[static_note] = static.note()
     seeded = seed_random_nodes(folded)  # calibration and SQNR draw the same numbers (the output drops the seeds)
     float_model, prep_notes = prepare(ir.serde.serialize_model(folded), chosen)
     report = QuantReport(model=display, preset=preset, fusion=fusion, calibration_samples=len(calib),
@@ -244,7 +263,7 @@ def quantize(
     return result, report
 
 
-def _static_from_samples(work: ir.Model, samples, dims) -> tuple[ir.Model, str]:
+def _static_from_samples(work: ir.Model, samples, dims):
     """Every symbolic dimension bound: ``dims`` (--dim) first, the others from the samples."""
     from opfuse.inputs import resolve_dims  # (static shapes: only the qnn preset needs them)
     from opfuse.static_shapes import dims_from_samples, make_static  # (likewise)
@@ -253,7 +272,7 @@ def _static_from_samples(work: ir.Model, samples, dims) -> tuple[ir.Model, str]:
     read = {k: v for k, v in dims_from_samples(work, samples).items() if k not in given}
     sources = [f"--dim ({', '.join(given)})"] * bool(given) + [f"the calibration samples' shapes ({', '.join(read)})"] * bool(read)
     work, static = make_static(work, {**read, **given}, source="; ".join(sources) or "nothing")
-    return work, static.note()
+    return work, static
 
 
 def _verify_on_htp(report, float_model, qdq, held, htp, *, require_npu, context, min_sqnr, metric, min_metric,
