@@ -20,11 +20,13 @@ from onnx import TensorProto, helper
 from graphs import assert_outputs_close, model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.constant_inputs import deciding_inputs, resolve_constant_inputs
-from opfuse.errors import BadInputError
+from opfuse.errors import BadInputError, VerificationError
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.pipeline import optimize
+from opfuse.quantization.pipeline import quantize
 from opfuse.report import FusionReport
 from opfuse.verify import verify_models
+from qnn_graphs import needs_htp
 
 X_SHAPE = [1, 3, 6, 6]
 
@@ -304,3 +306,35 @@ def test_the_inputs_a_condition_is_computed_from():
     assert found == {"by_value": ["sr"], "by_shape": [], "mixed": ["sr", "x"]} or \
         found == {"by_value": ["sr"], "by_shape": [], "mixed": ["x", "sr"]}
 
+
+# -- on Qualcomm's HTP (emulated: tiny tensors) -------------------------------------------------
+
+@needs_htp
+def test_on_the_htp_the_if_falls_back_until_sr_is_bound():
+    """Unbound, the If and its branches run on the CPU and the fix names the binding; bound,
+    the model opens strictly with every node on the HTP."""
+    _, report = optimize(sr_model(), target="qnn")
+    fallbacks = report.device.placement.fallbacks
+    assert {f.op_type for f in fallbacks} >= {"If", "Conv", "Relu", "Sigmoid"}
+    assert all("--constant-input sr=VALUE" in f.fix for f in fallbacks), [f.sentence() for f in fallbacks]
+    branch_node = next(f for f in fallbacks if f.name == "t_conv")
+    assert branch_node.fix.startswith("it is in the then_branch of If 'branch', whose condition is computed from "
+                                      "input 'sr' only")
+    with pytest.raises(VerificationError) as caught:
+        optimize(sr_model(), target="qnn", require_npu=True)
+    assert "--constant-input sr=VALUE" in str(caught.value)
+    result, report = optimize(sr_model(), target="qnn", require_npu=True, constant_inputs={"sr": 16000})
+    placement = report.device.placement
+    assert placement.all_on_npu and report.device.strict and not placement.fallbacks
+    assert sorted(placement.on_qnn) == sorted(n.name for n in result.graph)
+
+
+@needs_htp
+def test_quantize_names_the_value_every_calibration_sample_has():
+    samples = [{"x": x_feed(i), "sr": np.array(16000, np.int64)} for i in range(4)]
+    _, report = quantize(sr_model(), samples, preset="qnn", holdout=1)
+    fixes = {f.fix for f in report.device.placement.fallbacks}
+    assert fixes and all("--constant-input sr=16000 (the value every calibration sample has)" in f for f in fixes)
+    _, report = quantize(sr_model(), samples, preset="qnn", holdout=1, constant_inputs={"sr": 16000},
+                         require_npu=True)
+    assert report.device.placement.all_on_npu and report.device.strict

@@ -4,7 +4,8 @@
 (:func:`opfuse.qnn.backend.open_session`) and returns a :class:`HtpCompileLog`, which the
 fusion log shows as a section of its own (:meth:`HtpCompileLog.render`; JSON under
 ``"device"``): the HTP options, the compile time, the nodes on QNN, its partitions, and
-each node left on the CPU as a warning with QNN's reason and the fix opfuse knows.
+each node left on the CPU as a warning with QNN's reason and the fix opfuse knows (for an
+``If`` and its branches, the inputs whose binding removes it: :mod:`.branches`).
 
 ``require_npu`` makes any CPU fallback an error (exit 1, nothing written). Then the model
 is also opened in strict mode (``session.disable_cpu_ep_fallback``), the way a deployment
@@ -25,10 +26,14 @@ import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Mapping
+
+import numpy as np
 
 from opfuse.errors import OpfuseError, VerificationError
 from opfuse.qnn.backend import HtpCompileError, HtpOptions, open_session
-from opfuse.qnn.placement import Placement
+from opfuse.qnn.branches import branch_fixes
+from opfuse.qnn.placement import Fallback, Placement
 
 
 def context_config(path: str | os.PathLike) -> dict[str, str]:
@@ -50,7 +55,17 @@ class HtpCompileLog:
 
     @property
     def warnings(self) -> list[str]:
-        return [f.sentence() for f in self.placement.fallbacks]
+        """One sentence per QNN reason and fix: the nodes of an If's branches share theirs."""
+        out = []
+        for group in _grouped(self.placement.fallbacks):
+            if len(group) == 1:
+                out.append(group[0].sentence())
+                continue
+            first = group[0]
+            why = f"QNN: {first.reason}" if first.reason else "QNN gave no reason in its log"
+            out.append(f"{len(group)} nodes ({_names(group)}) run on the CPU; {why}"
+                       + (f"; fix: {first.fix}" if first.fix else ""))
+        return out
 
     def commit_context(self) -> None:
         """Move the EPContext model into place (after the other outputs are written)."""
@@ -85,8 +100,9 @@ class HtpCompileLog:
             table = Table(title="On the CPU, with QNN's reason", title_justify="left")
             for col in ("node", "op", "QNN's reason", "fix"):
                 table.add_column(col)
-            for f in p.fallbacks:
-                table.add_row(f.name, f.op_type, f.reason or "(none logged)", f.fix)
+            for group in _grouped(p.fallbacks):
+                ops = ", ".join(dict.fromkeys(f.op_type for f in group))
+                table.add_row(_names(group), ops, group[0].reason or "(none logged)", group[0].fix)
             console.print(table)
             for w in self.warnings:
                 console.print(f"[yellow]warning:[/yellow] {w}")
@@ -94,10 +110,25 @@ class HtpCompileLog:
             console.print(f"EPContext model: {self.context} (loads on the device without recompiling)")
 
 
+def _grouped(fallbacks: list[Fallback]) -> list[list[Fallback]]:
+    """The fallbacks by (QNN's reason, fix), in order of first appearance (the JSON keeps each)."""
+    groups: dict[tuple[str, str], list[Fallback]] = {}
+    for f in fallbacks:
+        groups.setdefault((f.reason, f.fix), []).append(f)
+    return list(groups.values())
+
+
+def _names(group: list[Fallback], shown: int = 3) -> str:
+    names = ", ".join(f.name for f in group[:shown])
+    return names + (f" and {len(group) - shown} more" if len(group) > shown else "")
+
+
 def compile_on_htp(model, report=None, *, options: HtpOptions | None = None, require_npu: bool = False,
-                   context: str | os.PathLike | None = None) -> HtpCompileLog:
+                   context: str | os.PathLike | None = None,
+                   input_values: Mapping[str, np.ndarray] | None = None) -> HtpCompileLog:
     """Open ``model`` on the HTP; see the module docstring. With ``report`` (a FusionReport
-    or a QuantReport) the log becomes its ``device`` section."""
+    or a QuantReport) the log becomes its ``device`` section. ``input_values``: inputs that
+    hold one value in every calibration sample (an If they decide: the fix gives it)."""
     options = options or HtpOptions()
     pending = None
     config = None
@@ -110,6 +141,7 @@ def compile_on_htp(model, report=None, *, options: HtpOptions | None = None, req
         if pending is not None:
             shutil.rmtree(pending, ignore_errors=True)
         raise
+    session.placement.fixes.update(branch_fixes(model, session.placement.cpu, input_values))
     log = HtpCompileLog(session.placement, options, session.compile_seconds,
                         context=os.fspath(context) if context is not None else None, _pending=pending,
                         session=session)

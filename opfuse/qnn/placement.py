@@ -20,7 +20,9 @@ Two sources, both captured by :func:`opfuse.qnn.backend.open_session`:
 A model node is **on QNN** when it is not on the CPU and the log saw it (validated or
 placed); **removed** when neither saw it (ONNX Runtime's own optimisations folded it before
 placement); **on the CPU** when a CPU subgraph holds it. Each CPU node is a
-:class:`Fallback` with QNN's reason and, where opfuse knows one (:data:`FIXES`), the fix.
+:class:`Fallback` with QNN's reason and, where opfuse knows one, the fix: from the model
+where the reason does not say enough (an ``If`` and its branches, whose condition a
+``--constant-input`` decides: :mod:`.branches`), else from the reason (:data:`FIXES`).
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ class Placement:
     cpu: list[tuple[str, str]]  # the nodes of the CPU subgraphs
     model_nodes: list[tuple[str, str]]  # the model's own nodes, (name, op type)
     errors: list[str] = dataclasses.field(default_factory=list)  # the log's error lines
+    # node name -> a fix that needs the model, not QNN's reason (an If a binding removes: .branches)
+    fixes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_log(cls, log: Sequence[str], assignment: Iterable, model_nodes: list[tuple[str, str]]) -> Placement:
@@ -161,7 +165,7 @@ class Placement:
         out = []
         for name, op in self.cpu:
             reason = self.reason(name)
-            out.append(Fallback(name, op, reason, fix_for(reason)))
+            out.append(Fallback(name, op, reason, self.fixes.get(name) or fix_for(reason)))
         return out
 
     @property

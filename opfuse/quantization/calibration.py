@@ -31,7 +31,7 @@ stopping test (:mod:`.search`).
 
 from __future__ import annotations
 
-__all__ = ["Sample", "load_calibration", "split", "check_runs", "run_sample", "MIN_SAMPLES"]
+__all__ = ["Sample", "load_calibration", "split", "check_runs", "run_sample", "constant_across", "MIN_SAMPLES"]
 
 import os
 import pathlib
@@ -91,6 +91,19 @@ def load_calibration(
                          + " dropped from the feeds: bound with --constant-input")
     _check(samples, model, where)
     return samples, notes
+
+
+def constant_across(samples: list[Sample], model: ir.Model) -> dict[str, np.ndarray]:
+    """The integer and boolean inputs that hold one value in every sample (an If they
+    decide would take one branch in this deployment: the compile log's fix gives it)."""
+    out = {}
+    for value in runtime_inputs(model):
+        if value.dtype is None or np.dtype(value.dtype.numpy()).kind not in "iub":
+            continue
+        arrays = [np.asarray(s[value.name]) for s in samples if value.name in s]
+        if len(arrays) == len(samples) and arrays and all(np.array_equal(a, arrays[0]) for a in arrays[1:]):
+            out[value.name] = arrays[0]
+    return out
 
 
 def split(samples: list[Sample], holdout: int | None = None) -> tuple[list[Sample], list[Sample]]:

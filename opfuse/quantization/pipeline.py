@@ -57,7 +57,7 @@ from opfuse.passes import DEFAULT_PASSES
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.targets import TARGET_DEFAULT_PASSES
 from opfuse.pipeline import optimize
-from opfuse.quantization.calibration import CalibrationSource, check_runs, load_calibration, split
+from opfuse.quantization.calibration import CalibrationSource, check_runs, constant_across, load_calibration, split
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
 from opfuse.quantization.qdq import CALIBRATION_METHODS, Quantizer, prepare, qdq_layers, weight_storage
 from opfuse.quantization.report import LayerRow, QuantReport, QuantVerification
@@ -152,6 +152,7 @@ def quantize(
     samples, notes = load_calibration(calibration, view, seed=seed, bound=bound)
     calib, held = split(samples, holdout)
     check_runs(view, samples)  # before any work: a sample the model cannot run on is named
+    deciding = {} if bound else constant_across(samples, work)  # (for the compile log's fix of an If)
 
     passes = [*DEFAULT_PASSES, *(["equalize"] if equalize else [])]
     target = "onnx"
@@ -214,7 +215,8 @@ def quantize(
         )
     else:
         compiled = _verify_on_htp(report, float_model, qdq, held, htp, require_npu=require_npu, context=context,
-                                  min_sqnr=min_sqnr, metric=metric, min_metric=min_metric, report_path=report_path)
+                                  min_sqnr=min_sqnr, metric=metric, min_metric=min_metric, report_path=report_path,
+                                  input_values=deciding)
         total = report.verification.sqnr_db
     if min_sqnr is None and metric is None:
         report.verification.floor_sqnr_db = FLOOR_SQNR_DB
@@ -276,13 +278,14 @@ def _static_from_samples(work: ir.Model, samples, dims):
 
 
 def _verify_on_htp(report, float_model, qdq, held, htp, *, require_npu, context, min_sqnr, metric, min_metric,
-                   report_path):
+                   report_path, input_values=None):
     """The quantised model compiled on the HTP; the held-out SQNR measured on its outputs."""
     from opfuse.qnn.compile import compile_on_htp  # (the NPU's backend: only for its preset)
     from opfuse.qnn.runner import htp_accuracy  # (likewise)
 
     try:
-        compiled = compile_on_htp(qdq, report, options=htp, require_npu=require_npu, context=context)
+        compiled = compile_on_htp(qdq, report, options=htp, require_npu=require_npu, context=context,
+                                  input_values=input_values)
     except VerificationError as e:
         if report_path is not None:
             write_text_atomic(report_path, report.to_json())
