@@ -23,7 +23,8 @@ match on rendered text lines (``benchmarks/ocr_text.py``), read on the HTP.
 Models: the built-in ResNet-18/50, MobileNetV2 and VGG (random N(0,1) images), BERT and
 ViT from ``opfuse.models.transformers`` (TorchScript export, opset 17; random tokens), and
 the ONNX files of the wheels of ``benchmarks/wild.py`` (``--only`` picks some by label; their
-samples come from opfuse's own ``random:N`` generator, shared by both flows), and PP-OCRv6 rec
+samples come from opfuse's own ``random:N`` generator, shared by both flows; the inputs a
+wheel's deployment fixes are bound for both, :data:`DEPLOYED_CONSTANTS`), and PP-OCRv6 rec
 small (``ppocrv6``, rendered lines like PP-OCRv4 rec).
 """
 
@@ -113,6 +114,12 @@ def _models(names: list[str], tmp: pathlib.Path, cache: pathlib.Path, only: list
 # that exist and the HTP computes something else (-1.6 dB there, 37 dB just before it).
 # rapidocr feeds it 3 x 48 x 192 (its cls_image_shape).
 DEPLOYED_DIMS = {"ch_ppocr_mobile_v2.0_cls": {"x:0": 1, "x:2": 48, "x:3": 192}}
+# The inputs a wheel's deployment fixes, bound for both flows (keys match those files only):
+# silero-vad's wrapper passes its sample rate with every call, and the model branches on it
+# (If(Equal(sr, 16000))), which QNN cannot place. opfuse gets ``constant_inputs=``; ONNX
+# Runtime's flow gets the model after opfuse's binding step alone (sr an initializer, the If
+# left as it is), and its samples (shared) carry no sr.
+DEPLOYED_CONSTANTS = {"silero_vad.onnx": {"sr": 16000}, "silero_vad_op18_ifless": {"sr": 16000}}
 
 
 def _placement(session) -> dict:
@@ -164,6 +171,74 @@ def _ocr_tools(path: pathlib.Path, lines: int):
     return calib, exact, float_exact
 
 
+def _ort_flow(progress, label, fixed, calib, held, ocr, preprocess=True) -> dict:
+    """ONNX Runtime's QNN guide: preprocess, quantise with its QNN config, judged on the HTP."""
+    flow: dict = {}
+    start = time.perf_counter()
+    pre = fixed
+    try:
+        if not preprocess:
+            raise RuntimeError("skipped: it killed the process")
+        from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
+
+        progress("qnn_preprocess_model")
+        with tempfile.TemporaryDirectory() as tmp:
+            given = onnx.ModelProto()
+            given.CopyFrom(fixed)  # (it rewrites the proto it is given to point at external data)
+            if qnn_preprocess_model(given, f"{tmp}/pre.onnx"):
+                pre = onnx.load(f"{tmp}/pre.onnx")
+        flow["preprocess"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the flow's own crash is a result
+        flow["preprocess"] = f"crashed: {type(e).__name__}: {str(e)[:120]}"
+    try:
+        progress("quantize (get_qnn_qdq_config, quantize)")
+        qdq = quantize_like_qnn_flow(pre, calib)
+        flow["quantize_s"] = round(time.perf_counter() - start, 1)
+        flow["quantize_linear"] = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
+        progress("judging on the HTP")
+        flow.update(_judge(label, fixed, qdq, held, ocr))
+    except Exception as e:  # noqa: BLE001
+        flow["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return flow
+
+
+def _isolated(fn, *args) -> dict:
+    """``fn(progress, *args)`` in a forked child; a child killed by a signal is a row saying
+    so and at which step (``progress(step)`` reports the step it is in)."""
+    import multiprocessing
+    import signal
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child():
+        try:
+            result = fn(lambda step: send.send(("step", step)), *args)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            result = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        send.send(("done", result))
+
+    process = context.Process(target=child)
+    process.start()
+    steps: list[str] = []
+    result = None
+    while result is None:
+        if receive.poll(1.0):
+            kind, value = receive.recv()
+            if kind == "done":
+                result = value
+            else:
+                steps.append(value)
+        elif not process.is_alive():
+            break
+    process.join()
+    if result is not None:
+        return result
+    code = process.exitcode or 0
+    how = f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exit code {code}"
+    return {"error": f"ONNX Runtime's process died: {how} during {steps[-1] if steps else 'start-up'}"}
+
+
 def run_model(label, path, traits, args) -> dict:
     import opfuse
 
@@ -175,6 +250,16 @@ def run_model(label, path, traits, args) -> dict:
         path = pathlib.Path(path).with_suffix(".deployed.onnx")
         onnx.save(proto, path)
         row["dims"] = deployed
+    constants = next((c for key, c in DEPLOYED_CONSTANTS.items() if key in label), None)
+    if constants:  # both flows take the model without the input (opfuse binds it itself, below)
+        import onnx_ir as ir
+
+        from opfuse.constant_inputs import bind_inputs, resolve_constant_inputs
+
+        bound = ir.serde.deserialize_model(proto)
+        bind_inputs(bound, resolve_constant_inputs(bound, constants))
+        proto = ir.serde.serialize_model(bound)
+        row["constant_inputs"] = constants
     ocr = None
     if "rec" in label.lower() and "ocr" in label.lower():
         samples, ocr, float_exact = _ocr_tools(path, args.lines)
@@ -190,35 +275,24 @@ def run_model(label, path, traits, args) -> dict:
 
     shape_dims = dims_from_samples(ir.serde.deserialize_model(proto), samples)
     fixed, _ = make_static_proto(proto, shape_dims)
-    # ONNX Runtime's documented flow
-    flow: dict = {}
-    start = time.perf_counter()
-    pre = fixed
-    try:
-        from onnxruntime.quantization.execution_providers.qnn import qnn_preprocess_model
-
-        with tempfile.TemporaryDirectory() as tmp:
-            given = onnx.ModelProto()
-            given.CopyFrom(fixed)  # (it rewrites the proto it is given to point at external data)
-            if qnn_preprocess_model(given, f"{tmp}/pre.onnx"):
-                pre = onnx.load(f"{tmp}/pre.onnx")
-        flow["preprocess"] = "ok"
-    except Exception as e:  # noqa: BLE001 - the flow's own crash is a result
-        flow["preprocess"] = f"crashed: {type(e).__name__}: {str(e)[:120]}"
-    try:
-        qdq = quantize_like_qnn_flow(pre, calib)
-        flow["quantize_s"] = round(time.perf_counter() - start, 1)
-        flow.update(_judge(label, fixed, qdq, held, ocr))
-    except Exception as e:  # noqa: BLE001
-        flow["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    # ONNX Runtime's documented flow, in a child process: ONNX Runtime itself may crash on a
+    # model (1.32 segfaults optimising silero_vad.onnx once sr is bound), which is a result
+    flow = _isolated(_ort_flow, label, fixed, calib, held, ocr)
+    if "during qnn_preprocess_model" in flow.get("error", ""):  # the guide's next steps, without it
+        flow = {**_isolated(_ort_flow, label, fixed, calib, held, ocr, False), "preprocess": flow["error"]}
+    if constants:
+        flow["binding"] = ("opfuse's binding step only: " + ", ".join(f"{k}={v}" for k, v in constants.items())
+                           + " as an initializer, no other rewrite")
     row["ort_flow"] = flow
     # opfuse
     ours: dict = {}
     start = time.perf_counter()
     try:
-        q, report = opfuse.quantize(str(path), samples, preset=args.preset, holdout=len(held), adaround=args.adaround)
+        q, report = opfuse.quantize(str(path), samples, preset=args.preset, holdout=len(held), adaround=args.adaround,
+                                    constant_inputs=constants)
         ours["quantize_s"] = round(time.perf_counter() - start, 1)
         qdq = ir.serde.serialize_model(q)
+        ours["quantize_linear"] = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
         ours.update(_judge(label, fixed, qdq, held, ocr))
         ours["report_htp_sqnr"] = round(report.verification.sqnr_db, 2)
     except Exception as e:  # noqa: BLE001
