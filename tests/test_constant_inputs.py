@@ -91,6 +91,15 @@ def test_binding_resolves_the_if_to_the_branch_the_value_takes(sr, branch, ops, 
     assert {a["pattern"] for a in applied} >= {"constant input", "If resolved"}
 
 
+def test_without_the_clean_up_the_input_is_bound_and_the_if_stays():
+    original = sr_model()
+    result, report = optimize(original, constant_inputs={"sr": 8000}, cleanup=False)
+    assert "If" in all_ops(result) and [v.name for v in result.graph.inputs] == ["x"]
+    assert any("--no-cleanup: nothing the bound values decide was folded" in n for n in report.notes)
+    x = x_feed()
+    assert_outputs_close(expected(original, 8000, x), ort_run(result, {"x": x}))
+
+
 def test_a_nested_if_whose_condition_the_binding_decides_resolves_too():
     original = sr_model(nested=True)
     for sr, ops in ((16000, ["Conv", "Relu"]), (8000, ["Conv", "Sigmoid"])):
