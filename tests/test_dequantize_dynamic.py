@@ -321,3 +321,21 @@ def test_on_qnn_the_shipped_model_splits_and_the_dequantised_quantised_one_runs_
     assert report.device.placement.all_on_npu and report.device.strict
     assert "LSTM" in {n.op_type for n in q.graph} and report.quantize_linear > 0
     assert any(n.startswith("the model shipped dynamic int8 (1 ConvInteger") for n in report.notes)
+
+
+def test_quantize_says_so_when_none_of_the_dynamic_int8_is_in_a_form_it_dequantises(tmp_path):
+    from opfuse.quantization.pipeline import quantize
+
+    r = rng(7)
+    conv = model([helper.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1], name="conv")],
+                 [vinfo("x", [1, 1, 2, 6])], [vinfo("y", [1, 4, 2, 6])],
+                 [tensor("W", r.normal(0, 0.5, (4, 1, 3, 3)).astype(np.float32))])
+    shipped = _dynamic(tmp_path, conv)
+    acc = next(n.output[0] for n in shipped.graph.node if n.op_type == "ConvInteger")
+    shipped.graph.node.append(helper.make_node("Cast", [acc], ["spy"], to=TensorProto.FLOAT, name="spy"))
+    shipped.graph.output.append(vinfo("spy", [1, 4, 2, 6]))
+    q, report = quantize(shipped, [_x(30 + i) for i in range(8)], holdout=2)
+    assert ("the model shipped dynamic int8 (1 ConvInteger), and none of it is in a form opfuse dequantises "
+            "(the fusion log's refusals say why): it is quantised as it is") in report.notes
+    assert report.shipped_sqnr_db is None and any(n.op_type == "ConvInteger" for n in q.graph)
+    assert any(r.pattern == "DynamicQuantizeLinear+ConvInteger" for r in report.fusion.refusals)

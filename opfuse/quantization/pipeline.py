@@ -171,7 +171,8 @@ def quantize(
     report = QuantReport(model=display, preset=preset, fusion=fusion, calibration_samples=len(calib),
                          notes=[*notes, *prep_notes])
     if dynamic:
-        _dequantised_note(report, shipped, float_model, held, dynamic, first_index=len(calib))
+        _dequantised_note(report, shipped, float_model, held, dynamic, rewritten=len(dequantised.records),
+                          first_index=len(calib))
     if seeded:
         report.notes.append(f"random ops ({', '.join(seeded)}) drew from a fixed seed for calibration and the "
                             "SQNR measurement; the written model keeps its own attributes")
@@ -314,12 +315,16 @@ def _dequantise(shipped: ir.Model) -> tuple[ir.Model, FusionReport]:
 
 
 def _dequantised_note(report: QuantReport, shipped: ir.Model, float_model, held, dynamic: Counter, *,
-                      first_index: int) -> None:
+                      rewritten: int, first_index: int) -> None:
     """What the dequantisation did, and how far the dequantised model (the reference of every
     SQNR after it) is from the shipped one, measured with the shipped model as reference."""
+    kinds = ", ".join(f"{n} {op}" for op, n in dynamic.most_common())
+    if not rewritten:
+        report.notes.append(f"the model shipped dynamic int8 ({kinds}), and none of it is in a form opfuse "
+                            "dequantises (the fusion log's refusals say why): it is quantised as it is")
+        return
     _, report.shipped_sqnr_db = output_sqnr(ir.serde.serialize_model(shipped), float_model, held,
                                             first_index=first_index)
-    kinds = ", ".join(f"{n} {op}" for op, n in dynamic.most_common())
     left = sum(1 for n in float_model.graph.node if (row := integer_op(n)) is not None and row.dynamic)
     report.notes.append(
         f"the model shipped dynamic int8 ({kinds}): dequantised to float ops with its int8 weights (the reference "
