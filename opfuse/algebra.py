@@ -49,6 +49,16 @@ axis lands (None: L does not keep it as one whole axis):
                           (equivalently prod(in[a+1:]) = prod(out[j+1:])): row-major order
                           writes element (p, o, q) at offset (p * C + o) * Q + q on both sides
                           (:func:`reshaped_axis`, with dims that may be symbolic)
+
+Dequantising a weight (:mod:`opfuse.passes.dequantize_dynamic`) is the one formula
+
+    W = (Wq - zero_point) * scale        per tensor, or per index of the axes the scale varies on
+
+computed in float64 and rounded once (:func:`dequantize`): an 8-bit difference (9 bits) times
+a float32 scale (24 bits) is exact in float64, so the result is float32 arithmetic's own
+``(Wq - zp) * scale``, bit for bit. ONNX Runtime's DynamicQuantizeLSTM keeps its weights as
+[directions, input, 4 * hidden] (ONNX LSTM's [directions, 4 * hidden, input] transposed),
+scaled per direction or per column (:func:`dequantize_lstm_weight`).
 """
 
 from __future__ import annotations
@@ -69,6 +79,8 @@ __all__ = [
     "unsqueezed_axis",
     "reshaped_axis",
     "inferred_dim",
+    "dequantize",
+    "dequantize_lstm_weight",
 ]
 
 from collections import Counter
@@ -358,3 +370,22 @@ def inferred_dim(in_dims: Sequence[Dim], known: Sequence[Dim]) -> Dim:
     if static == 1 and sum(rest.values()) == 1:
         return next(iter(rest))
     return None
+
+
+def dequantize(q: np.ndarray, zero_point, scale, dtype=np.float32) -> np.ndarray:
+    """``(q - zero_point) * scale`` rounded once to ``dtype`` (module docstring); the zero
+    point and the scale broadcast against ``q`` (one value, or shaped along its axes)."""
+    zp, s = np.asarray(zero_point, dtype=np.float64), np.asarray(scale, dtype=np.float64)
+    return ((np.asarray(q).astype(np.float64) - zp) * s).astype(dtype)
+
+
+def dequantize_lstm_weight(q: np.ndarray, zero_point, scale, dtype=np.float32) -> np.ndarray:
+    """A DynamicQuantizeLSTM weight ``q`` [directions, rows, 4 * hidden] (its W or R) as ONNX
+    LSTM's [directions, 4 * hidden, rows]. The scale and the zero point each have shape
+    [directions] (per direction) or [directions, 4 * hidden] (per column)."""
+    def spread(v):
+        v = np.asarray(v)
+        return v.reshape(v.shape[0], 1, 1) if v.ndim == 1 else v.reshape(v.shape[0], 1, v.shape[1])
+
+    w = dequantize(q, spread(zero_point), spread(scale), dtype)
+    return np.ascontiguousarray(w.transpose(0, 2, 1))

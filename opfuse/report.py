@@ -95,6 +95,7 @@ class Verification:
     input_sets: list[str] = dataclasses.field(default_factory=list)  # e.g. "sr=16000"
     exercised: int = 0  # rewrites the inputs executed
     not_exercised: list[str] = dataclasses.field(default_factory=list)  # rewrites they did not reach
+    approximation_sqnr_db: float | None = None  # an inexact step's reference against the input model (opfuse.verify)
 
     @property
     def ok(self) -> bool:

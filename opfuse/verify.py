@@ -60,6 +60,13 @@ larger one), so a model whose rewrites all pass on it pays no third session.
 
 Integer and boolean tensors must match exactly; NaNs must sit in the same places.
 
+An inexact step
+---------------
+``dequantize-dynamic`` does not compute the same numbers (it removes a dynamic int8 model's
+run-time rounding), so nothing here "verifies" it: its result is ``original``, the reference
+every later rewrite is held to, and the model it started from runs on the same inputs for one
+measured figure, its output SQNR (the input model as reference), noted in the result.
+
 A reference that is no reference
 --------------------------------
 - **Non-finite outputs** (:mod:`opfuse.reference`). A float output of the original that
@@ -281,10 +288,15 @@ def verify_models(
     seed: int = 0,
     records: Sequence[FusionRecord] = (),
     constant_inputs: Mapping[str, np.ndarray] | None = None,
+    approximated: ir.Model | None = None,
 ) -> Verification:
     """Run both models on the same inputs; compare every rewrite and every output.
 
-    ``constant_inputs``: inputs of ``original`` that ``optimised`` has bound (see above)."""
+    ``constant_inputs``: inputs of ``original`` that ``optimised`` has bound (see above).
+    ``approximated``: the model an inexact step (``dequantize-dynamic``) started from, when
+    ``original`` is that step's result; its output SQNR against ``original`` on the same
+    inputs (the original's feeds, bound inputs included) is measured and noted
+    (:func:`_approximation`), never checked."""
     bound = dict(constant_inputs or {})
     probes = _probes(records, optimised)
     conditions = branch_conditions(original)
@@ -370,7 +382,30 @@ def verify_models(
     if not result.ok:
         result.unverified = _unstable_original(original_x, sets, result)
     _coverage(result, records, original, taken)
+    if approximated is not None:
+        _approximation(result, approximated, sets, graph_outputs)
     return result
+
+
+def _approximation(result: Verification, approximated: ir.Model, sets, names: list[str]) -> None:
+    """The output SQNR of the reference (an inexact step's result) against the model the step
+    started from, on the verification's inputs: a measured figure, not a check."""
+    from opfuse.quantization.sqnr import Accumulator  # (the SQNR definition: only for an inexact step)
+
+    acc = Accumulator()
+    try:
+        run = _Runner(approximated)
+        for _, feeds, expected in sets:
+            given = run(feeds)
+            for name in names:
+                acc.add(name, given[name], expected[name])
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        result.notes.append(f"the input model could not be run to measure the inexact step ({first_line(e)})")
+        return
+    result.approximation_sqnr_db = acc.total_db(names)
+    result.notes.append(f"reference: the model after the inexact step; the input model's outputs differ from it by "
+                        f"{result.approximation_sqnr_db:.1f} dB output SQNR on these {len(sets)} input set(s) "
+                        "(measured, not a pass/fail check)")
 
 
 def _unstable_original(original_x, sets, result: Verification) -> str:

@@ -36,6 +36,11 @@ A row (:class:`OpInfo`) says:
 - **int8**: what an int8 accelerator does with it (``"compute"``: runs it as an int8
   kernel; ``"move"``: moves or selects 8-bit values, keeping their scale; ``""``: float).
 
+A second, smaller table, :data:`INTEGER_OPS`, names the ops of a model that was quantised
+before opfuse sees it (by domain and op: two live in ONNX Runtime's ``com.microsoft``): the
+float op each computes, and whether ONNX Runtime's ``quantize_dynamic`` writes it (its
+activations are quantised at run time, :mod:`opfuse.passes.dequantize_dynamic`).
+
 Also here: the domains (:data:`ONNX_DOMAINS`, :data:`MS_DOMAIN`), the float dtypes,
 attribute readers, op labels and :func:`first_line`.
 
@@ -54,6 +59,9 @@ __all__ = [
     "WeightSpec",
     "OpInfo",
     "OPS",
+    "IntegerOp",
+    "INTEGER_OPS",
+    "integer_op",
     "OP_KINDS",
     "ACTIVATION_OPS",
     "WEIGHTED_OPS",
@@ -216,6 +224,31 @@ OPS: dict[str, OpInfo] = {
     **_rows(_O, "Shape", "Size", metadata_only=True),
 }
 
+
+
+@dataclasses.dataclass(frozen=True)
+class IntegerOp:
+    """An op of a model quantised before opfuse sees it."""
+
+    computes: str  # the float op it is the integer form of ("" for the quantisers themselves)
+    dynamic: bool  # written by ONNX Runtime's quantize_dynamic: its activation is quantised at run time
+
+
+# (domain, op) -> row. The dynamic ones are ONNX Runtime's quantize_dynamic output (ConvInteger and
+# MatMulInteger read a DynamicQuantizeLinear; its graph optimiser fuses them into the contrib ops).
+INTEGER_OPS: dict[tuple[str, str], IntegerOp] = {
+    ("", "DynamicQuantizeLinear"): IntegerOp("", dynamic=True),
+    ("", "ConvInteger"): IntegerOp("Conv", dynamic=True),
+    ("", "MatMulInteger"): IntegerOp("MatMul", dynamic=True),
+    (MS_DOMAIN, "DynamicQuantizeLSTM"): IntegerOp("LSTM", dynamic=True),
+    (MS_DOMAIN, "DynamicQuantizeMatMul"): IntegerOp("MatMul", dynamic=True),
+    (MS_DOMAIN, "MatMulIntegerToFloat"): IntegerOp("MatMul", dynamic=True),
+    ("", "QLinearConv"): IntegerOp("Conv", dynamic=False),
+    ("", "QLinearMatMul"): IntegerOp("MatMul", dynamic=False),
+    ("", "QuantizeLinear"): IntegerOp("", dynamic=False),
+    ("", "DequantizeLinear"): IntegerOp("", dynamic=False),
+}
+
 OP_KINDS: dict[str, OpKind] = {op: info.kind for op, info in OPS.items()}
 ACTIVATION_OPS = frozenset(op for op, info in OPS.items() if info.activation is not None)
 WEIGHTED_OPS = frozenset(op for op, info in OPS.items() if info.weights is not None)
@@ -238,6 +271,12 @@ def op_info(node: Any) -> OpInfo | None:
     if node.domain not in ONNX_DOMAINS:
         return None
     return OPS.get(node.op_type)
+
+
+def integer_op(node: Any) -> IntegerOp | None:
+    """The node's row of :data:`INTEGER_OPS` (None for a float op)."""
+    domain = "" if node.domain in ONNX_DOMAINS else node.domain
+    return INTEGER_OPS.get((domain, node.op_type))
 
 
 def op_kind(node: Any) -> OpKind:

@@ -214,10 +214,12 @@ def test_a_held_out_sqnr_under_3_db_without_a_target_exits_1_with_the_report(tmp
     assert "below 3 dB" in last and "--min-sqnr" in last and "only the report was written" in last
 
 
-def dynamic_int8_net() -> onnx.ModelProto:
+def dynamic_int8_net(kept: bool = False) -> onnx.ModelProto:
     """What ONNX Runtime's dynamic quantiser leaves: t -> DynamicQuantizeLinear (named
     't_QuantizeLinear', outputs 't_quantized', 't_scale', 't_zero_point') -> MatMulInteger
-    -> Cast -> Mul; t also feeds a float MatMul, which the static quantiser quantises."""
+    -> Cast -> Mul; t also feeds a float MatMul, which the static quantiser quantises.
+    ``kept``: the int32 result is a graph output too, so the dynamic part cannot be
+    dequantised (opfuse.passes.dequantize_dynamic) and stays."""
     r = rng(8)
     w1 = r.normal(0, 0.3, (8, 8)).astype(np.float32)
     w2 = r.normal(0, 0.3, (8, 8)).astype(np.float32)
@@ -230,19 +232,23 @@ def dynamic_int8_net() -> onnx.ModelProto:
              helper.make_node("Mul", ["t_scale", "wq_scale"], ["s"], name="scales"),
              helper.make_node("Mul", ["f", "s"], ["y1"], name="rescale"),
              helper.make_node("MatMul", ["t", "w2"], ["y2"], name="mm2")]
-    return model(nodes, [vinfo("x", [4, 8])], [vinfo("y1", [4, 8]), vinfo("y2", [4, 8])],
+    outputs = [vinfo("y1", [4, 8]), vinfo("y2", [4, 8])] + [vinfo("i32", [4, 8], TensorProto.INT32)] * kept
+    return model(nodes, [vinfo("x", [4, 8])], outputs,
                  [tensor("w1", w1), tensor("w2", w2), tensor("wq", wq), tensor("wq_zero", np.uint8(128)),
                   tensor("wq_scale", np.float32(0.01))])
 
 
-def test_a_model_quantised_before_by_ort_is_not_a_cycle_any_more():
+@pytest.mark.parametrize("kept", [True, False], ids=["dynamic-part-kept", "dequantised"])
+def test_a_model_quantised_before_by_ort_is_not_a_cycle_any_more(kept):
     """ONNX Runtime's static quantiser names the scale of t 't_scale', a tensor the dynamic
     quantiser already wrote: its QDQ graph then reads its own output ('Graph is not a DAG').
-    The clashing tensors are renamed first, the note says why, and the model runs."""
-    net = dynamic_int8_net()
+    Where the dynamic part stays, the clashing tensors are renamed first, the note says why,
+    and the model runs; where it is dequantised first, no such tensor is left to clash."""
+    net = dynamic_int8_net(kept)
     data = [{"x": x} for x in rng(2).normal(0, 1, (12, 4, 8)).astype(np.float32)]
     q, report = opfuse.quantize(net, data, adaround=False)
-    assert any("Graph is not a DAG" in n and "renamed" in n for n in report.notes)
+    assert any("Graph is not a DAG" in n and "renamed" in n for n in report.notes) == kept
+    assert any(n.startswith("the model shipped dynamic int8 (1 MatMulInteger)") for n in report.notes)
     import onnx_ir as ir
 
     proto = ir.serde.serialize_model(q)

@@ -8,7 +8,11 @@ A pass declares, as class attributes:
 - ``fuses_residual`` - whether it can give a kernel a residual input (a target's layout
   policy asks: ONNX Runtime's NCHWc check is needed only then);
 - ``options`` - the keyword options it accepts beyond the report (the fusion passes take
-  ``exclude`` and ``veto``), so the pipeline hands each pass only what it declares.
+  ``exclude`` and ``veto``), so the pipeline hands each pass only what it declares;
+- ``exact`` - whether its rewrites compute the same numbers (every pass but
+  ``dequantize-dynamic``). An inexact pass runs before the others, and verification takes
+  its result as the reference, its distance from the input measured and reported
+  (:func:`opfuse.pipeline.optimize`).
 
 and gets from the base:
 
@@ -43,6 +47,7 @@ class OpfusePass(ir.passes.InPlacePass):
     emits_contrib_ops: ClassVar[bool] = False
     fuses_residual: ClassVar[bool] = False
     options: ClassVar[frozenset[str]] = frozenset()
+    exact: ClassVar[bool] = True
 
     def __init__(self, report: FusionReport | None = None, **options: Any):
         super().__init__()

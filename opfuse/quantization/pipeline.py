@@ -10,7 +10,12 @@ The steps, in order (each its own module):
    left the **tuning** set (everything else is tuned on it alone);
 2. fold and clean up with :func:`opfuse.optimize` (portable ONNX, verified on a held-out
    sample as any rewrite), with ``equalize`` also cross-layer equalisation
-   (:mod:`opfuse.passes.equalize`): after folding, each weight is quantised once;
+   (:mod:`opfuse.passes.equalize`): after folding, each weight is quantised once. A model
+   that ships dynamic int8 (ONNX Runtime's ``quantize_dynamic``: ConvInteger, MatMulInteger,
+   DynamicQuantizeLSTM...) is first dequantised to float ops with its int8 weights
+   (:mod:`opfuse.passes.dequantize_dynamic`, not exact), before anything else: that model
+   is the reference of the folds' verification and of every SQNR below, and its own output
+   SQNR against the shipped model on the held-out samples is measured and reported;
 3. prepare (:mod:`.qdq`): nodes named, a zero bias where a Conv or Gemm has none, the
    opset raised where the preset's QDQ needs it;
 4. calibrate and insert QDQ with ONNX Runtime's quantiser (:mod:`.presets`); ``calibrate``
@@ -44,19 +49,21 @@ __all__ = ["quantize"]
 import os
 import pathlib
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from opfuse.analyse import iter_scopes, label_unnamed, op_counts
 from opfuse.constant_inputs import bound_view, resolve_constant_inputs
 from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
 from opfuse.passes import DEFAULT_PASSES
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.targets import TARGET_DEFAULT_PASSES
-from opfuse.pipeline import optimize
+from opfuse.pipeline import optimize, run_passes
 from opfuse.quantization.calibration import CalibrationSource, check_runs, constant_across, load_calibration, split
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
 from opfuse.quantization.qdq import CALIBRATION_METHODS, Quantizer, prepare, qdq_layers, weight_storage
@@ -65,8 +72,10 @@ from opfuse.quantization.search import KEEP_ACTIONS, Judge, Runner, monotone_sea
 from opfuse.quantization.sqnr import INFINITE, layer_costs, layer_pairs, measure, output_sqnr
 from opfuse.quantization.trials import TrialMaker
 from opfuse.random_ops import drop_given_seeds, seed_random_nodes
+from opfuse.report import FusionReport
 from opfuse.runtime import create_session
 from opfuse.save import check_destinations, save_model, write_text_atomic
+from opfuse.vocabulary import integer_op
 
 Metric = Callable[[ort.InferenceSession], float]
 LOW_SQNR_DB = 10  # below it, with no target given, the report suggests --min-sqnr
@@ -154,6 +163,9 @@ def quantize(
     check_runs(view, samples)  # before any work: a sample the model cannot run on is named
     deciding = {} if bound else constant_across(samples, work)  # (for the compile log's fix of an If)
 
+    shipped, dynamic = view, _dynamic_kernels(work)  # (the shipped model's SQNR is read on the samples' inputs)
+    if dynamic:  # float ops again, with the shipped int8 weights: the model every later step starts from
+        work, dequantised = _dequantise(work)
     passes = [*DEFAULT_PASSES, *(["equalize"] if equalize else [])]
     target = "onnx"
     static = None
@@ -170,10 +182,17 @@ def quantize(
 
         static.unknown = not_static(ir.serde.serialize_model(folded))  # an If's outputs: now its branch's
         notes[static_note] = static.note()
+    if dynamic:  # one fusion log: the dequantisation first
+        fusion.passes = [*dequantised.passes, *fusion.passes]
+        fusion.records[:0], fusion.refusals[:0] = dequantised.records, dequantised.refusals
+        fusion.ops_before = dequantised.ops_before
     seeded = seed_random_nodes(folded)  # calibration and SQNR draw the same numbers (the output drops the seeds)
     float_model, prep_notes = prepare(ir.serde.serialize_model(folded), chosen)
     report = QuantReport(model=display, preset=preset, fusion=fusion, calibration_samples=len(calib),
                          notes=[*notes, *prep_notes])
+    if dynamic:
+        _dequantised_note(report, shipped, float_model, held, dynamic, rewritten=len(dequantised.records),
+                          first_index=len(calib))
     if seeded:
         report.notes.append(f"random ops ({', '.join(seeded)}) drew from a fixed seed for calibration and the "
                             "SQNR measurement; the written model keeps its own attributes")
@@ -229,7 +248,7 @@ def quantize(
     report.quantize_linear = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
     if not report.quantize_linear:
         subgraphs = any(a.type == onnx.AttributeProto.GRAPH for n in float_model.graph.node for a in n.attribute)
-        integer = sum(n.op_type in INTEGER_KERNELS for n in float_model.graph.node)
+        integer = sum(integer_op(n) is not None for n in float_model.graph.node)
         report.notes.append("nothing was quantised: ONNX Runtime's quantiser found no layer it quantises in the "
                             "main graph" + (" (it does not enter If and Loop bodies, where this model computes)"
                                             if subgraphs else "")
@@ -301,8 +320,39 @@ def _verify_on_htp(report, float_model, qdq, held, htp, *, require_npu, context,
     return compiled
 
 
-INTEGER_KERNELS = ("DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeLSTM",
-                   "DynamicQuantizeMatMul", "QLinearConv", "QLinearMatMul", "QuantizeLinear", "DequantizeLinear")
+def _dynamic_kernels(model: ir.Model) -> Counter:
+    """Op type -> count of the integer kernels ONNX Runtime's quantize_dynamic writes."""
+    return Counter(n.op_type for scope in iter_scopes(model) for n in scope.graph
+                   if (row := integer_op(n)) is not None and row.dynamic and row.computes)
+
+
+def _dequantise(shipped: ir.Model) -> tuple[ir.Model, FusionReport]:
+    """A copy of the shipped model with its dynamic int8 as float ops (not exact: the copy is
+    the reference from here on), and the log of that step."""
+    work = shipped.clone()
+    label_unnamed(work)
+    log = FusionReport(passes=["dequantize-dynamic"], ops_before=op_counts(work))
+    run_passes(work, log.passes, log)
+    return work, log
+
+
+def _dequantised_note(report: QuantReport, shipped: ir.Model, float_model, held, dynamic: Counter, *,
+                      rewritten: int, first_index: int) -> None:
+    """What the dequantisation did, and how far the dequantised model (the reference of every
+    SQNR after it) is from the shipped one, measured with the shipped model as reference."""
+    kinds = ", ".join(f"{n} {op}" for op, n in dynamic.most_common())
+    if not rewritten:
+        report.notes.append(f"the model shipped dynamic int8 ({kinds}), and none of it is in a form opfuse "
+                            "dequantises (the fusion log's refusals say why): it is quantised as it is")
+        return
+    _, report.shipped_sqnr_db = output_sqnr(ir.serde.serialize_model(shipped), float_model, held,
+                                            first_index=first_index)
+    left = sum(1 for n in float_model.graph.node if (row := integer_op(n)) is not None and row.dynamic)
+    report.notes.append(
+        f"the model shipped dynamic int8 ({kinds}): dequantised to float ops with its int8 weights (the reference "
+        f"below is that model; it differs from the shipped model by {report.shipped_sqnr_db:.1f} dB output SQNR on "
+        "the held-out samples)"
+        + (f"; {left} dynamic int8 node(s) stayed as they were (the fusion log's refusals say why)" if left else ""))
 
 
 def _record_trial_facts(report: QuantReport, quantizer: Quantizer, maker: TrialMaker) -> None:

@@ -118,6 +118,7 @@ class QuantReport:
     bytes_float: int = 0
     bytes_quantized: int = 0
     quantize_linear: int = 0
+    shipped_sqnr_db: float | None = None  # a dynamic int8 model: the dequantised reference against the shipped one
     verification: QuantVerification | None = None
     device: Any = None  # qnn: the HTP compile log of the quantised model (opfuse.qnn.compile.HtpCompileLog)
 
@@ -184,6 +185,7 @@ class QuantReport:
                                 "output_sqnr_db": self.bias_sqnr_db},
             "weights": {"8bit": self.weights_8bit, "total": self.weights_total},
             "bytes": {"float": self.bytes_float, "quantized": self.bytes_quantized},
+            "shipped_sqnr_db": self.shipped_sqnr_db,
             "verification": None if self.verification is None
             else {**dataclasses.asdict(self.verification), "ok": self.verification.ok},
             **({"device": self.device.to_dict()} if self.device is not None else {}),
