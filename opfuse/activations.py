@@ -27,7 +27,7 @@ Merging (:func:`merge_activations`), when two consecutive activations are one:
 
 from __future__ import annotations
 
-__all__ = ["Activation", "read_activation", "clip_bounds", "merge_activations"]
+__all__ = ["Activation", "read_activation", "clip_bounds", "merge_activations", "clamp_of"]
 
 import dataclasses
 import math
@@ -107,6 +107,11 @@ def merge_activations(first: Activation, then: Activation) -> Activation | None:
 
 def _clamp(act: Activation) -> tuple[float, float]:
     return (0.0, math.inf) if act.op == "Relu" else (float(act.params[0]), float(act.params[1]))
+
+
+def clamp_of(act: Activation) -> tuple[float, float] | None:
+    """(lo, hi) of an activation that clamps (Relu, Clip), None for any other."""
+    return _clamp(act) if act.op in ("Relu", "Clip") else None
 
 
 def _dtype(node: ir.Node):
