@@ -295,6 +295,8 @@ def run_model(label, path, traits, args) -> dict:
         ours["quantize_linear"] = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
         ours.update(_judge(label, fixed, qdq, held, ocr))
         ours["report_htp_sqnr"] = round(report.verification.sqnr_db, 2)
+        if args.adaround:
+            ours["adaround_layers"] = report.adaround_layers
     except Exception as e:  # noqa: BLE001
         ours["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()

@@ -162,7 +162,8 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
     samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
     ctx = tmp_path / "ctx.onnx"
     q, report = quantize(m, samples, preset="qnn", holdout=2, require_npu=True, context=ctx,
-                         output=tmp_path / "q.onnx")
+                         output=tmp_path / "q.onnx", adaround=True)  # its guard runs on the HTP
+    assert report.adaround_sqnr_db is not None and report.bias_sqnr_db is not None
     assert any("bound batch=1 (from the calibration samples' shapes (batch))" in n for n in report.notes)
     assert report.device.placement.all_on_npu and report.device.strict
     v = report.verification

@@ -132,6 +132,35 @@ def _round_trip(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return (np.clip(np.rint(values / scale) + zero, 0, 255) - zero) * scale
 
 
+def test_the_adaround_guard_judges_on_the_runner_it_is_given():
+    """AdaRound is kept for the model only if the output SQNR rises where the guard measures
+    it: on ONNX Runtime's CPU by default, on the runner given (the qnn preset gives the
+    HTP's). A runner that sees the rounded model as worse leaves the weights at nearest."""
+    from opfuse.quantization.trials import TrialMaker
+
+    net = one_conv()
+    calib = [{"x": x} for x in smooth(16, (1, 8, 12, 12), 1)]
+    float_model, _ = prepare(net, PRESETS["cpu"])
+    judged = []
+
+    def sceptic(candidate, feeds):  # the nearest model as it is; any other one made worse
+        session = create_session(candidate, "disabled")
+        worse = len(judged) % 2 == 1  # the guard measures without, then with
+        judged.append(worse)
+        return [[o + (1.0 if worse else 0.0) for o in session.run(None, s)] for s in feeds]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        quantizer = Quantizer(float_model, PRESETS["cpu"], calib, tmp)
+        cpu = TrialMaker(quantizer, float_model, calib, bias_correction=False)
+        cpu.make()
+        other = TrialMaker(quantizer, float_model, calib, bias_correction=False, runner=sceptic)
+        other.make()
+    on_cpu, on_runner = cpu.facts[quantizer.method], other.facts[quantizer.method]
+    assert on_cpu.adaround and on_cpu.adaround_sqnr_db[1] > on_cpu.adaround_sqnr_db[0]
+    assert judged == [False, True] and not on_runner.adaround
+    assert on_runner.adaround_sqnr_db[1] < on_runner.adaround_sqnr_db[0]
+
+
 def test_the_mse_range_beats_minmax_on_a_tensor_with_outliers():
     """A tensor of four million values with one outlier: its chosen range is inside
     MinMax's and its round trip is closer to the values than MinMax's, on the calibration
