@@ -203,3 +203,32 @@ def test_the_a16_preset_writes_16_bit_activations_and_runs_them_on_the_htp_more_
         figures[preset] = report.verification.sqnr_db
     assert any("MinMax ranges for uint16" in n for n in report.notes)
     assert figures["qnn-a16"] > figures["qnn"] + 3, figures
+
+
+def test_the_per_channel_qnn_preset_writes_int8_channel_scales_and_is_more_exact_on_the_htp(tmp_path):
+    """One output channel's weights 50x the others' (a channel the Relu after it then
+    silences, so the output's own range is the small channels'): one uint8 scale for the
+    whole weight leaves the small channels a step or two; per-channel int8 scales (QNN's
+    symmetric per-channel weights) give each its own, and the HTP runs it whole."""
+    from opfuse.quantization.pipeline import quantize
+
+    m = conv_then("Relu", c_out=4, size=6)
+    inits = {i.name: i for i in m.graph.initializer}
+    w = onnx.numpy_helper.to_array(inits["W"]) * np.array([50, 1, 1, 1], np.float32).reshape(4, 1, 1, 1)
+    b = onnx.numpy_helper.to_array(inits["B"]).copy()
+    b[0] = -1e3
+    inits["W"].CopyFrom(onnx.numpy_helper.from_array(w, "W"))
+    inits["B"].CopyFrom(onnx.numpy_helper.from_array(b, "B"))
+    r = np.random.default_rng(3)
+    samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
+    figures = {}
+    for preset in ("qnn", "qnn-per-channel"):
+        q, report = quantize(m, samples, preset=preset, holdout=2, require_npu=True, output=tmp_path / f"{preset}.onnx")
+        qdq = onnx.load(tmp_path / f"{preset}.onnx")
+        inits = {i.name: onnx.numpy_helper.to_array(i) for i in qdq.graph.initializer}
+        (dq,) = [n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+                 and inits[n.input[0]].ndim == 4]
+        assert report.device.placement.all_on_npu and report.device.strict
+        figures[preset] = (inits[dq.input[0]].dtype, inits[dq.input[1]].size, report.verification.sqnr_db)
+    assert figures["qnn"][:2] == (np.uint8, 1) and figures["qnn-per-channel"][:2] == (np.int8, 4)
+    assert figures["qnn-per-channel"][2] > figures["qnn"][2] + 6, figures  # (about 26 against 13 dB)

@@ -1,17 +1,16 @@
 """The quantisation presets, as data (the command line lists them without loading anything).
 
-=============  =================  =================  ===========  ========================
-preset         activations        weights            granularity  a costly layer is kept
-=============  =================  =================  ===========  ========================
-``cpu``        uint8, asymmetric  int8, symmetric    per channel  in float
-``per-tensor`` uint8, asymmetric  int8, symmetric    per tensor   in float
-``qnn``        ONNX Runtime's ``get_qnn_qdq_config`` (uint8 activations, uint8 weights,
-               per tensor: its Qualcomm NPU defaults)             with 16-bit activations
-``qnn-a16``    the same with uint16 activations (QNN's "w8a16": the HTP runs 16-bit
-               activations natively, at a cost in speed)           (all are 16-bit)
-=============  =================  =================  ===========  ========================
+- ``cpu``: uint8 asymmetric activations, int8 symmetric weights per channel; a costly
+  layer is kept in float.
+- ``per-tensor``: the same with one weight scale per tensor.
+- ``qnn``: ONNX Runtime's ``get_qnn_qdq_config`` (uint8 activations, uint8 weights per
+  tensor: its Qualcomm NPU defaults); a costly layer is kept with 16-bit activations.
+- ``qnn-per-channel``: ``qnn`` with int8 symmetric per-channel weights (QNN's own option,
+  ``get_qnn_qdq_config(per_channel=True)``).
+- ``qnn-a16``: ``qnn`` with uint16 activations (QNN's "w8a16": the HTP runs 16-bit
+  activations natively, at a cost in speed).
 
-All three write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops) through
+All of them write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops) through
 ONNX Runtime's quantiser, calibrated as ``--calibrate`` says (by default ``auto``: each
 tensor the range of least round-trip error among MinMax, the 99.99th percentile and
 ranges clipped inside MinMax; :mod:`.ranges`).
@@ -72,6 +71,8 @@ PRESETS: dict[str, Preset] = {
                          "uint8", "int8", per_channel=False, op_types=CPU_OPS),
     "qnn": Preset("qnn", "ONNX Runtime's get_qnn_qdq_config: uint8 activations and weights, per tensor",
                   "uint8", "uint8", per_channel=False, qnn=True, keep_as="int16"),
+    "qnn-per-channel": Preset("qnn-per-channel", "as qnn with int8 symmetric per-channel weights",
+                              "uint8", "int8", per_channel=True, qnn=True, keep_as="int16"),
     "qnn-a16": Preset("qnn-a16", "as qnn with uint16 activations (QNN's w8a16)",
                       "uint16", "uint8", per_channel=False, qnn=True, keep_as="int16"),
 }

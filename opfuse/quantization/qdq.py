@@ -196,6 +196,7 @@ class SampleReader(ortq.CalibrationDataReader):
 
 # --calibrate: how activation ranges are read off the calibration data
 ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
+WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8}  # Preset.weight
 
 CALIBRATION_METHODS = {
     "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
@@ -292,7 +293,9 @@ class Quantizer:
             method, extra = CALIBRATION_METHODS[self.method]
             config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
                                         calibrate_method=method, init_overrides=overrides or None,
-                                        activation_type=ACTIVATION_TYPES[preset.activation])
+                                        activation_type=ACTIVATION_TYPES[preset.activation],
+                                        weight_type=WEIGHT_TYPES[preset.weight], per_channel=preset.per_channel,
+                                        weight_symmetric=True if preset.per_channel else None)
             return dict(
                 calibration_data_reader=reader, quant_format=config.quant_format,
                 activation_type=config.activation_type, weight_type=config.weight_type,
