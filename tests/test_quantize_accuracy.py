@@ -254,6 +254,8 @@ def test_the_keep_action_and_the_runner_are_pluggable():
     with pytest.raises(VerificationError) as failed:
         opfuse.quantize(net, data, preset="qnn", min_sqnr=90, max_steps=2, runner=runner, adaround=False)
     report = failed.value.report
+    assert report.search_stopped.startswith("it took its 2 steps (max_steps); with ")
+    assert "the search stopped: it took its 2 steps" in str(failed.value)
     assert len(calls) >= len(report.search) + 1  # each trial, and the check of the base
     assert report.kept() and all(r.precision == "int16 activations" for r in report.kept())
 

@@ -225,6 +225,7 @@ def quantize(
                 Judge(float_model, check, runner), report, keep_as=action, min_sqnr=min_sqnr,
                 metric=measured if metric else None, min_metric=min_metric, max_steps=max_steps)
             qdq, keep, why, gain_of = outcome.model, outcome.kept, outcome.why, outcome.gain_of
+            report.search_stopped = outcome.stopped
             report.tuning_samples, report.check_samples = len(tune), len(check)
         else:
             qdq, keep, why, gain_of = maker.make([], keep_as=action.name), [], {}, {}
@@ -270,6 +271,8 @@ def quantize(
         v = report.verification
         if min_sqnr is not None and v.sqnr_db < min_sqnr:
             why = f"output SQNR {v.sqnr_db:.1f} dB on {v.samples} held-out sample(s) is below --min-sqnr {min_sqnr:g}"
+            if report.search_stopped:
+                why += f"; the search stopped: {report.search_stopped}"
         elif v.floor_sqnr_db is not None and v.sqnr_db < v.floor_sqnr_db:
             why = (f"output SQNR {v.sqnr_db:.1f} dB on {v.samples} held-out sample(s) is below {v.floor_sqnr_db:g} dB: "
                    "the int8 model's outputs are no approximation of the float model's (give --min-sqnr DB to "

@@ -106,6 +106,7 @@ class QuantReport:
     layers: list[LayerRow] = dataclasses.field(default_factory=list)
     search: list[SearchStep] = dataclasses.field(default_factory=list)
     ranking: list[RankedCandidate] = dataclasses.field(default_factory=list)
+    search_stopped: str = ""  # with a search: why it ended (met, out of steps, no candidate left)
     range_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # --calibrate auto: tensors per chosen kind of range
     adaround_layers: int = 0  # layers whose AdaRound rounding was kept
     adaround_sqnr_db: tuple[float, float] | None = None  # tuning output SQNR without -> with
@@ -178,6 +179,7 @@ class QuantReport:
             "layers": [dataclasses.asdict(r) for r in self.layers],
             "search": [dataclasses.asdict(s) for s in self.search],
             "ranking": [dataclasses.asdict(r) for r in self.ranking],
+            "search_stopped": self.search_stopped,
             "ranges": dict(self.range_kinds),
             "adaround": {"layers": self.adaround_layers, "output_sqnr_db": self.adaround_sqnr_db,
                          "per_layer": list(self.adaround_errors)},

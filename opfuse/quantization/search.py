@@ -128,6 +128,7 @@ class SearchOutcome:
     met: bool
     why: dict[str, str]  # node -> why it was kept
     gain_of: dict[str, float]  # node -> its candidate's measured gain alone
+    stopped: str = ""  # why the search ended, in words
 
 
 def monotone_search(make: Callable[[list[str]], onnx.ModelProto], float_model: onnx.ModelProto,
@@ -158,9 +159,12 @@ def monotone_search(make: Callable[[list[str]], onnx.ModelProto], float_model: o
     why: dict[str, str] = {}
     gain_of: dict[str, float] = {}
     steps, tried = 0, set()
+    base_tune, base_check = tune_db, check_db
+    stopped = ""
     while not met(check_db, value) and steps < max_steps:
         ranking = _rank(model, float_model, keep, tried, measure, score(tune_db, value), report)
         if not ranking:
+            stopped = "no candidate left raises the tuning SQNR"
             break
         accepted_any = False
         for candidate, gain in ranking:
@@ -186,8 +190,17 @@ def monotone_search(make: Callable[[list[str]], onnx.ModelProto], float_model: o
             keep, model, tune_db, value, check_db = trial_keep, new_model, new_db, new_value, new_check
             accepted_any = True
         if not accepted_any:
+            stopped = "no candidate left raises the tuning SQNR when taken"
             break
-    return SearchOutcome(model, keep, tune_db, check_db, value, met(check_db, value), why, gain_of)
+    if met(check_db, value):
+        stopped = "the target was met"
+    elif not stopped:
+        stopped = f"it took its {max_steps} steps (max_steps)"
+    stopped += (f"; with {len(keep)} node(s) kept, the tuning samples went from {base_tune:.1f} to {tune_db:.1f} dB "
+                f"and the check samples from {base_check:.1f} to {check_db:.1f} dB")
+    if tune_db - base_tune > 1.0 and check_db - base_check < 0.5 * (tune_db - base_tune):
+        stopped += ": what the steps gained on the samples they were chosen on did not carry to others"
+    return SearchOutcome(model, keep, tune_db, check_db, value, met(check_db, value), why, gain_of, stopped)
 
 
 def _rank(model, float_model, keep, tried, measure, base_score, report) -> list[tuple[Candidate, float]]:
