@@ -89,6 +89,7 @@ class TrialMaker:
         qdq = self.quantizer.quantize(list(keep), keep_as=keep_as)
         first = method not in self.facts
         facts = self.facts.setdefault(method, MethodFacts())
+        judged = None  # the guard's figure for qdq as it now stands (each judge may compile on the HTP)
         if self.use_adaround and (first or facts.adaround):
             rounding = adaround_layers(self.float_model, qdq, self.samples, self._rounding_cache)
             if first:
@@ -97,11 +98,12 @@ class TrialMaker:
                 apply_rounding(rounded, rounding)
                 with_db = self.judge(rounded)
                 facts.adaround, facts.adaround_sqnr_db, facts.rounding = with_db > without_db, (without_db, with_db), rounding
+                judged = with_db if facts.adaround else without_db
             if facts.adaround:
                 apply_rounding(qdq, rounding)
         if self.use_bias_correction:
             if first:
-                without_db = self.judge(qdq)
+                without_db = judged if judged is not None else self.judge(qdq)
                 subset = self.reference.head(CHOICE_SAMPLES)
                 corrected, correction = select_corrections(
                     qdq, compute_corrections(self.float_model, qdq, self.samples), subset.sqnr)
