@@ -671,6 +671,10 @@ def main() -> int:
     flows = [(label, build) for label, build in FLOWS
              if build is None or not wanted or any(label == w[1:] if w.startswith("=") else w in label for w in wanted)]
     PEER_OPTIONS.update(python=args.peers_python, adaround_iterations=args.adaround_iterations)
+    peers = [label for label, _ in flows if label.startswith(("AIMET", "NNCF"))]
+    if peers and not args.peers_python.exists():  # before any model is built: an hour's run would end in error rows
+        parser.error(f"{args.peers_python}: no peers venv for {', '.join(peers)}; set it up with: {PEERS_SETUP} "
+                     "(or pass --peers-python, or leave the peers out with --flows)")
     ort.set_default_logger_severity(3)
     console = Console(width=None if sys.stdout.isatty() else 160)
     everything: list[dict] = []

@@ -180,29 +180,36 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
 
 
 def test_the_a16_preset_writes_16_bit_activations_and_runs_them_on_the_htp_more_exactly(tmp_path):
-    from opfuse.quantization.pipeline import quantize
-
     # no weights: every error is an activation's (x * Sigmoid(x), as SiLU is written out)
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 6, 6])
     y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 6, 6])
     m = helper.make_model(helper.make_graph([helper.make_node("Sigmoid", ["x"], ["s"]),
                                              helper.make_node("Mul", ["x", "s"], ["y"])], "silu", [x], [y]),
                           opset_imports=[helper.make_opsetid("", 17)])
-    r = np.random.default_rng(3)
-    samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
     figures = {}
-    for preset in ("qnn", "qnn-a16"):
-        q, report = quantize(m, samples, preset=preset, holdout=2, require_npu=True, output=tmp_path / f"{preset}.onnx")
-        qdq = onnx.load(tmp_path / f"{preset}.onnx")
+    for preset, qdq, report in _on_the_htp(m, ("qnn", "qnn-a16"), tmp_path):
         inits = {i.name: i for i in qdq.graph.initializer}
         # the activations' zero points
         zeros = {inits[n.input[2]].data_type for n in qdq.graph.node
                  if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
         assert zeros == {onnx.TensorProto.UINT16 if preset == "qnn-a16" else onnx.TensorProto.UINT8}
-        assert report.device.placement.all_on_npu
         figures[preset] = report.verification.sqnr_db
     assert any("MinMax ranges for uint16" in n for n in report.notes)
     assert figures["qnn-a16"] > figures["qnn"] + 3, figures
+
+
+def _on_the_htp(model, presets, tmp_path, shape=(1, 3, 6, 6)):
+    """(preset, the written QDQ model, its report) per preset: 8 samples of N(0, 1) of
+    ``shape``, 2 held out, quantised with --require-npu (each result runs whole on the HTP)."""
+    from opfuse.quantization.pipeline import quantize
+
+    r = np.random.default_rng(3)
+    samples = [{model.graph.input[0].name: r.normal(0, 1, shape).astype(np.float32)} for _ in range(8)]
+    for preset in presets:
+        _, report = quantize(model, samples, preset=preset, holdout=2, require_npu=True,
+                             output=tmp_path / f"{preset}.onnx")
+        assert report.device.placement.all_on_npu and report.device.strict
+        yield preset, onnx.load(tmp_path / f"{preset}.onnx"), report
 
 
 def test_the_per_channel_qnn_preset_writes_int8_channel_scales_and_is_more_exact_on_the_htp(tmp_path):
@@ -210,7 +217,6 @@ def test_the_per_channel_qnn_preset_writes_int8_channel_scales_and_is_more_exact
     silences, so the output's own range is the small channels'): one uint8 scale for the
     whole weight leaves the small channels a step or two; per-channel int8 scales (QNN's
     symmetric per-channel weights) give each its own, and the HTP runs it whole."""
-    from opfuse.quantization.pipeline import quantize
 
     m = conv_then("Relu", c_out=4, size=6)
     inits = {i.name: i for i in m.graph.initializer}
@@ -219,16 +225,11 @@ def test_the_per_channel_qnn_preset_writes_int8_channel_scales_and_is_more_exact
     b[0] = -1e3
     inits["W"].CopyFrom(onnx.numpy_helper.from_array(w, "W"))
     inits["B"].CopyFrom(onnx.numpy_helper.from_array(b, "B"))
-    r = np.random.default_rng(3)
-    samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
     figures = {}
-    for preset in ("qnn", "qnn-per-channel"):
-        q, report = quantize(m, samples, preset=preset, holdout=2, require_npu=True, output=tmp_path / f"{preset}.onnx")
-        qdq = onnx.load(tmp_path / f"{preset}.onnx")
+    for preset, qdq, report in _on_the_htp(m, ("qnn", "qnn-per-channel"), tmp_path):
         inits = {i.name: onnx.numpy_helper.to_array(i) for i in qdq.graph.initializer}
         (dq,) = [n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
                  and inits[n.input[0]].ndim == 4]
-        assert report.device.placement.all_on_npu and report.device.strict
         figures[preset] = (inits[dq.input[0]].dtype, inits[dq.input[1]].size, report.verification.sqnr_db)
     assert figures["qnn"][:2] == (np.uint8, 1) and figures["qnn-per-channel"][:2] == (np.int8, 4)
     assert figures["qnn-per-channel"][2] > figures["qnn"][2] + 6, figures  # (about 26 against 13 dB)

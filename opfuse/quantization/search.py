@@ -49,7 +49,7 @@ import onnx
 from opfuse.quantization.calibration import Sample, run_sample
 from opfuse.quantization.qdq import WEIGHTED_OPS, qdq_layers
 from opfuse.quantization.report import QuantReport, RankedCandidate, SearchStep
-from opfuse.quantization.sqnr import Accumulator
+from opfuse.quantization.sqnr import outputs_db
 from opfuse.runtime import create_session
 
 Runner = Callable[[onnx.ModelProto, Sequence[Sample]], list[list[np.ndarray]]]
@@ -78,11 +78,7 @@ class Judge:
         self.values = (reference or ort_runner())(float_model, self.samples)
 
     def sqnr(self, model: onnx.ModelProto) -> float:
-        acc = Accumulator()
-        for ref, got in zip(self.values, self.runner(model, self.samples)):
-            for name, f, q in zip(self.names, ref, got):
-                acc.add(name, f, q)
-        return acc.total_db(self.names)
+        return outputs_db(self.names, self.values, self.runner(model, self.samples))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,10 @@ out of int8.
 
 from __future__ import annotations
 
-__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "layer_costs", "layer_pairs", "QdqIndex"]
+__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs", "layer_pairs", "QdqIndex"]
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -147,6 +147,16 @@ def output_sqnr(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, sample
     return {n: acc.db(n) for n in names}, acc.total_db(names)
 
 
+def outputs_db(names: Sequence[str], references, outputs) -> float:
+    """SQNR in dB over every graph output ``names`` of every sample: ``references`` and
+    ``outputs`` hold one list of arrays per sample, in the order of ``names``."""
+    acc = Accumulator()
+    for ref, got in zip(references, outputs):
+        for name, f, q in zip(names, ref, got):
+            acc.add(name, f, q)
+    return acc.total_db(names)
+
+
 class OutputReference:
     """The float model's graph outputs on a set of samples, computed once, to judge many
     candidate QDQ models against (the mixed-precision search's trials)."""
@@ -166,11 +176,7 @@ class OutputReference:
     def sqnr(self, qdq_model: onnx.ModelProto, level: str = "disabled") -> float:
         """SQNR over all outputs and samples of ``qdq_model``, in dB."""
         session = create_session(qdq_model, level)
-        acc = Accumulator()
-        for sample, ref in zip(self.samples, self.values):
-            for name, f, q in zip(self.names, ref, session.run(self.names, sample)):
-                acc.add(name, f, q)
-        return acc.total_db(self.names)
+        return outputs_db(self.names, self.values, (session.run(self.names, s) for s in self.samples))
 
 
 def layer_costs(layers: list[QdqLayer], acc: Accumulator) -> dict[str, tuple[float, float]]:

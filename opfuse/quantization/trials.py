@@ -40,7 +40,7 @@ from opfuse.quantization.bias_correction import (
     select_corrections,
 )
 from opfuse.quantization.qdq import Quantizer
-from opfuse.quantization.sqnr import Accumulator, OutputReference
+from opfuse.quantization.sqnr import OutputReference, outputs_db
 
 CHOICE_SAMPLES = 16  # tuning samples on which each bias correction is kept or not
 
@@ -77,11 +77,7 @@ class TrialMaker:
         """The tuning output SQNR of ``model`` as the guards measure it (module docstring)."""
         if self.runner is None:
             return self.reference.sqnr(model)
-        acc = Accumulator()
-        for ref, got in zip(self.reference.values, self.runner(model, self.samples)):
-            for name, f, q in zip(self.reference.names, ref, got):
-                acc.add(name, f, q)
-        return acc.total_db(self.reference.names)
+        return outputs_db(self.reference.names, self.reference.values, self.runner(model, self.samples))
 
     def make(self, keep=(), keep_as: str | None = None) -> onnx.ModelProto:
         """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16")."""
