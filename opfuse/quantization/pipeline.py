@@ -257,7 +257,9 @@ def quantize(
         subgraphs = any(a.type == onnx.AttributeProto.GRAPH for n in float_model.graph.node for a in n.attribute)
         integer = sum(integer_op(n) is not None for n in float_model.graph.node)
         report.notes.append("nothing was quantised: ONNX Runtime's quantiser found no layer it quantises in the "
-                            "main graph" + (" (it does not enter If and Loop bodies, where this model computes)"
+                            "main graph" + (" (it does not enter If and Loop bodies, where this model computes; an If decided "
+                                            "by an input the deployment fixes, such as a sample rate, goes with "
+                                            "--constant-input NAME=VALUE)"
                                             if subgraphs else "")
                             + (f"; the model already computes in integers ({integer} node(s) such as "
                                "DynamicQuantizeLinear, MatMulInteger, DynamicQuantizeLSTM): it was quantised before"

@@ -258,6 +258,7 @@ class Quantizer:
             ort.set_default_logger_severity(2)  # the runtime's default (ONNX Runtime has no getter to restore from)
         model = onnx.load(out)
         out.unlink()
+        _restore_removed_activations(model, self.float_model)
         if keep and keep_as == "float":
             _read_float_inputs(model, set(keep), self.float_model)
         return model
@@ -356,29 +357,87 @@ def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx
                 made, original = producer.get(source), float_producer.get(source)
                 if (made is not None and original is not None and made.op_type != original.op_type
                         and original.op_type in REMOVABLE_ACTIVATIONS):
-                    act = onnx.NodeProto()
-                    act.CopyFrom(original)
-                    act.name = f"{original.name or original.op_type}_float"
-                    act.input[0] = source
-                    act.output[0] = f"{source}_float"
-                    for extra in act.input[1:]:
-                        if extra and extra not in have and extra in float_inits:
-                            model.graph.initializer.append(float_inits[extra])
-                            have.add(extra)
+                    act = _activation_copy(model, original, source, float_inits, have)
                     added.append(act)
                     copies[source] = act.output[0]
             node.input[index] = copies[source]
-    if added:  # each copy goes right after the node that computes its input
-        nodes = list(model.graph.node)
-        for act in added:
-            at = next(i for i, n in enumerate(nodes) if act.input[0] in n.output) + 1 if act.input[0] in producer else 0
-            nodes.insert(at, act)
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
+    _insert_after_inputs(model, added)
     _drop_unread_qdq(model)
 
 
 REMOVABLE_ACTIVATIONS = ("Relu", "Clip")  # what ONNX Runtime's QDQ quantiser folds into a Q's range
+
+
+def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.ModelProto) -> None:
+    """Readers the quantiser does not see get back the activation it removed (in place).
+
+    ONNX Runtime's QDQ quantiser drops a Relu or Clip after a quantised layer (the
+    QuantizeLinear's range clips instead) and gives the layer's output the activation's
+    name; it rewrites the readers it knows to the DequantizeLinear. A branch of an If or
+    Loop that reads the tensor from the outer scope is not one of them: it would read the
+    values before the activation (silero_vad_half: output SQNR -1.4 dB). Those readers, and
+    any main-graph node other than the QuantizeLinear still reading it, read a copy of the
+    float model's activation instead.
+    """
+    float_producer = {o: n for n in float_model.graph.node for o in n.output}
+    removed = {o: float_producer[o] for n in model.graph.node for o in n.output
+               if o in float_producer and float_producer[o].op_type in REMOVABLE_ACTIVATIONS
+               and n.op_type != float_producer[o].op_type}
+    if not removed:
+        return
+    readers = [(n, i) for n in model.graph.node if n.op_type != "QuantizeLinear"
+               for i, name in enumerate(n.input) if name in removed]
+    readers += [(n, i) for g in _subgraphs(model.graph) for n in g.node for i, name in enumerate(n.input)
+                if name in removed]
+    if not readers:
+        return
+    float_inits = {i.name: i for i in float_model.graph.initializer}
+    have = {i.name for i in model.graph.initializer}
+    copies: dict[str, onnx.NodeProto] = {}
+    for node, index in readers:
+        source = node.input[index]
+        if source not in copies:
+            copies[source] = _activation_copy(model, removed[source], source, float_inits, have, suffix="activated")
+        node.input[index] = copies[source].output[0]
+    _insert_after_inputs(model, list(copies.values()))
+
+
+def _subgraphs(graph: onnx.GraphProto):
+    """Every graph nested in ``graph``'s nodes (If branches, Loop and Scan bodies), at any depth."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
+                        attr.graphs if attr.type == onnx.AttributeProto.GRAPHS else []):
+                yield sub
+                yield from _subgraphs(sub)
+
+
+def _activation_copy(model: onnx.ModelProto, original: onnx.NodeProto, source: str, float_inits, have: set,
+                     suffix: str = "float") -> onnx.NodeProto:
+    """A copy of the float model's activation ``original`` reading ``source`` (its constant
+    operands brought along); the caller inserts it."""
+    act = onnx.NodeProto()
+    act.CopyFrom(original)
+    act.name = f"{original.name or original.op_type}_{suffix}"
+    act.input[0] = source
+    act.output[0] = f"{source}_{suffix}"
+    for extra in act.input[1:]:
+        if extra and extra not in have and extra in float_inits:
+            model.graph.initializer.append(float_inits[extra])
+            have.add(extra)
+    return act
+
+
+def _insert_after_inputs(model: onnx.ModelProto, added: list[onnx.NodeProto]) -> None:
+    """Each node of ``added`` goes right after the node that computes its first input."""
+    if not added:
+        return
+    nodes = list(model.graph.node)
+    for act in added:
+        at = next((i + 1 for i, n in enumerate(nodes) if act.input[0] in n.output), 0)
+        nodes.insert(at, act)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def _drop_unread_qdq(model: onnx.ModelProto) -> None:

@@ -83,6 +83,8 @@ class TrialMaker:
         """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16")."""
         method = self.quantizer.method
         qdq = self.quantizer.quantize(list(keep), keep_as=keep_as)
+        if not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node):
+            return qdq  # nothing was quantised: no rounding to choose, no bias to correct, nothing to judge
         first = method not in self.facts
         facts = self.facts.setdefault(method, MethodFacts())
         judged = None  # the guard's figure for qdq as it now stands (each judge may compile on the HTP)
