@@ -226,10 +226,12 @@ def test_the_per_channel_qnn_preset_writes_int8_channel_scales_and_is_more_exact
     inits["W"].CopyFrom(onnx.numpy_helper.from_array(w, "W"))
     inits["B"].CopyFrom(onnx.numpy_helper.from_array(b, "B"))
     figures = {}
-    for preset, qdq, report in _on_the_htp(m, ("qnn", "qnn-per-channel"), tmp_path):
+    for preset, qdq, report in _on_the_htp(m, ("qnn", "qnn-per-channel", "qnn-a16-per-channel"), tmp_path):
         inits = {i.name: onnx.numpy_helper.to_array(i) for i in qdq.graph.initializer}
         (dq,) = [n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
                  and inits[n.input[0]].ndim == 4]
         figures[preset] = (inits[dq.input[0]].dtype, inits[dq.input[1]].size, report.verification.sqnr_db)
     assert figures["qnn"][:2] == (np.uint8, 1) and figures["qnn-per-channel"][:2] == (np.int8, 4)
     assert figures["qnn-per-channel"][2] > figures["qnn"][2] + 6, figures  # (about 26 against 13 dB)
+    assert figures["qnn-a16-per-channel"][:2] == (np.int8, 4)  # the same weights, 16-bit activations
+    assert figures["qnn-a16-per-channel"][2] > figures["qnn-per-channel"][2], figures

@@ -9,6 +9,7 @@
   ``get_qnn_qdq_config(per_channel=True)``).
 - ``qnn-a16``: ``qnn`` with uint16 activations (QNN's "w8a16": the HTP runs 16-bit
   activations natively, at a cost in speed).
+- ``qnn-a16-per-channel``: ``qnn-a16`` with ``qnn-per-channel``'s weights.
 
 All of them write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops) through
 ONNX Runtime's quantiser, calibrated as ``--calibrate`` says (by default ``auto``: each
@@ -75,5 +76,7 @@ PRESETS: dict[str, Preset] = {
                               "uint8", "int8", per_channel=True, qnn=True, keep_as="int16"),
     "qnn-a16": Preset("qnn-a16", "as qnn with uint16 activations (QNN's w8a16)",
                       "uint16", "uint8", per_channel=False, qnn=True, keep_as="int16"),
+    "qnn-a16-per-channel": Preset("qnn-a16-per-channel", "as qnn-a16 with int8 symmetric per-channel weights",
+                                  "uint16", "int8", per_channel=True, qnn=True, keep_as="int16"),
 }
 DEFAULT_PRESET = "cpu"
