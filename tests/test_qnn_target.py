@@ -235,3 +235,24 @@ def test_the_per_channel_qnn_preset_writes_int8_channel_scales_and_is_more_exact
     assert figures["qnn-per-channel"][2] > figures["qnn"][2] + 6, figures  # (about 26 against 13 dB)
     assert figures["qnn-a16-per-channel"][:2] == (np.int8, 4)  # the same weights, 16-bit activations
     assert figures["qnn-a16-per-channel"][2] > figures["qnn-per-channel"][2], figures
+
+
+def test_per_channel_qnn_presets_keep_layernorm_constants_per_tensor_so_the_htp_takes_them(tmp_path):
+    """ONNX Runtime's quantiser gives LayerNormalization's scale and bias per-channel scales
+    when per_channel is on; QNN's HTP refuses their DequantizeLinear ("Failed to add node"),
+    and ViT split into 5 partitions. opfuse gives them per-tensor overrides."""
+    r = np.random.default_rng(5)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    inits = [onnx.numpy_helper.from_array(r.normal(0, 0.5, (8, 8)).astype(np.float32), "W"),
+             onnx.numpy_helper.from_array(r.uniform(0.5, 2.0, 8).astype(np.float32), "gamma"),
+             onnx.numpy_helper.from_array(r.normal(0, 0.5, 8).astype(np.float32), "beta")]
+    m = helper.make_model(helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 8])],
+                                            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8])], inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    for preset, qdq, report in _on_the_htp(m, ("qnn-per-channel", "qnn-a16-per-channel"), tmp_path, shape=(1, 4, 8)):
+        consts = {i.name: i for i in qdq.graph.initializer}
+        (ln,) = [n for n in qdq.graph.node if n.op_type == "LayerNormalization"]
+        ln_dq = [n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.output[0] in ln.input[1:3]]
+        assert ln_dq and all(onnx.numpy_helper.to_array(consts[n.input[1]]).size == 1 for n in ln_dq), preset
+        assert report.verification.sqnr_db > 20, (preset, report.verification.sqnr_db)

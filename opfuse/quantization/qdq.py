@@ -291,6 +291,9 @@ class Quantizer:
             from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (QNN helpers load only for this preset)
 
             overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(sixteen)}
+            if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
+                overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
+                                  for name in self._layernorm_constants()})
             method, extra = CALIBRATION_METHODS[self.method]
             config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
                                         calibrate_method=method, init_overrides=overrides or None,
@@ -318,6 +321,15 @@ class Quantizer:
                            **({"TensorQuantOverrides": {t: [{"quant_type": ortq.QuantType.QUInt16}]
                                                         for t in self._outputs_of(sixteen)}} if sixteen else {})},
         )
+
+    def _layernorm_constants(self) -> list[str]:
+        """LayerNormalization's scale and bias initializers: with ``per_channel``, ONNX Runtime's
+        quantiser gives them per-channel scales, whose DequantizeLinear QNN's HTP refuses ("Failed
+        to add node"; ViT and BERT then split into 5 partitions). ``get_qnn_qdq_config`` gives
+        MatMul's weights per-tensor overrides for the same reason, not LayerNormalization's."""
+        inits = {i.name for i in self.float_model.graph.initializer}
+        return sorted({name for n in self.float_model.graph.node if n.op_type == "LayerNormalization"
+                       for name in n.input[1:3] if name in inits})
 
     def _outputs_of(self, names: list[str]) -> list[str]:
         wanted = set(names)
