@@ -297,7 +297,7 @@ def test_a_model_computing_inside_if_branches_says_nothing_was_quantised_and_kee
     out, err = capfd.readouterr()
     assert "nothing was quantised" in out and "If and Loop bodies" in out
     assert "--constant-input" in out  # an If an input decides: the way to take it out
-    assert "200" not in out  # no SQNR is printed for a model nothing was done to (bias correction included)
+    assert "bias correction" not in out  # nothing to correct: no figure (it printed "200.0 -> 200.0 dB" on silero-vad)
     assert err == ""
 
 
@@ -327,6 +327,36 @@ def test_a_branch_reading_a_relu_the_quantiser_removed_still_reads_its_output(tm
 
     got = create_session(ir.serde.serialize_model(q), "all").run(["y"], data[0])[0]
     assert got.min() >= 0  # a Relu's output, as the branch reads it
+
+
+def test_a_relu_that_is_also_a_graph_output_gets_no_copy_unless_its_reader_stays_in_float(tmp_path):
+    """When the removed Relu's output is a graph output, the quantiser gives the Conv's
+    output a name of its own and a DequantizeLinear writes the graph output: the next
+    quantised Conv reads that DequantizeLinear directly (a float Relu in between would
+    break its QDQ unit), and a Conv kept in float reads the Relu's values."""
+    from opfuse.quantization.presets import PRESETS
+    from opfuse.quantization.qdq import prepare, Quantizer
+
+    r = rng(12)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Relu", ["c"], ["y"], name="relu"),
+             helper.make_node("Conv", ["y", "w2"], ["z"], name="conv2")]
+    inits = [tensor("w", r.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32)),
+             tensor("b", r.normal(0, 0.5, 4).astype(np.float32)),
+             tensor("w2", r.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32))]
+    float_model, _ = prepare(model(nodes, [vinfo("x", [1, 3, 6, 6])], [vinfo("y", [1, 4, 6, 6]), vinfo("z", [1, 4, 6, 6])],
+                                   inits), PRESETS["cpu"])
+    data = [{"x": r.normal(size=(1, 3, 6, 6)).astype(np.float32)} for _ in range(6)]
+    quantizer = Quantizer(float_model, PRESETS["cpu"], data, tmp_path)
+    qdq = quantizer.quantize()
+    assert [n.op_type for n in qdq.graph.node if "relu" in n.name.lower()] == []
+    (conv2,) = [n for n in qdq.graph.node if n.name == "conv2"]
+    assert {n.op_type for n in qdq.graph.node if n.output[0] == conv2.input[0]} == {"DequantizeLinear"}
+    kept = quantizer.quantize(["conv2"], keep_as="float")
+    (conv2,) = [n for n in kept.graph.node if n.name == "conv2"]
+    (feed,) = [n for n in kept.graph.node if conv2.input[0] in n.output]
+    (conv,) = [n for n in kept.graph.node if n.name == "conv"]
+    assert feed.op_type == "Relu" and feed.input[0] == conv.output[0]  # the Relu's values, in float
 
 
 def reshaping_net() -> onnx.ModelProto:

@@ -348,7 +348,7 @@ def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx
     applied again, a copy of the float model's node. Q/DQ pairs nothing reads any more go.
     """
     producer = {o: n for n in model.graph.node for o in n.output}
-    float_producer = {o: n for n in float_model.graph.node for o in n.output}
+    removed = _removed_activations(model, float_model)
     float_inits = {i.name: i for i in float_model.graph.initializer}
     have = {i.name for i in model.graph.initializer}
     copies: dict[str, str] = {}
@@ -366,10 +366,8 @@ def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx
             source = q.input[0]
             if source not in copies:
                 copies[source] = source
-                made, original = producer.get(source), float_producer.get(source)
-                if (made is not None and original is not None and made.op_type != original.op_type
-                        and original.op_type in REMOVABLE_ACTIVATIONS):
-                    act = _activation_copy(model, original, source, float_inits, have)
+                if source in removed:
+                    act = _activation_copy(model, removed[source], source, float_inits, have)
                     added.append(act)
                     copies[source] = act.output[0]
             node.input[index] = copies[source]
@@ -391,10 +389,7 @@ def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.Model
     any main-graph node other than the QuantizeLinear still reading it, read a copy of the
     float model's activation instead.
     """
-    float_producer = {o: n for n in float_model.graph.node for o in n.output}
-    removed = {o: float_producer[o] for n in model.graph.node for o in n.output
-               if o in float_producer and float_producer[o].op_type in REMOVABLE_ACTIVATIONS
-               and n.op_type != float_producer[o].op_type}
+    removed = _removed_activations(model, float_model)
     if not removed:
         return
     readers = [(n, i) for n in model.graph.node if n.op_type != "QuantizeLinear"
@@ -412,6 +407,18 @@ def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.Model
             copies[source] = _activation_copy(model, removed[source], source, float_inits, have, suffix="activated")
         node.input[index] = copies[source].output[0]
     _insert_after_inputs(model, list(copies.values()))
+
+
+def _removed_activations(model: onnx.ModelProto, float_model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """Tensor of ``model`` -> the float model's Relu/Clip that ONNX Runtime's quantiser removed
+    after the layer computing it. The layer's output takes the activation's name, or, when
+    that is a graph output (which a DequantizeLinear then writes), a name of the quantiser's
+    own; either way it is the output of the node named as the layer was."""
+    float_producer = {o: n for n in float_model.graph.node for o in n.output}
+    present = {n.name for n in model.graph.node}
+    layer_of = {float_producer[a.input[0]].name: a for a in float_model.graph.node
+                if a.op_type in REMOVABLE_ACTIVATIONS and a.name not in present and a.input[0] in float_producer}
+    return {n.output[0]: layer_of[n.name] for n in model.graph.node if n.name in layer_of and n.output}
 
 
 def _subgraphs(graph: onnx.GraphProto):
