@@ -3,6 +3,7 @@
     python benchmarks/qnn.py                       # every model (about an hour: emulation is slow)
     python benchmarks/qnn.py --models mobilenetv2,bert --calibration 16 --holdout 8 --json out.json
     python benchmarks/qnn.py --models vit --holdout 32 --seeds 3   # three draws of the samples
+    python benchmarks/qnn.py --models vit,bert --preset qnn-a16-per-channel --flow-types preset
 
 Per model, one run per sample draw (``--seeds N``: draws 0..N-1; random samples only, the
 rendered text lines of PP-OCR rec are one set):
@@ -10,7 +11,10 @@ rendered text lines of PP-OCR rec are one set):
 - **the flow** ONNX Runtime's QNN guide documents: fix the shapes
   (``make_dim_param_fixed`` / ``make_input_shape_fixed``, then shape inference),
   ``qnn_preprocess_model`` (when it crashes, the flow goes on without it and says so),
-  ``get_qnn_qdq_config`` (uint8 activations and weights, MinMax) and ``quantize``;
+  ``get_qnn_qdq_config`` (uint8 activations and weights, MinMax) and ``quantize``; with
+  ``--flow-types preset``, ``get_qnn_qdq_config`` is given ``--preset``'s activation and
+  weight types and per-channel choice, so a 16-bit or per-channel opfuse preset meets the
+  flow at the same cost;
 - **opfuse**: ``opfuse.quantize(model, samples, preset="qnn")`` (static shapes from the
   samples, folding, patterns as QNN runs them, ORT's quantiser with QNN's config,
   calibration and bias correction chosen on the calibration samples).
@@ -48,6 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from opfuse.qnn.backend import HtpCompileError, HtpOptions, open_session  # noqa: E402
 from opfuse.qnn.probe import quantize_like_qnn_flow  # noqa: E402
 from opfuse.qnn.runner import htp_accuracy  # noqa: E402
+from opfuse.quantization.presets import PRESETS  # noqa: E402
 from opfuse.static_shapes import make_static_proto  # noqa: E402
 
 BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
@@ -178,7 +183,7 @@ def _ocr_tools(path: pathlib.Path, lines: int):
     return calib, exact, float_exact
 
 
-def _ort_flow(progress, label, fixed, calib, held, ocr, preprocess=True) -> dict:
+def _ort_flow(progress, label, fixed, calib, held, ocr, preprocess=True, preset=None) -> dict:
     """ONNX Runtime's QNN guide: preprocess, quantise with its QNN config, judged on the HTP."""
     flow: dict = {}
     start = time.perf_counter()
@@ -199,7 +204,7 @@ def _ort_flow(progress, label, fixed, calib, held, ocr, preprocess=True) -> dict
         flow["preprocess"] = f"crashed: {type(e).__name__}: {str(e)[:120]}"
     try:
         progress("quantize (get_qnn_qdq_config, quantize)")
-        qdq = quantize_like_qnn_flow(pre, calib)
+        qdq = quantize_like_qnn_flow(pre, calib, preset=preset)
         flow["quantize_s"] = round(time.perf_counter() - start, 1)
         flow["quantize_linear"] = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
         progress("judging on the HTP")
@@ -284,9 +289,12 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
     fixed, _ = make_static_proto(proto, shape_dims)
     # ONNX Runtime's documented flow, in a child process: ONNX Runtime itself may crash on a
     # model (1.32 segfaults optimising silero_vad.onnx once sr is bound), which is a result
-    flow = _isolated(_ort_flow, label, fixed, calib, held, ocr)
+    like = PRESETS[args.preset] if args.flow_types == "preset" else None
+    flow = _isolated(_ort_flow, label, fixed, calib, held, ocr, True, like)
     if "during qnn_preprocess_model" in flow.get("error", ""):  # the guide's next steps, without it
-        flow = {**_isolated(_ort_flow, label, fixed, calib, held, ocr, False), "preprocess": flow["error"]}
+        flow = {**_isolated(_ort_flow, label, fixed, calib, held, ocr, False, like), "preprocess": flow["error"]}
+    if like is not None:
+        flow["types"] = f"get_qnn_qdq_config with --preset {args.preset}'s types: {like.summary}"
     if constants:
         flow["binding"] = ("opfuse's binding step only: " + ", ".join(f"{k}={v}" for k, v in constants.items())
                            + " as an initializer, no other rewrite")
@@ -325,6 +333,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="wheel models whose label contains one of these (comma-separated)")
     parser.add_argument("--preset", default="qnn", help="opfuse's preset (default qnn)")
     parser.add_argument("--adaround", action="store_true", help="opfuse with --adaround (layer-wise weight rounding)")
+    parser.add_argument("--flow-types", choices=("guide", "preset"), default="guide",
+                        help="the flow's quantisation types: the guide's get_qnn_qdq_config defaults (uint8 "
+                             "activations and weights per tensor), or those of opfuse's --preset (like for like: "
+                             "e.g. 16-bit activations and per-channel weights for qnn-a16-per-channel)")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="opfuse-qnn-bench-") as tmp:

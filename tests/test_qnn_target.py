@@ -17,7 +17,8 @@ from opfuse.cli import main
 from opfuse.pipeline import optimize
 from opfuse.qnn import backend
 from opfuse.qnn.backend import open_session
-from opfuse.qnn.probe import probe
+from opfuse.qnn.probe import probe, quantize_like_qnn_flow
+from opfuse.quantization.presets import PRESETS
 from qnn_graphs import conv_then, feeds, needs_htp
 
 pytestmark = needs_htp
@@ -256,3 +257,11 @@ def test_per_channel_qnn_presets_keep_layernorm_constants_per_tensor_so_the_htp_
         ln_dq = [n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.output[0] in ln.input[1:3]]
         assert ln_dq and all(onnx.numpy_helper.to_array(consts[n.input[1]]).size == 1 for n in ln_dq), preset
         assert report.verification.sqnr_db > 20, (preset, report.verification.sqnr_db)
+        # ONNX Runtime's flow asked for the same types (benchmarks/qnn.py --flow-types preset) writes
+        # them, and its LayerNormalization constants (gamma int8, beta int32) leave the HTP
+        flow = quantize_like_qnn_flow(m, preset=PRESETS[preset])
+        zeros = {onnx.numpy_helper.to_array(i).dtype for i in flow.graph.initializer
+                 if any(n.op_type == "QuantizeLinear" and n.input[2] == i.name for n in flow.graph.node)}
+        assert zeros == {np.dtype(np.uint16 if "a16" in preset else np.uint8)}, (preset, zeros)
+        with pytest.raises(backend.HtpCompileError, match="gamma_DequantizeLinear .*Failed to add node"):
+            open_session(flow, strict=True)

@@ -62,9 +62,13 @@ def _random_feeds(model: onnx.ModelProto, count: int, seed: int = 0) -> list[dic
     return out
 
 
-def quantize_like_qnn_flow(model: onnx.ModelProto, samples=None, *, overrides=None) -> onnx.ModelProto:
+def quantize_like_qnn_flow(model: onnx.ModelProto, samples=None, *, overrides=None, preset=None) -> onnx.ModelProto:
     """``model`` quantised as ONNX Runtime's QNN guide does: ``get_qnn_qdq_config`` then
-    ``quantize`` (MinMax over ``samples``, default four random ones)."""
+    ``quantize`` (MinMax over ``samples``, default four random ones). ``preset`` (an opfuse
+    QNN :class:`~opfuse.quantization.presets.Preset`) passes its activation and weight types
+    and per-channel choice to ``get_qnn_qdq_config``, as a user of the guide would ask for
+    them (``activation_type``, ``weight_type``, ``per_channel``, symmetric per-channel
+    weights); by default the guide's uint8 per tensor."""
     from onnxruntime.quantization import CalibrationDataReader, quantize  # (the quantiser: heavy, on use)
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (its QNN helpers)
 
@@ -84,7 +88,13 @@ def quantize_like_qnn_flow(model: onnx.ModelProto, samples=None, *, overrides=No
         with tempfile.TemporaryDirectory(prefix="opfuse-qnn-q-") as tmp, contextlib.redirect_stdout(io.StringIO()):
             src, dst = f"{tmp}/float.onnx", f"{tmp}/qdq.onnx"
             onnx.save(model, src)
-            config = get_qnn_qdq_config(src, Reader(), init_overrides=overrides)
+            types = {}
+            if preset is not None:
+                from opfuse.quantization.qdq import ACTIVATION_TYPES, WEIGHT_TYPES
+
+                types = dict(activation_type=ACTIVATION_TYPES[preset.activation], weight_type=WEIGHT_TYPES[preset.weight],
+                             per_channel=preset.per_channel, weight_symmetric=True if preset.per_channel else None)
+            config = get_qnn_qdq_config(src, Reader(), init_overrides=overrides, **types)
             quantize(src, dst, config)
             return onnx.load(dst)
     finally:
