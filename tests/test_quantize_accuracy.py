@@ -344,5 +344,8 @@ def test_nothing_quantised_is_said_in_those_words_not_as_200_db(tmp_path, capsys
     out = capsys.readouterr().out
     assert "nothing was quantised" in out and "200" not in out
     _, report = opfuse.quantize(net, str(calib))
-    assert report.to_dict()["summary"]["output_sqnr_db"] is None and report.to_dict()["summary"]["nothing_quantised"]
+    data = report.to_dict()
+    assert data["summary"]["output_sqnr_db"] is None and data["summary"]["nothing_quantised"]
+    assert data["verification"]["sqnr_db"] is None and data["verification"]["outputs_equal_float"]
+    assert set(data["verification"]["outputs"].values()) == {None} and "200" not in report.to_json()
     assert any("already computes in integers" in n for n in report.notes)

@@ -188,10 +188,18 @@ class QuantReport:
             "weights": {"8bit": self.weights_8bit, "total": self.weights_total},
             "bytes": {"float": self.bytes_float, "quantized": self.bytes_quantized},
             "shipped_sqnr_db": self.shipped_sqnr_db,
-            "verification": None if self.verification is None
-            else {**dataclasses.asdict(self.verification), "ok": self.verification.ok},
+            "verification": None if self.verification is None else self._verification_dict(),
             **({"device": self.device.to_dict()} if self.device is not None else {}),
         }
+        return out
+
+    def _verification_dict(self) -> dict[str, Any]:
+        """The verification, where an SQNR of :data:`INFINITE_DB` (outputs equal to the float
+        model's, as when nothing was quantised) is null and said by ``outputs_equal_float``."""
+        v = self.verification
+        out = {**dataclasses.asdict(v), "ok": v.ok, "outputs_equal_float": v.sqnr_db >= INFINITE_DB}
+        out["sqnr_db"] = None if v.sqnr_db >= INFINITE_DB else v.sqnr_db
+        out["outputs"] = {name: None if db >= INFINITE_DB else db for name, db in v.outputs.items()}
         return out
 
     def to_json(self, indent: int = 2) -> str:
