@@ -57,12 +57,16 @@ from opfuse.static_shapes import make_static_proto  # noqa: E402
 
 BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
 TRANSFORMERS = ("bert", "vit")
+# The sizes the transformer samples give a symbolic dimension (any other: 1). Before this,
+# BERT's ``seq`` was 1, so its attention had one token to attend to.
+SYMBOLIC_DIMS = {"seq": 8}
 
 
 def _samples(proto: onnx.ModelProto, count: int, seed: int, wild: bool = False) -> list[dict]:
     """Random samples: for a wheel model, opfuse's own ``random:N`` generator (the smallest
     sizes at which the model runs; integer inputs by what they feed), which both flows
-    then share; for the built-in and transformer models, N(0, 1) images and tokens 0-49."""
+    then share; for the built-in and transformer models, N(0, 1) images and tokens 0-49, at
+    batch 1 and :data:`SYMBOLIC_DIMS` (BERT's ``seq``: the 8 tokens it was exported with)."""
     if wild:
         import onnx_ir as ir
 
@@ -78,7 +82,7 @@ def _samples(proto: onnx.ModelProto, count: int, seed: int, wild: bool = False) 
             if inp.name in inits:
                 continue
             t = inp.type.tensor_type
-            shape = [d.dim_value if d.HasField("dim_value") else 1 for d in t.shape.dim]
+            shape = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIMS.get(d.dim_param, 1) for d in t.shape.dim]
             dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
             if np.issubdtype(dtype, np.floating):
                 s[inp.name] = rng.normal(0, 1, shape).astype(dtype)
