@@ -90,7 +90,7 @@ def quantize_like_qnn_flow(model: onnx.ModelProto, samples=None, *, overrides=No
             onnx.save(model, src)
             types = {}
             if preset is not None:
-                from opfuse.quantization.qdq import ACTIVATION_TYPES, WEIGHT_TYPES
+                from opfuse.quantization.qdq import ACTIVATION_TYPES, WEIGHT_TYPES  # (the quantiser: heavy, on use)
 
                 types = dict(activation_type=ACTIVATION_TYPES[preset.activation], weight_type=WEIGHT_TYPES[preset.weight],
                              per_channel=preset.per_channel, weight_symmetric=True if preset.per_channel else None)
