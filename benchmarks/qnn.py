@@ -57,16 +57,14 @@ from opfuse.static_shapes import make_static_proto  # noqa: E402
 
 BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
 TRANSFORMERS = ("bert", "vit")
-# The sizes the transformer samples give a symbolic dimension (any other: 1). Before this,
-# BERT's ``seq`` was 1, so its attention had one token to attend to.
-SYMBOLIC_DIMS = {"seq": 8}
 
 
-def _samples(proto: onnx.ModelProto, count: int, seed: int, wild: bool = False) -> list[dict]:
+def _samples(proto: onnx.ModelProto, count: int, seed: int, wild: bool = False, dims=None) -> list[dict]:
     """Random samples: for a wheel model, opfuse's own ``random:N`` generator (the smallest
     sizes at which the model runs; integer inputs by what they feed), which both flows
-    then share; for the built-in and transformer models, N(0, 1) images and tokens 0-49, at
-    batch 1 and :data:`SYMBOLIC_DIMS` (BERT's ``seq``: the 8 tokens it was exported with)."""
+    then share; for the built-in and transformer models, N(0, 1) images and tokens 0-49, a
+    symbolic dimension at its size in ``dims`` (the model's traits: BERT's ``seq``, the tokens it
+    was exported with; before, 1, and its attention had one token) or else 1."""
     if wild:
         import onnx_ir as ir
 
@@ -82,7 +80,7 @@ def _samples(proto: onnx.ModelProto, count: int, seed: int, wild: bool = False) 
             if inp.name in inits:
                 continue
             t = inp.type.tensor_type
-            shape = [d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIMS.get(d.dim_param, 1) for d in t.shape.dim]
+            shape = [d.dim_value if d.HasField("dim_value") else (dims or {}).get(d.dim_param, 1) for d in t.shape.dim]
             dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
             if np.issubdtype(dtype, np.floating):
                 s[inp.name] = rng.normal(0, 1, shape).astype(dtype)
@@ -95,7 +93,8 @@ def _samples(proto: onnx.ModelProto, count: int, seed: int, wild: bool = False) 
 
 
 def _models(names: list[str], tmp: pathlib.Path, cache: pathlib.Path, only: list[str] = ()):
-    """(label, path, traits) per model (traits: {"wild": True} for a wheel model)."""
+    """(label, path, traits) per model (traits: {"wild": True} for a wheel model; a transformer's
+    ``dims``, the sizes of its symbolic dimensions as it was exported)."""
     for name in names:
         if name in BUILTIN:
             from opfuse.models import build
@@ -104,9 +103,9 @@ def _models(names: list[str], tmp: pathlib.Path, cache: pathlib.Path, only: list
             onnx.save(build(name), path)
             yield name, path, {}
         elif name in TRANSFORMERS:
-            from opfuse.models.transformers import export
+            from opfuse.models.transformers import SEQ, export
 
-            yield name, export(name, "torchscript", 17, tmp / f"{name}.onnx"), {}
+            yield name, export(name, "torchscript", 17, tmp / f"{name}.onnx"), {"dims": {"seq": SEQ}}
         elif name == "ppocrv6":  # (not a wild.py wheel: rapidocr 3.10.0, as benchmarks/quantize.py)
             from ocr_text import rec_model
 
@@ -283,7 +282,8 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
         held = samples[-args.holdout:]
         calib = samples[:-args.holdout]
     else:
-        samples = _samples(proto, args.calibration + args.holdout, seed, wild=traits.get("wild", False))
+        samples = _samples(proto, args.calibration + args.holdout, seed, wild=traits.get("wild", False),
+                           dims=traits.get("dims"))
         calib, held = samples[:args.calibration], samples[args.calibration:]
     import onnx_ir as ir
 

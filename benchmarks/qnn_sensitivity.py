@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="opfuse-qnn-sens-") as tmp:
         ((label, path, traits),) = list(qnn._models([args.model], pathlib.Path(tmp), pathlib.Path.home() / ".cache" / "opfuse-wild"))
-        samples = qnn._samples(onnx.load(path), args.calibration + args.holdout, args.seed, wild=traits.get("wild", False))
+        samples = qnn._samples(onnx.load(path), args.calibration + args.holdout, args.seed,
+                               wild=traits.get("wild", False), dims=traits.get("dims"))
         calib, held = samples[:args.calibration], samples[args.calibration:]
         float_model = _float_model(path, samples, args.holdout)
         quantizer = Quantizer(float_model, PRESETS["qnn"], calib, tmp, method="auto")

@@ -90,10 +90,9 @@ def quantize_like_qnn_flow(model: onnx.ModelProto, samples=None, *, overrides=No
             onnx.save(model, src)
             types = {}
             if preset is not None:
-                from opfuse.quantization.qdq import ACTIVATION_TYPES, WEIGHT_TYPES  # (the quantiser: heavy, on use)
+                from opfuse.quantization.qdq import qnn_types  # (the quantiser: heavy, on use)
 
-                types = dict(activation_type=ACTIVATION_TYPES[preset.activation], weight_type=WEIGHT_TYPES[preset.weight],
-                             per_channel=preset.per_channel, weight_symmetric=True if preset.per_channel else None)
+                types = qnn_types(preset)  # as opfuse's Quantizer passes them
             config = get_qnn_qdq_config(src, Reader(), init_overrides=overrides, **types)
             quantize(src, dst, config)
             return onnx.load(dst)

@@ -26,7 +26,7 @@ How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers
 from __future__ import annotations
 
 __all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS",
-           "CALIBRATION_METHODS", "SampleReader"]
+           "CALIBRATION_METHODS", "SampleReader", "qnn_types"]
 
 import contextlib
 import dataclasses
@@ -198,6 +198,13 @@ class SampleReader(ortq.CalibrationDataReader):
 ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
 WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8}  # Preset.weight
 
+
+def qnn_types(preset: Preset) -> dict:
+    """``get_qnn_qdq_config``'s type arguments for a QNN ``preset``: its activation and weight
+    types, and per-channel weights symmetric (QNN's int8 per-channel form)."""
+    return dict(activation_type=ACTIVATION_TYPES[preset.activation], weight_type=WEIGHT_TYPES[preset.weight],
+                per_channel=preset.per_channel, weight_symmetric=True if preset.per_channel else None)
+
 CALIBRATION_METHODS = {
     "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
     "percentile": (ortq.CalibrationMethod.Percentile, {"CalibPercentile": 99.99}),  # clips the rarest 0.01%
@@ -297,9 +304,7 @@ class Quantizer:
             method, extra = CALIBRATION_METHODS[self.method]
             config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
                                         calibrate_method=method, init_overrides=overrides or None,
-                                        activation_type=ACTIVATION_TYPES[preset.activation],
-                                        weight_type=WEIGHT_TYPES[preset.weight], per_channel=preset.per_channel,
-                                        weight_symmetric=True if preset.per_channel else None)
+                                        **qnn_types(preset))
             return dict(
                 calibration_data_reader=reader, quant_format=config.quant_format,
                 activation_type=config.activation_type, weight_type=config.weight_type,
