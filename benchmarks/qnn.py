@@ -53,6 +53,7 @@ from opfuse.qnn.backend import HtpCompileError, HtpOptions, open_session  # noqa
 from opfuse.qnn.probe import quantize_like_qnn_flow  # noqa: E402
 from opfuse.qnn.runner import htp_accuracy  # noqa: E402
 from opfuse.quantization.presets import PRESETS  # noqa: E402
+from opfuse.quantization.qdq import CALIBRATION_METHODS  # noqa: E402
 from opfuse.static_shapes import make_static_proto  # noqa: E402
 
 BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
@@ -308,7 +309,7 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
     start = time.perf_counter()
     try:
         q, report = opfuse.quantize(str(path), samples, preset=args.preset, holdout=len(held), adaround=args.adaround,
-                                    constant_inputs=constants)
+                                    calibrate=args.calibrate, constant_inputs=constants)
         ours["quantize_s"] = round(time.perf_counter() - start, 1)
         qdq = ir.serde.serialize_model(q)
         ours["quantize_linear"] = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
@@ -337,6 +338,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="wheel models whose label contains one of these (comma-separated)")
     parser.add_argument("--preset", default="qnn", help="opfuse's preset (default qnn)")
     parser.add_argument("--adaround", action="store_true", help="opfuse with --adaround (layer-wise weight rounding)")
+    parser.add_argument("--calibrate", default="auto", choices=("auto", *CALIBRATION_METHODS),
+                        help="opfuse's --calibrate (default auto: a range per tensor)")
     parser.add_argument("--flow-types", choices=("guide", "preset"), default="guide",
                         help="the flow's quantisation types: the guide's get_qnn_qdq_config defaults (uint8 "
                              "activations and weights per tensor), or those of opfuse's --preset (like for like: "

@@ -43,7 +43,9 @@ Measures: for PP-OCRv4 rec (``ocr``) and PP-OCRv6 rec (``ocr-v6``; see
 ``benchmarks/ocr_text.py``), exact-match accuracy on ``--lines`` text lines of each
 evaluation rendering (default, grey-words, serif-blur, mono-noise, inverse-sans; seed 1),
 calibrated on 64 lines of another rendering (bold-mixed, seed 2), the worst rendering and
-its drop from float reported (fonts: ``apt-get install fonts-dejavu-core fonts-dejavu-extra
+its drop from float reported; ``--calibration-draws N`` repeats the OCR models' tables with
+calibration lines of N draws (seeds 2, 1002, 2002...; the evaluation lines stay the same) and
+prints, per flow, the worst drop of every draw, their median and maximum (fonts: ``apt-get install fonts-dejavu-core fonts-dejavu-extra
 fonts-liberation fonts-noto-core``), and for every model
 the output SQNR in dB against the float model on held-out inputs (10 log10 sum f^2 /
 sum (q - f)^2 over all outputs; the OCR rows on all the evaluation lines, the image models
@@ -105,6 +107,7 @@ from opfuse.runtime import create_session  # noqa: E402
 
 MODELS = ("ocr", "ocr-v6", "mobilenetv2", "resnet18", "torch-mobilenetv2", "torch-resnet18")
 CALIBRATION_RENDERING = "bold-mixed"
+DRAW_STEP = 1000  # --calibration-draws: draw i calibrates on the lines of seed CALIBRATION_SEED + DRAW_STEP * i
 EVAL_RENDERINGS = ("default", "grey-words", "serif-blur", "mono-noise", "inverse-sans")
 VALIDATION_SAMPLES = 32  # NNCF's accuracy control: the calibration rendering (OCR) or smooth images, seed 3 / 103
 PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
@@ -165,11 +168,14 @@ def smooth_images(count: int, size: int, seed: int) -> list[np.ndarray]:
     return images
 
 
-def ocr_case(cache: pathlib.Path, work: pathlib.Path, which: str, lines: int) -> Case:
+def ocr_case(cache: pathlib.Path, work: pathlib.Path, which: str, lines: int, draw: int = 0) -> Case:
+    """The OCR case; ``draw`` > 0: the same model and evaluation lines, calibration lines
+    drawn with seed ``CALIBRATION_SEED + DRAW_STEP * draw``."""
     path = ocr_text.rec_model(cache, which)
     chars = ocr_text.characters(path)
     evaluation = {r: ocr_text.render(r, lines, ocr_text.EVAL_SEED) for r in EVAL_RENDERINGS}
-    calibration = ocr_text.render(CALIBRATION_RENDERING, 64, ocr_text.CALIBRATION_SEED)
+    calibration_seed = ocr_text.CALIBRATION_SEED + DRAW_STEP * draw
+    calibration = ocr_text.render(CALIBRATION_RENDERING, 64, calibration_seed)
     validation = ocr_text.render(CALIBRATION_RENDERING, VALIDATION_SAMPLES, 3)
     npz = ocr_text.calibration_npz(work / "ocr-calibration.npz", calibration)
     order = [(r, text) for r, group in evaluation.items() for text, _ in group]
@@ -182,10 +188,11 @@ def ocr_case(cache: pathlib.Path, work: pathlib.Path, which: str, lines: int) ->
         return {r: sum(v) / len(v) for r, v in right.items()}
 
     name = {"ppocrv4": "PP-OCRv4 rec (rapidocr-onnxruntime 1.4.4)", "ppocrv6": "PP-OCRv6 rec small (rapidocr 3.10.0)"}
-    return Case("ocr" if which == "ppocrv4" else "ocr-v6", path, [{"x": ocr_text.preprocess(im)} for _, im in calibration],
+    label = ("ocr" if which == "ppocrv4" else "ocr-v6") + (f"-draw{draw}" if draw else "")
+    return Case(label, path, [{"x": ocr_text.preprocess(im)} for _, im in calibration],
                 [{"x": ocr_text.preprocess(im)} for group in evaluation.values() for _, im in group], npz, score,
                 f"{name[which]}, {lines} lines per rendering ({', '.join(EVAL_RENDERINGS)}), calibrated on 64 "
-                f"{CALIBRATION_RENDERING} lines",
+                f"{CALIBRATION_RENDERING} lines (seed {calibration_seed})",
                 validation=[{"x": ocr_text.preprocess(im)} for _, im in validation],
                 metric={"kind": "ocr", "texts": [t for t, _ in validation], "chars": chars})
 
@@ -648,6 +655,23 @@ def table(case: Case, rows: list[dict], rounds: int, threads: int) -> tuple[Tabl
     return t, notes
 
 
+def over_draws(name: str, per_draw: list[list[dict]]) -> str:
+    """Per flow, over the calibration draws: the worst drop of each draw, then its median and
+    maximum, and the output SQNR's median (min-max)."""
+    lines = [f"{name} over {len(per_draw)} calibration draws (seeds "
+             f"{', '.join(str(ocr_text.CALIBRATION_SEED + DRAW_STEP * d) for d in range(len(per_draw)))}):"]
+    for label in dict.fromkeys(row["flow"] for rows in per_draw for row in rows):
+        got = [row for rows in per_draw for row in rows if row["flow"] == label]
+        drops = [100 * row["worst_drop"] for row in got if "worst_drop" in row]
+        dbs = [row["sqnr_db"] for row in got if row.get("sqnr_db") is not None]
+        if not drops:
+            continue
+        lines.append(f"  {label}: worst drop {' / '.join(f'{d:.0f}' for d in drops)} points "
+                     f"(median {statistics.median(drops):.0f}, max {max(drops):.0f}); SQNR median "
+                     f"{statistics.median(dbs):.1f} dB ({min(dbs):.1f}-{max(dbs):.1f})")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
@@ -658,6 +682,9 @@ def main() -> int:
     parser.add_argument("--flows", default="", help="only flows whose label contains one of these (comma-separated; '=LABEL' for that label alone)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every row as JSON")
     parser.add_argument("--lines", type=int, default=100, help="OCR lines per evaluation rendering (default 100)")
+    parser.add_argument("--calibration-draws", type=int, default=1,
+                        help="OCR models: calibrate on N draws of the calibration lines, a table each, then the "
+                             "worst drop per flow over the draws (default 1: the lines of seed 2 alone)")
     parser.add_argument("--peers-python", type=pathlib.Path, default=PEERS_PYTHON,
                         help="the python of the venv with aimet-onnx and nncf (default: .venv-peers)")
     parser.add_argument("--adaround-iterations", type=int, default=1000,
@@ -683,20 +710,27 @@ def main() -> int:
             work = pathlib.Path(tmp) / name
             work.mkdir()
             progress(f"{name}: preparing the float model and its data")
-            if name in ("ocr", "ocr-v6"):
-                case = ocr_case(args.cache, work, "ppocrv4" if name == "ocr" else "ppocrv6", args.lines)
-            elif name.startswith("torch-"):
-                case = torch_case(name, args.image_size, work)
-            else:
-                case = builtin_case(name, args.image_size, work)
-            rows = measure_case(case, flows, work, rounds=args.rounds, threads=args.threads)
-            printed, notes = table(case, rows, args.rounds, args.threads)
-            console.print(printed)
-            for note in notes + [f"{family}: {text}" for family, text in case.notes.items()] + [
-                    f"{row['flow']}: {row['opfuse_summary']}" for row in rows if row.get("opfuse_summary")]:
-                console.print(note, highlight=False, markup=False)
-            console.print()
-            everything.append({"model": name, "about": case.note, "notes": case.notes, "rows": rows})
+            draws = args.calibration_draws if name in ("ocr", "ocr-v6") else 1
+            per_draw = []
+            for draw in range(draws):
+                if name in ("ocr", "ocr-v6"):
+                    case = ocr_case(args.cache, work, "ppocrv4" if name == "ocr" else "ppocrv6", args.lines, draw)
+                elif name.startswith("torch-"):
+                    case = torch_case(name, args.image_size, work)
+                else:
+                    case = builtin_case(name, args.image_size, work)
+                rows = measure_case(case, flows, work, rounds=args.rounds, threads=args.threads)
+                printed, notes = table(case, rows, args.rounds, args.threads)
+                console.print(printed)
+                for note in notes + [f"{family}: {text}" for family, text in case.notes.items()] + [
+                        f"{row['flow']}: {row['opfuse_summary']}" for row in rows if row.get("opfuse_summary")]:
+                    console.print(note, highlight=False, markup=False)
+                console.print()
+                everything.append({"model": case.name, "about": case.note, "notes": case.notes, "rows": rows})
+                per_draw.append(rows)
+            if draws > 1:
+                console.print(over_draws(name, per_draw), highlight=False, markup=False)
+                console.print()
     if args.json:
         args.json.write_text(json_text({"command": sys.argv, "rounds": args.rounds, "threads": args.threads,
                                         "image_size": args.image_size, "onnxruntime": ort.__version__,
