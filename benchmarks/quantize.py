@@ -30,6 +30,7 @@ weights (``quantize_static``), unless it is opfuse's own command:
 - opfuse quantize: ``opfuse.quantize(model, calibration, preset=..., equalize=...)``;
   when it raises, the row says "error" and why.
 
+- opfuse quantize cpu --no-bias-correction: the default without its empirical bias correction;
 - opfuse quantize cpu --calibrate minmax / percentile: one range method for every tensor,
   against ``auto``'s per-tensor MSE choice (the default);
 - opfuse quantize cpu --min-sqnr 20: the mixed-precision search's target;
@@ -462,6 +463,7 @@ FLOWS: list[tuple[str, Callable | None]] = [
     ("opfuse quantize cpu + equalize", lambda c, o: flow_opfuse(c, o, "cpu", True)),
     ("opfuse quantize per-tensor", lambda c, o: flow_opfuse(c, o, "per-tensor", False)),
     ("opfuse quantize per-tensor + equalize", lambda c, o: flow_opfuse(c, o, "per-tensor", True)),
+    ("opfuse quantize cpu --no-bias-correction", lambda c, o: flow_opfuse(c, o, "cpu", False, bias_correction=False)),
     ("opfuse quantize cpu --calibrate minmax", lambda c, o: flow_opfuse(c, o, "cpu", False, calibrate="minmax")),
     ("opfuse quantize cpu --calibrate percentile", lambda c, o: flow_opfuse(c, o, "cpu", False, calibrate="percentile")),
     ("opfuse quantize cpu + adaround", lambda c, o: flow_opfuse(c, o, "cpu", False, adaround=True)),
