@@ -3,6 +3,7 @@ and its baseline QDQ model (opfuse's cpu preset, --calibrate auto, no bias corre
 AdaRound: ONNX Runtime's quantiser with opfuse's ranges), all written to lib.WORK.
 
     python case.py        # about a minute, after the wheel cache exists
+    python case.py 1      # calibration draw 1 (benchmarks/quantize.py --calibration-draws: seed 1002)
 """
 import logging
 import pathlib
@@ -29,7 +30,8 @@ from opfuse.quantization.sqnr import OutputReference  # noqa: E402
 logging.getLogger().setLevel(logging.ERROR)
 warnings.simplefilter("ignore")
 WORK.mkdir(parents=True, exist_ok=True)
-case = qb.ocr_case(qb.DEFAULT_CACHE, WORK, "ppocrv4", 100)  # 64 bold-mixed lines; 100 per evaluation rendering
+DRAW = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+case = qb.ocr_case(qb.DEFAULT_CACHE, WORK, "ppocrv4", 100, DRAW)  # 64 bold-mixed lines; 100 per evaluation rendering
 pickle.dump({"path": str(case.path), "calib": case.calibration, "held": case.held_out}, open(WORK / "case.pkl", "wb"))
 work, _ = load_model(case.path)
 folded, _ = optimize(work, passes=list(DEFAULT_PASSES), target="onnx", inputs=case.held_out[0], compile_for_device=False)
