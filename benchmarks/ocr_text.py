@@ -308,10 +308,16 @@ def render(rendering: Rendering | str, n: int, seed: int) -> list[tuple[str, np.
 # -- model input and output -----------------------------------------------------------------
 
 
+def resized_width(image: np.ndarray) -> int:
+    """The width an image [H, W, 3] takes in the model's input, at height 48; the rest of the
+    input's 320 columns is zero padding."""
+    h, w = image.shape[:2]
+    return min(WIDTH, int(math.ceil(HEIGHT * w / h)))
+
+
 def preprocess(image: np.ndarray) -> np.ndarray:
     """One RGB uint8 image [H, W, 3] as the model's input [1, 3, 48, 320] float32."""
-    h, w = image.shape[:2]
-    resized_w = min(WIDTH, int(math.ceil(HEIGHT * w / h)))
+    resized_w = resized_width(image)
     resized = Image.fromarray(image).resize((resized_w, HEIGHT), Image.Resampling.BILINEAR)
     pixels = np.asarray(resized, dtype=np.float32)[:, :, ::-1]  # RGB -> BGR, as cv2 gives it
     pixels = (pixels.transpose(2, 0, 1) / 255.0 - 0.5) / 0.5

@@ -169,13 +169,18 @@ def smooth_images(count: int, size: int, seed: int) -> list[np.ndarray]:
     return images
 
 
+def draw_seed(draw: int) -> int:
+    """The seed of calibration draw ``draw`` (``--calibration-draws``): 2, 1002, 2002..."""
+    return ocr_text.CALIBRATION_SEED + DRAW_STEP * draw
+
+
 def ocr_case(cache: pathlib.Path, work: pathlib.Path, which: str, lines: int, draw: int = 0) -> Case:
     """The OCR case; ``draw`` > 0: the same model and evaluation lines, calibration lines
-    drawn with seed ``CALIBRATION_SEED + DRAW_STEP * draw``."""
+    drawn with :func:`draw_seed`."""
     path = ocr_text.rec_model(cache, which)
     chars = ocr_text.characters(path)
     evaluation = {r: ocr_text.render(r, lines, ocr_text.EVAL_SEED) for r in EVAL_RENDERINGS}
-    calibration_seed = ocr_text.CALIBRATION_SEED + DRAW_STEP * draw
+    calibration_seed = draw_seed(draw)
     calibration = ocr_text.render(CALIBRATION_RENDERING, 64, calibration_seed)
     validation = ocr_text.render(CALIBRATION_RENDERING, VALIDATION_SAMPLES, 3)
     npz = ocr_text.calibration_npz(work / "ocr-calibration.npz", calibration)
@@ -661,7 +666,7 @@ def over_draws(name: str, per_draw: list[list[dict]]) -> str:
     """Per flow, over the calibration draws: the worst drop of each draw, then its median and
     maximum, and the output SQNR's median (min-max)."""
     lines = [f"{name} over {len(per_draw)} calibration draws (seeds "
-             f"{', '.join(str(ocr_text.CALIBRATION_SEED + DRAW_STEP * d) for d in range(len(per_draw)))}):"]
+             f"{', '.join(str(draw_seed(d)) for d in range(len(per_draw)))}):"]
     for label in dict.fromkeys(row["flow"] for rows in per_draw for row in rows):
         got = [row for rows in per_draw for row in rows if row["flow"] == label]
         drops = [100 * row["worst_drop"] for row in got if "worst_drop" in row]

@@ -55,9 +55,7 @@ def main() -> int:
                 x = ocr_text.preprocess(image)
                 f = floating.run(None, {"x": x})[0][0]  # [time steps, classes]
                 q = quantised.run(None, {"x": x})[0][0]
-                height, width = image.shape[:2]
-                resized = min(ocr_text.WIDTH, int(math.ceil(ocr_text.HEIGHT * width / height)))
-                end = int(math.ceil(f.shape[0] * resized / ocr_text.WIDTH))
+                end = int(math.ceil(f.shape[0] * ocr_text.resized_width(image) / ocr_text.WIDTH))
                 e, s = ((q - f) ** 2).sum(axis=1), (f * f).sum(axis=1)
                 err["text"] += e[:end].sum()
                 err["padding"] += e[end:].sum()
