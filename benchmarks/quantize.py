@@ -31,6 +31,7 @@ weights (``quantize_static``), unless it is opfuse's own command:
   when it raises, the row says "error" and why.
 
 - opfuse quantize cpu --no-bias-correction: the default without its empirical bias correction;
+- opfuse quantize ... --reconstruct: block reconstruction (learned rounding and activation scales);
 - opfuse quantize cpu --calibrate minmax / percentile: one range method for every tensor,
   against ``auto``'s per-tensor MSE choice (the default);
 - opfuse quantize cpu --min-sqnr 20: the mixed-precision search's target;
@@ -415,6 +416,10 @@ def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool, **op
         better = sum(e["adaround"] < e["nearest"] for e in report.adaround_errors)
         rounding = (f"; AdaRound: {better} of {len(report.adaround_errors)} layers' errors lowered, tuning SQNR "
                     f"{before:.2f} -> {after:.2f} dB, {'kept' if report.adaround_layers else 'left out'}")
+    if report.reconstruction is not None:  # what block reconstruction did, kept or not
+        r = report.reconstruction
+        rounding += (f"; reconstruction: {len(r.blocks)} blocks, tuning SQNR {r.sqnr_db[0]:.2f} -> {r.sqnr_db[1]:.2f} dB, "
+                     f"{'kept' if r.kept else 'left out'}, {r.seconds:.0f} s" + (f", stops at {r.stopped}" if r.stopped else ""))
     return out, report.summary() + rounding + walk
 
 
@@ -474,6 +479,10 @@ FLOWS: list[tuple[str, Callable | None]] = [
     ("opfuse quantize cpu + adaround", lambda c, o: flow_opfuse(c, o, "cpu", False, adaround=True)),
     ("opfuse quantize per-tensor + equalize + adaround",
      lambda c, o: flow_opfuse(c, o, "per-tensor", True, adaround=True)),
+    ("opfuse quantize cpu --reconstruct", lambda c, o: flow_opfuse(c, o, "cpu", False, reconstruct=True)),
+    ("opfuse quantize per-tensor --reconstruct", lambda c, o: flow_opfuse(c, o, "per-tensor", False, reconstruct=True)),
+    ("opfuse quantize per-tensor + equalize --reconstruct",
+     lambda c, o: flow_opfuse(c, o, "per-tensor", True, reconstruct=True)),
     ("opfuse quantize qnn", lambda c, o: flow_opfuse(c, o, "qnn", False)),
     ("opfuse quantize cpu --min-sqnr 20", lambda c, o: flow_opfuse(c, o, "cpu", False, min_sqnr=20)),
     ("AIMET CLE+AdaRound, per-channel", lambda c, o: flow_peer(c, o, "aimet", False)),

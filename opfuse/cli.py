@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.add_argument("--adaround", action="store_true",
                      help="choose each weight's rounding to reconstruct its layer's float output (AdaRound); "
                           "kept only where it raises the output SQNR on the calibration samples")
+    qnt.add_argument("--reconstruct", nargs="?", choices=("auto", "on", "off"), const="on", default="auto",
+                     help="learn the int8 rounding and activation scales block by block to reproduce the float "
+                          "model's block outputs (needs torch; minutes), kept only where it raises the output "
+                          "SQNR on the calibration samples; auto: for the cpu and per-tensor presets when "
+                          "estimated under 15 min (default: %(default)s)")
     qnt.add_argument("--calibrate", choices=("auto", "minmax", "percentile", "entropy"), default="auto",
                      help="how activation ranges are read off the calibration data; auto gives each tensor the "
                           "range of least round-trip error (minmax, percentile 99.99 or clipped) "
@@ -355,7 +360,8 @@ def _quantize(args) -> int:
     start = time.perf_counter()
     _, report = quantize(
         args.input, args.calibration, preset=args.preset, equalize=args.equalize, min_sqnr=args.min_sqnr,
-        bias_correction=not args.no_bias_correction, adaround=args.adaround, calibrate=args.calibrate,
+        bias_correction=not args.no_bias_correction, adaround=args.adaround, reconstruct={"on": True, "off": False}.get(args.reconstruct, "auto"),
+        calibrate=args.calibrate,
         holdout=args.holdout,
         max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,

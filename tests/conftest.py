@@ -16,3 +16,13 @@ def tmp_model(tmp_path):
         return path
 
     return save
+
+
+@pytest.fixture(autouse=True)
+def _no_reconstruction_by_default(monkeypatch):
+    """``quantize``'s default (``reconstruct="auto"``) runs block reconstruction, which takes
+    seconds even on the graphs built here and minutes on the built-in models: tests of other
+    steps run without it (a budget of 0 s), and tests of it ask for it or set the budget."""
+    from opfuse.quantization import pipeline
+
+    monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 0)

@@ -184,6 +184,7 @@ OWN_RULES = {
     ("quantization/qdq.py", frozenset({"Conv", "Gemm"})): "the layers that get a zero bias to correct",
     ("quantization/qdq.py", frozenset({"Relu", "Clip"})): "ops ONNX Runtime's quantiser folds into a range",
     ("quantization/sqnr.py", "CHANNEL_FIRST"): "ops measured per channel on axis 1",
+    ("quantization/torch_ops.py", "_REDUCTIONS"): "the reductions its torch interpreter implements",
     ("inputs.py", "*"): "how generated inputs follow their consumers",
     ("leftovers.py", "PATTERN_PRIMITIVES"): "which pattern a primitive left over belongs to (for its note)",
     ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",

@@ -94,6 +94,22 @@ class QuantVerification:
 
 
 @dataclasses.dataclass
+class ReconstructionFacts:
+    """What block reconstruction (:mod:`.reconstruction`) did: per block, its layers and its
+    outputs' SQNR before and after; the tuning output SQNR without and with it."""
+
+    blocks: list[dict]
+    layers: int
+    sqnr_db: tuple[float, float]
+    kept: bool
+    stopped: str  # why it ends before the graph does ("": it covers it)
+    weighted: bool  # errors weighted by the float outputs' sensitivity
+    unweighted_reason: str
+    seconds: float
+    samples: int
+
+
+@dataclasses.dataclass
 class QuantReport:
     model: str = ""
     preset: str = ""
@@ -111,6 +127,7 @@ class QuantReport:
     adaround_layers: int = 0  # layers whose AdaRound rounding was kept
     adaround_sqnr_db: tuple[float, float] | None = None  # tuning output SQNR without -> with
     adaround_errors: list[dict] = dataclasses.field(default_factory=list)  # per layer: nearest vs AdaRound
+    reconstruction: ReconstructionFacts | None = None
     bias_corrected: int = 0
     bias_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     bias_sqnr_db: tuple[float, float] | None = None  # calibration output SQNR without -> with
@@ -183,6 +200,7 @@ class QuantReport:
             "ranges": dict(self.range_kinds),
             "adaround": {"layers": self.adaround_layers, "output_sqnr_db": self.adaround_sqnr_db,
                          "per_layer": list(self.adaround_errors)},
+            "reconstruction": None if self.reconstruction is None else dataclasses.asdict(self.reconstruction),
             "bias_correction": {"layers": self.bias_corrected, "skipped": dict(self.bias_skipped),
                                 "output_sqnr_db": self.bias_sqnr_db},
             "weights": {"8bit": self.weights_8bit, "total": self.weights_total},
@@ -242,6 +260,14 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
         console.print(f"AdaRound: {report.adaround_layers} layer(s) rounded to reconstruct their float output; "
                       f"tuning output SQNR {before:.1f} -> {after:.1f} dB"
                       + ("" if after > before else " (not applied: it did not raise it)"))
+    if report.reconstruction is not None:
+        r = report.reconstruction
+        before, after = r.sqnr_db
+        console.print(f"block reconstruction: {len(r.blocks)} block(s), {r.layers} layer(s) on {r.samples} sample(s) "
+                      f"in {r.seconds:.0f} s; tuning output SQNR {before:.1f} -> {after:.1f} dB"
+                      + ("" if r.kept else " (not applied: it did not raise it)")
+                      + (f"; it stops at {r.stopped}" if r.stopped else "")
+                      + ("" if r.weighted else f"; every channel weighted alike ({r.unweighted_reason})"))
     if report.bias_sqnr_db is not None:
         before, after = report.bias_sqnr_db
         console.print(f"bias correction: {report.bias_corrected} layer(s); calibration output SQNR "
