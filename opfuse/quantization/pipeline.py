@@ -346,7 +346,13 @@ def _reconstructed(report: QuantReport, maker: TrialMaker, qdq, keep, keep_as: s
     from opfuse.quantization.reconstruction import SAMPLES, apply_reconstruction, reconstruct  # (torch, likewise)
 
     start = maker.quantizer.quantize(list(keep), keep_as=keep_as)
-    result = reconstruct(maker.float_model, start, maker.samples, seed=seed)
+    try:
+        result = reconstruct(maker.float_model, start, maker.samples, seed=seed)
+    except Exception as e:  # noqa: BLE001 - an optional refinement: the model is quantised without it, and says why
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        report.notes.append(f"block reconstruction failed ({type(e).__name__}: {detail}); the model is quantised "
+                            "without it")
+        return qdq
     candidate = onnx.ModelProto()
     candidate.CopyFrom(start)
     apply_reconstruction(candidate, result)

@@ -44,7 +44,7 @@ from opfuse.quantization.qdq import _removed_activations
 from opfuse.quantization.sqnr import CHANNEL_FIRST, _exposed
 from opfuse.quantization.torch_ops import Unsupported, node_function
 from opfuse.runtime import create_session
-from opfuse.vocabulary import ONNX_DOMAINS, OpKind, op_kind
+from opfuse.vocabulary import ONNX_DOMAINS, OpKind, op_kind, weight_spec
 
 LAYERS_PER_BLOCK = 2
 ATTENTION = True  # off: the program ends at the first product of two activations
@@ -373,6 +373,22 @@ class FloatProgram:
                     v = v + probes[o]
                 env[o] = v
         return env
+
+    def multiply_accumulates(self, sample) -> int:
+        """The multiply-accumulates of the model's Conv, ConvTranspose, Gemm and MatMul nodes
+        on ``sample``."""
+        env = self._run(sample)
+        total = 0
+        for node, _ in self.functions:
+            spec = weight_spec(node)
+            if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
+                w = env[node.input[1]]
+                out = env[node.output[0]] if node.op_type == "Conv" else env[node.input[0]]
+                total += out.numel() * w[0].numel()
+            elif spec is not None or node.op_type == "MatMul":
+                a = env[node.input[0]]
+                total += env[node.output[0]].numel() * (a.shape[-1] if a.dim() else 1)
+        return int(total)
 
     def values(self, samples, names) -> list[dict]:
         """Per sample, the float model's values of ``names`` (ONNX Runtime computes them
