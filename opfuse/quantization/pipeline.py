@@ -328,7 +328,10 @@ def _reconstruct_by_default(report: QuantReport, preset, float_model, samples) -
         return False
     from opfuse.quantization.reconstruction import estimated_seconds  # (torch: only block reconstruction needs it)
 
-    seconds, why = estimated_seconds(float_model, samples[0])
+    try:
+        seconds, why = estimated_seconds(float_model, samples[0])
+    except Exception as e:  # noqa: BLE001 - the interpreter failed on this model: quantised without the refinement
+        seconds, why = None, f"the float model failed in torch ({type(e).__name__}: {_first_line(e)})"
     if seconds is None or seconds > RECONSTRUCTION_BUDGET_S:
         report.notes.append("block reconstruction did not run: " + (why if seconds is None else
                             f"it would take about {seconds / 60:.0f} min here (more than "
@@ -349,9 +352,8 @@ def _reconstructed(report: QuantReport, maker: TrialMaker, qdq, keep, keep_as: s
     try:
         result = reconstruct(maker.float_model, start, maker.samples, seed=seed)
     except Exception as e:  # noqa: BLE001 - an optional refinement: the model is quantised without it, and says why
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        report.notes.append(f"block reconstruction failed ({type(e).__name__}: {detail}); the model is quantised "
-                            "without it")
+        report.notes.append(f"block reconstruction failed ({type(e).__name__}: {_first_line(e)}); the model is "
+                            "quantised without it")
         return qdq
     candidate = onnx.ModelProto()
     candidate.CopyFrom(start)
@@ -366,6 +368,11 @@ def _reconstructed(report: QuantReport, maker: TrialMaker, qdq, keep, keep_as: s
         kept=after > before, stopped=result.stopped, weighted=result.weighted,
         unweighted_reason=result.unweighted_reason, seconds=result.seconds, samples=min(len(maker.samples), SAMPLES))
     return candidate if after > before else qdq
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _static_from_samples(work: ir.Model, samples, dims):
