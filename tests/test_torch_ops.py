@@ -209,6 +209,16 @@ POOLING = [
     case("MaxPool", [f32(1, 2, 5, 6, 4)], id="MaxPool-3d", kernel_shape=[2, 2, 2], strides=[2, 2, 2]),
     case("MaxPool", [f32(1, 2, 7, 8)], id="MaxPool-SAME_LOWER", kernel_shape=[3, 2], strides=[2, 3],
          auto_pad="SAME_LOWER"),
+    # a window longer than the input by less than a stride: ONNX Runtime's floor mode truncates
+    # toward zero, so one output (ch_ppocr_mobile_v2.0_cls on an 8x8 input), with count_include_pad
+    # divided by the whole window; none when no window fits; a window over padding alone
+    case("MaxPool", [f32(1, 3, 1, 4)], id="MaxPool-window-past-input", kernel_shape=[2, 2], strides=[2, 2]),
+    case("AveragePool", [f32(1, 2, 3, 5)], id="AveragePool-window-past-input-include-pad", kernel_shape=[4, 2],
+         strides=[3, 2], count_include_pad=1),
+    case("AveragePool", [f32(1, 2, 2, 5)], id="AveragePool-window-past-input", kernel_shape=[3, 2], strides=[2, 2]),
+    case("MaxPool", [f32(1, 2, 1, 4)], id="MaxPool-no-window", kernel_shape=[3, 3], strides=[2, 2]),
+    case("MaxPool", [f32(1, 2, 1, 4)], id="MaxPool-window-over-padding-alone", kernel_shape=[2, 1], strides=[2, 1],
+         dilations=[2, 1], pads=[1, 0, 0, 0]),
 ]
 
 REDUCTIONS = [

@@ -375,19 +375,21 @@ class FloatProgram:
         return env
 
     def multiply_accumulates(self, sample) -> int:
-        """The multiply-accumulates of the model's Conv, ConvTranspose, Gemm and MatMul nodes
-        on ``sample``."""
+        """The multiply-accumulates of the model's weighted layers (the op table's weight
+        specs: Conv, ConvTranspose, Gemm, MatMul) on ``sample``."""
         env = self._run(sample)
         total = 0
         for node, _ in self.functions:
             spec = weight_spec(node)
-            if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
-                w = env[node.input[1]]
-                out = env[node.output[0]] if node.op_type == "Conv" else env[node.input[0]]
-                total += out.numel() * w[0].numel()
-            elif spec is not None or node.op_type == "MatMul":
-                a = env[node.input[0]]
-                total += env[node.output[0]].numel() * (a.shape[-1] if a.dim() else 1)
+            if spec is None or len(node.input) <= spec.weight:
+                continue
+            x, y, w = env[node.input[0]], env[node.output[0]], env[node.input[spec.weight]]
+            if spec.layout == "oihw":  # each output element reads one filter
+                total += y.numel() * w[0].numel()
+            elif spec.layout == "iohw":  # each input element scatters one filter row
+                total += x.numel() * w[0].numel()
+            else:  # a product over the inner axis
+                total += y.numel() * (x.shape[-1] if x.dim() else 1)
         return int(total)
 
     def values(self, samples, names) -> list[dict]:

@@ -130,19 +130,34 @@ _AVERAGE_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 
-def _pooled_end(size: int, kernel: int, stride: int, dilation: int, begin: int, end: int, ceil_mode: int) -> int:
-    """The padding at the end that gives ONNX's output length with floor-mode windows and
-    no other padding: windows that ceil_mode adds must start inside the input or the
-    padding at its beginning."""
+def _pooled_count(size: int, kernel: int, stride: int, dilation: int, begin: int, end: int, ceil_mode: int) -> int:
+    """ONNX Runtime's output length: its floor mode divides truncating toward zero (C's integer
+    division), so a window longer than the padded input by less than a stride still gives one
+    output (ONNX's floor would give none); windows that ceil_mode adds must start inside the
+    input or the padding at its beginning. Zero when no window fits."""
     span = size + begin + end - (kernel - 1) * dilation - 1
-    count = (-(-span // stride) if ceil_mode else span // stride) + 1
-    if ceil_mode and (count - 1) * stride >= size + begin:
+    if not ceil_mode:
+        return max((span // stride if span >= 0 else -(-span // stride)) + 1, 0)
+    count = -(-span // stride) + 1
+    if (count - 1) * stride >= size + begin:
         count -= 1
-    return (count - 1) * stride + (kernel - 1) * dilation + 1 - size - begin
+    return max(count, 0)
+
+
+def _pooled_ends(x: torch.Tensor, kernel, strides, dilations, begin, end, ceil_mode) -> tuple[list[int], list[int]]:
+    """The output length of each axis, and the padding at its end that gives that length with
+    floor-mode windows and no other padding (the part of a window past it is left out)."""
+    windows = list(zip(x.shape[2:], kernel, strides, dilations, begin, end))
+    counts = [_pooled_count(*w, ceil_mode) for w in windows]
+    return counts, [(c - 1) * s + (k - 1) * d + 1 - size - b for c, (size, k, s, d, b, _) in zip(counts, windows)]
 
 
 def _lowest(dtype: torch.dtype) -> float:
-    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+    """MaxPool's padding: what a window over padding alone gives in ONNX Runtime, the type's
+    lowest value (float16's: -inf, as it pools in float32)."""
+    if not dtype.is_floating_point:
+        return torch.iinfo(dtype).min
+    return -math.inf if torch.finfo(dtype).bits < 32 else torch.finfo(dtype).min
 
 
 def _max_pool(a: _Attributes) -> Function:
@@ -153,7 +168,9 @@ def _max_pool(a: _Attributes) -> Function:
         x = xs[0]
         pool = _by_rank(_MAX_POOL, x, "MaxPool")
         strides, dilations, begin, end = window.resolve(x.shape[2:], kernel)
-        ends = [_pooled_end(*args, ceil_mode) for args in zip(x.shape[2:], kernel, strides, dilations, begin, end)]
+        counts, ends = _pooled_ends(x, kernel, strides, dilations, begin, end, ceil_mode)
+        if 0 in counts:  # no window on some axis: an empty output, as ONNX Runtime gives
+            return x.new_zeros((*x.shape[:2], *counts))
         x = F.pad(x, _torch_pads(begin, ends), value=_lowest(x.dtype))
         return pool(x, kernel, strides, 0, dilations)
     return run
@@ -161,7 +178,8 @@ def _max_pool(a: _Attributes) -> Function:
 
 def _average_pool(a: _Attributes) -> Function:
     """The padded sums divided by the count of what each window covers: the input alone,
-    or with count_include_pad the ``pads`` too (never ceil_mode's extra windows)."""
+    or with count_include_pad the ``pads`` too (never ceil_mode's extra windows), and in floor
+    mode the whole window (ONNX Runtime's divisor when a window overhangs the padded input)."""
     window, kernel, ceil_mode = _Window(a), a("kernel_shape"), a("ceil_mode", 0)
     include_pad = a("count_include_pad", 0)
     if any(d != 1 for d in window.dilations or []):
@@ -172,11 +190,14 @@ def _average_pool(a: _Attributes) -> Function:
         pool = _by_rank(_AVERAGE_POOL, x, "AveragePool")
         sizes = x.shape[2:]
         strides, dilations, begin, end = window.resolve(sizes, kernel)
-        ends = [_pooled_end(*args, ceil_mode) for args in zip(sizes, kernel, strides, dilations, begin, end)]
+        counts, ends = _pooled_ends(x, kernel, strides, dilations, begin, end, ceil_mode)
+        if 0 in counts:  # no window on some axis: an empty output, as ONNX Runtime gives
+            return x.new_zeros((*x.shape[:2], *counts))
         counted = torch.ones((1, 1, *sizes), dtype=x.dtype)
         if include_pad:
-            counted = F.pad(counted, _torch_pads(begin, end), value=1.0)
-            counted = F.pad(counted, _torch_pads([0] * len(sizes), [p - e for p, e in zip(ends, end)]))
+            padded = end if ceil_mode else ends
+            counted = F.pad(counted, _torch_pads(begin, padded), value=1.0)
+            counted = F.pad(counted, _torch_pads([0] * len(sizes), [p - e for p, e in zip(ends, padded)]))
         else:
             counted = F.pad(counted, _torch_pads(begin, ends))
         return pool(F.pad(x, _torch_pads(begin, ends)), kernel, strides) / pool(counted, kernel, strides)
