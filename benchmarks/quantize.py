@@ -29,7 +29,7 @@ weights (``quantize_static``), unless it is opfuse's own command:
   then ``quantize_static``: the weights are quantised once;
 - opfuse quantize: ``opfuse.quantize(model, calibration, preset=..., equalize=...)``;
   when it raises, the row says "error" and why. Its default includes block reconstruction
-  where it is estimated under 15 minutes (PP-OCRv4 rec, MobileNetV2; not ResNet-18): the
+  where it is estimated under 15 minutes (PP-OCRv4 rec, MobileNetV2, ResNet-18 at 160x160): the
   row's summary says whether it ran and was kept;
 
 - opfuse quantize cpu --no-bias-correction: the default without its empirical bias correction;

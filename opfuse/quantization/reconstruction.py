@@ -92,7 +92,8 @@ BETA = (20.0, 2.0)
 WARMUP = 0.2
 ZETA, GAMMA = 1.1, -0.1
 DROP = 0.0
-MACS_PER_SECOND = 1.5e9  # the fits' pace on one thread here: PP-OCRv4 rec (0.70 GMAC a line) took 455-675 s
+MACS_PER_SECOND = 2.0e9  # the fits' pace on one thread here, fitted to three models (estimated_seconds)
+SECONDS_PER_NODE = 5e-4  # and the per-node cost of one sample's pass
 
 
 @dataclasses.dataclass
@@ -132,15 +133,20 @@ def apply_reconstruction(qdq: onnx.ModelProto, result: Reconstruction) -> None:
 
 
 def estimated_seconds(float_model: onnx.ModelProto, sample) -> tuple[float | None, str]:
-    """What :func:`reconstruct` will take, from the multiply-accumulates of one pass of the
-    float model on ``sample`` (counted, not timed, so that the answer does not depend on
-    the machine's load): (seconds, "") or (None, why it cannot be told)."""
+    """What :func:`reconstruct` will take, counted rather than timed (so that the answer does
+    not depend on the machine's load): per step and sample, the float model's
+    multiply-accumulates at :data:`MACS_PER_SECOND` plus :data:`SECONDS_PER_NODE` a node.
+    Fitted to the fits measured here (one thread, shared cores): torch-exported ResNet-18 at
+    160x160 (0.93 GMAC, 49 nodes) 576 s, estimated 584; MobileNetV2 (0.15 GMAC, 100 nodes)
+    148 s, estimated 152; PP-OCRv4 rec (0.70 GMAC, 376 nodes) 389-608 s, estimated 647.
+    Returns (seconds, "") or (None, why it cannot be told)."""
     reference = FloatProgram(float_model)
     if reference.unsupported:
         return None, f"the float model is not interpreted in torch past {reference.unsupported}"
     with torch.no_grad():
         macs = reference.multiply_accumulates(sample)
-    return macs * PER_STEP * ITERATIONS / MACS_PER_SECOND, ""
+    per_pass = macs / MACS_PER_SECOND + len(reference.functions) * SECONDS_PER_NODE
+    return per_pass * PER_STEP * ITERATIONS, ""
 
 
 def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples, *, seed: int = 0,
