@@ -407,14 +407,22 @@ def test_matches_onnxruntime(op, inputs, attrs, opset, outputs, tol):
     compare(op, inputs, attrs, opset, outputs, tol)
 
 
-@st.composite
-def conv_windows(draw):
+def _window(draw):
+    """(spatial rank, group, in and out channels, kernel, dilations, strides) of a random
+    convolution."""
     spatial = draw(st.integers(1, 3))
     group = draw(st.sampled_from([1, 2]))
     c_in, c_out = group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
-    kernel = draw(st.lists(st.integers(1, 3), min_size=spatial, max_size=spatial))
-    dilations = draw(st.lists(st.integers(1, 2), min_size=spatial, max_size=spatial))
-    strides = draw(st.lists(st.integers(1, 3), min_size=spatial, max_size=spatial))
+
+    def per_axis(high):
+        return draw(st.lists(st.integers(1, high), min_size=spatial, max_size=spatial))
+
+    return spatial, group, c_in, c_out, per_axis(3), per_axis(2), per_axis(3)
+
+
+@st.composite
+def conv_windows(draw):
+    spatial, group, c_in, c_out, kernel, dilations, strides = _window(draw)
     auto_pad = draw(st.sampled_from(["NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"]))
     pads = draw(st.lists(st.integers(0, 2), min_size=2 * spatial, max_size=2 * spatial))
     sizes = [(k - 1) * d + 1 + draw(st.integers(0, 4)) for k, d in zip(kernel, dilations)]
@@ -445,12 +453,7 @@ def test_conv_windows_match_onnxruntime(window):
 
 @st.composite
 def conv_transpose_windows(draw):
-    spatial = draw(st.integers(1, 3))
-    group = draw(st.sampled_from([1, 2]))
-    c_in, c_out = group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
-    kernel = draw(st.lists(st.integers(1, 3), min_size=spatial, max_size=spatial))
-    dilations = draw(st.lists(st.integers(1, 2), min_size=spatial, max_size=spatial))
-    strides = draw(st.lists(st.integers(1, 3), min_size=spatial, max_size=spatial))
+    spatial, group, c_in, c_out, kernel, dilations, strides = _window(draw)
     output_padding = [draw(st.integers(0, s - 1)) for s in strides]
     attrs = dict(group=group, kernel_shape=kernel, dilations=dilations, strides=strides, output_padding=output_padding)
     auto_pad = draw(st.sampled_from(["NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"]))

@@ -39,6 +39,8 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
+from opfuse.algebra import dequantize
+from opfuse.analyse import opset_of
 from opfuse.quantization.adaround import _sites
 from opfuse.quantization.qdq import _removed_activations
 from opfuse.quantization.sqnr import CHANNEL_FIRST, _exposed
@@ -65,8 +67,7 @@ class QdqProgram:
     """The QDQ graph as steps torch runs, and how its tensors map to the float model's."""
 
     def __init__(self, float_model: onnx.ModelProto, qdq: onnx.ModelProto):
-
-        self.opset = {o.domain: o.version for o in qdq.opset_import}.get("", 13)
+        self.opset = _opset(qdq)
         self.inits = {i.name: i for i in qdq.graph.initializer}
         self.producer = {o: n for n in qdq.graph.node for o in n.output}
         self.shared: dict = {}  # initializer values as torch tensors, loaded once
@@ -76,8 +77,7 @@ class QdqProgram:
         self.activations = {}  # tensor -> (function, constant inputs) of the Relu/Clip the quantiser removed
         for tensor, act in _removed_activations(qdq, float_model).items():
             try:
-                self.activations[tensor] = (node_function(act, {o.domain: o.version for o in float_model.opset_import}
-                                                          .get("", self.opset)),
+                self.activations[tensor] = (node_function(act, _opset(float_model)),
                                             [_constant(float_model, name) for name in act.input[1:]])
             except Unsupported:
                 pass
@@ -205,13 +205,11 @@ class QdqProgram:
         return env
 
     def _constant(self, name):
-
         if name not in self.shared:
             self.shared[name] = torch.from_numpy(np.array(self.constants[name]))
         return self.shared[name]
 
     def _read(self, env, name):
-
         if not name:
             return None
         if name in env:
@@ -345,13 +343,12 @@ class FloatProgram:
     """The float model in torch: its tensors' values, and their output sensitivities."""
 
     def __init__(self, float_model: onnx.ModelProto):
-
         self.model = float_model
         self.inits = {i.name: numpy_helper.to_array(i) for i in float_model.graph.initializer}
         self.outputs = [o.name for o in float_model.graph.output]
         self.functions = []
         self.unsupported = ""
-        opset = {o.domain: o.version for o in float_model.opset_import}.get("", 13)
+        opset = _opset(float_model)
         for node in float_model.graph.node:
             try:
                 if node.domain not in ONNX_DOMAINS:
@@ -363,7 +360,6 @@ class FloatProgram:
         self.conv_like = {o for n in float_model.graph.node if n.op_type in CHANNEL_FIRST for o in n.output}
 
     def _run(self, sample, probes=None):
-
         env = {k: torch.from_numpy(v.copy()) for k, v in self.inits.items()}
         env.update({k: torch.from_numpy(np.asarray(v)) for k, v in sample.items()})
         for node, fn in self.functions:
@@ -442,17 +438,18 @@ class FloatProgram:
 
 
 def _dequantize(node, inits) -> np.ndarray:
-    q = numpy_helper.to_array(inits[node.input[0]]).astype(np.float64)
-    s = numpy_helper.to_array(inits[node.input[1]])
-    dtype = s.dtype
-    s = s.astype(np.float64)
-    z = numpy_helper.to_array(inits[node.input[2]]).astype(np.float64) \
-        if len(node.input) > 2 and node.input[2] in inits else np.zeros_like(s)
+    """A DequantizeLinear of initializers, as its output (in its scale's dtype)."""
+    q, s = (numpy_helper.to_array(inits[name]) for name in node.input[:2])
+    z = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and node.input[2] in inits else 0
     if s.size > 1:
         shape = [1] * q.ndim
         shape[next((a.i for a in node.attribute if a.name == "axis"), 1) % q.ndim] = -1
-        s, z = s.reshape(shape), z.reshape(shape)
-    return ((q - z) * s).astype(dtype)
+        s, z = s.reshape(shape), np.reshape(z, shape)
+    return dequantize(q, z, s, s.dtype)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return opset_of({o.domain: o.version for o in model.opset_import})
 
 
 def _constant_node(node) -> np.ndarray:

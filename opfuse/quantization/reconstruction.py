@@ -154,7 +154,6 @@ def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples, *, 
     """Learns the rounding and activation scales of ``qdq`` block by block on ``samples``
     (the tuning samples; module docstring). ``qdq`` is not changed. ``progress(done,
     blocks, BlockResult)`` is called after each block."""
-
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     samples = [dict(s) for s in list(samples)[:SAMPLES]]
@@ -198,12 +197,10 @@ class _State:
     learned: set = dataclasses.field(default_factory=set)  # scale keys learned
 
     def exp_scales(self, live=None) -> dict:
-
         return {k: torch.exp(v) for k, v in {**self.scales, **(live or {})}.items()}
 
 
 def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterations, generator) -> BlockResult:
-
     program = state.program
     sites = [program.sites[n] for n in block.layers]
     keys = sorted({program.scale_key[q] for q in block.quantizers if q in program.scale_key})
@@ -227,11 +224,9 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
 
     def error(env, index):
         total = 0.0
-        for t in block.outputs:
-            if not env[t].is_floating_point():
-                continue  # (a shape the rest of the graph reads)
-            d = (program.activated(t, env[t]) - floats[index][program.target[t]]) ** 2
-            w = sensitivities.get(program.target[t])
+        for target, got, want in _compared(program, block, env, floats[index]):
+            d = (got - want) ** 2
+            w = sensitivities.get(target)
             total = total + ((d * w).mean() if w is not None else d.mean())
         return total
 
@@ -291,18 +286,22 @@ def _hand_on(quant, envs, block) -> None:
 
 
 def _rectified(v):
-
     return torch.clamp(torch.sigmoid(v) * (ZETA - GAMMA) + GAMMA, 0, 1)
+
+
+def _compared(program: QdqProgram, block: Block, env, floats):
+    """(float target name, the block's output as the float model would see it, the target)
+    for each of the block's float outputs (an integer one is a shape the graph reads on)."""
+    for t in block.outputs:
+        if env[t].is_floating_point():
+            yield program.target[t], program.activated(t, env[t]), floats[program.target[t]]
 
 
 def _block_db(envs, floats, block, program) -> float:
     signal = noise = 0.0
-    for i, env in enumerate(envs):
-        for t in block.outputs:
-            if not env[t].is_floating_point():
-                continue
-            want = floats[i][program.target[t]].double()
-            got = program.activated(t, env[t]).double()
+    for env, wanted in zip(envs, floats):
+        for _, got, want in _compared(program, block, env, wanted):
+            got, want = got.double(), want.double()
             signal += float((want * want).sum())
             noise += float(((got - want) ** 2).sum())
     return 10 * math.log10(max(signal, 1e-30) / max(noise, 1e-30))
