@@ -309,7 +309,8 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
     start = time.perf_counter()
     try:
         q, report = opfuse.quantize(str(path), samples, preset=args.preset, holdout=len(held), adaround=args.adaround,
-                                    calibrate=args.calibrate, constant_inputs=constants)
+                                    calibrate=args.calibrate, constant_inputs=constants,
+                                    reconstruct=True if args.reconstruct else "auto")
         ours["quantize_s"] = round(time.perf_counter() - start, 1)
         qdq = ir.serde.serialize_model(q)
         ours["quantize_linear"] = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
@@ -317,6 +318,10 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
         ours["report_htp_sqnr"] = round(report.verification.sqnr_db, 2)
         if args.adaround:
             ours["adaround_layers"] = report.adaround_layers
+        if report.reconstruction is not None:
+            r = report.reconstruction
+            ours["reconstruction"] = {"kept": r.kept, "tuning_db": [round(x, 2) for x in r.sqnr_db],
+                                      "seconds": round(r.seconds, 1)}
     except Exception as e:  # noqa: BLE001
         ours["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -338,6 +343,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="wheel models whose label contains one of these (comma-separated)")
     parser.add_argument("--preset", default="qnn", help="opfuse's preset (default qnn)")
     parser.add_argument("--adaround", action="store_true", help="opfuse with --adaround (layer-wise weight rounding)")
+    parser.add_argument("--reconstruct", action="store_true",
+                        help="opfuse with --reconstruct on (block reconstruction; the qnn presets do not run it by default)")
     parser.add_argument("--calibrate", default="auto", choices=("auto", *CALIBRATION_METHODS),
                         help="opfuse's --calibrate (default auto: a range per tensor)")
     parser.add_argument("--flow-types", choices=("guide", "preset"), default="guide",

@@ -40,7 +40,8 @@ def one_node_model(node: onnx.NodeProto, inputs, opset: int) -> onnx.ModelProto:
                     for name, v in zip(node.input, inputs) if name]
     outputs = [helper.make_empty_tensor_value_info(name) for name in node.output if name]
     m = helper.make_model(helper.make_graph([node], "one_node", graph_inputs, outputs),
-                          opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+                          opset_imports=[helper.make_opsetid("", opset)]
+                          + [helper.make_opsetid(node.domain, 1)] * bool(node.domain), ir_version=10)
     inferred = onnx.shape_inference.infer_shapes(m)
     types = {v.name: v.type for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
     for out in m.graph.output:
@@ -153,6 +154,10 @@ ELEMENTWISE = [
     case("Or", [np.array([[True, False], [False, False]]), np.array([False, True])]),
     case("Xor", [np.array([[True, False], [False, True]]), np.array([True, True])]),
     case("Where", [f32(2, 3) > 0, f32(2, 3), f32(3)]),
+    case("IsNaN", [np.array([0.0, np.nan, -np.inf, 2.0], np.float32)]),
+    case("IsInf", [np.array([0.0, np.nan, -np.inf, np.inf], np.float32)], id="IsInf-both"),
+    case("IsInf", [np.array([0.0, np.nan, -np.inf, np.inf], np.float32)], id="IsInf-negative", detect_positive=0),
+    case("IsInf", [np.array([0.0, np.nan, -np.inf, np.inf], np.float32)], id="IsInf-positive", detect_negative=0),
 ]
 
 LINEAR = [
@@ -407,6 +412,13 @@ def test_matches_onnxruntime(op, inputs, attrs, opset, outputs, tol):
     compare(op, inputs, attrs, opset, outputs, tol)
 
 
+def test_microsoft_gelu_matches_onnxruntime():
+    """com.microsoft Gelu, what ONNX Runtime's qnn_preprocess_model writes for Erf's pattern."""
+    x = f32(2, 3, 5) * 4
+    node = helper.make_node("Gelu", ["in0"], ["out0"], domain="com.microsoft")
+    np.testing.assert_allclose(torch_run(node, [x], 17)[0], ort_run(node, [x], 17)[0], rtol=1e-5, atol=1e-5)
+
+
 def _window(draw):
     """(spatial rank, group, in and out channels, kernel, dilations, strides) of a random
     convolution."""
@@ -515,7 +527,7 @@ def test_pool_windows_match_onnxruntime(window):
 
 @pytest.mark.parametrize("node, opset, reason", [
     (helper.make_node("NonMaxSuppression", ["b", "s"], ["i"]), 17, "NonMaxSuppression is not interpreted"),
-    (helper.make_node("Gelu", ["x"], ["y"], domain="com.microsoft"), 17, "com.microsoft"),
+    (helper.make_node("FusedConv", ["x", "w"], ["y"], domain="com.microsoft"), 17, "FusedConv of domain com.microsoft"),
     (helper.make_node("Resize", ["x", "", "s"], ["y"], mode="cubic"), 13, "Resize mode 'cubic'"),
     (helper.make_node("Resize", ["x", "", "s"], ["y"], coordinate_transformation_mode="tf_crop_and_resize"), 13,
      "tf_crop_and_resize"),

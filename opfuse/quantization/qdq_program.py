@@ -12,8 +12,9 @@ ONNX Runtime wrote it, fake-quantised, and the float model it was made from.
   the caller passes; any other constant DequantizeLinear is its dequantised value;
 - the int32 bias of a layer whose input scale is learned is re-quantised to
   ``s_x * s_w`` as it will be written (straight through the rounding);
-- every other node of the default domain is its torch function; the first node that has
-  none (another domain, an op :mod:`.torch_ops` does not know) ends the program, and so,
+- every other node is its torch function (:mod:`.torch_ops`: the default domain, and the
+  ONNX Runtime contrib ops its own tools write); the first node that has none ends the
+  program, and so,
   with :data:`ATTENTION` off, does the first product of two activations.
 
 A tensor that depends on no QuantizeLinear (a mask, a shape) is computed once per sample
@@ -46,7 +47,7 @@ from opfuse.quantization.qdq import _removed_activations
 from opfuse.quantization.sqnr import CHANNEL_FIRST, _exposed
 from opfuse.quantization.torch_ops import Unsupported, node_function
 from opfuse.runtime import create_session
-from opfuse.vocabulary import ONNX_DOMAINS, OpKind, op_kind, weight_spec
+from opfuse.vocabulary import OpKind, op_kind, weight_spec
 
 LAYERS_PER_BLOCK = 2
 ATTENTION = True  # off: the program ends at the first product of two activations
@@ -109,8 +110,6 @@ class QdqProgram:
                 break
             else:
                 try:
-                    if node.domain not in ONNX_DOMAINS:
-                        raise Unsupported(f"{node.op_type} of domain {node.domain} is not interpreted")
                     self.functions[id(node)] = node_function(node, self.opset)
                 except Unsupported as e:
                     self.stopped = f"{node.name or node.op_type}: {e}"
@@ -351,8 +350,6 @@ class FloatProgram:
         opset = _opset(float_model)
         for node in float_model.graph.node:
             try:
-                if node.domain not in ONNX_DOMAINS:
-                    raise Unsupported(f"{node.op_type} of domain {node.domain} is not interpreted")
                 self.functions.append((node, node_function(node, opset)))
             except Unsupported as e:
                 self.unsupported = f"{node.name or node.op_type} ({e})"

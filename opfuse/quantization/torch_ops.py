@@ -55,9 +55,9 @@ def node_function(node: onnx.NodeProto, opset: int) -> Callable[[list], list]:
     tensors, one per ``node.output``; ``None`` for a trailing output with an empty name).
     Raises :class:`Unsupported` here, at build time, when the op or an attribute value
     is not handled."""
-    if node.domain not in ONNX_DOMAINS:
+    if node.domain not in ONNX_DOMAINS and (node.domain, node.op_type) not in _CONTRIB:
         raise Unsupported(f"{node.op_type} of domain {node.domain} is not interpreted")
-    build = _OPS.get(node.op_type)
+    build = _CONTRIB.get((node.domain, node.op_type)) or _OPS.get(node.op_type)
     if build is None:
         raise Unsupported(f"{node.op_type} is not interpreted")
     attrs = _Attributes(node, opset)
@@ -541,6 +541,9 @@ _OPS: dict[str, Callable[[_Attributes], Function]] = {
     "Or": _pointwise(torch.logical_or),
     "Xor": _pointwise(torch.logical_xor),
     "Where": _pointwise(torch.where),
+    "IsNaN": _pointwise(torch.isnan),
+    "IsInf": _unary(lambda x, detect_negative, detect_positive: (torch.isneginf(x) & bool(detect_negative))
+                    | (torch.isposinf(x) & bool(detect_positive)), detect_negative=1, detect_positive=1),
 
     "Conv": _conv,
     "ConvTranspose": _conv_transpose,
@@ -592,3 +595,11 @@ _OPS: dict[str, Callable[[_Attributes], Function]] = {
 }
 
 _MULTIPLE_OUTPUTS = {"Split"}
+
+
+# ONNX Runtime's contrib ops that its own tools write into models opfuse quantises:
+# com.microsoft Gelu (exact, erf form) is what onnxruntime.quantization's
+# qnn_preprocess_model (and ORT's transformer optimiser) make of Erf's pattern.
+_CONTRIB: dict[tuple[str, str], Callable[[_Attributes], Function]] = {
+    ("com.microsoft", "Gelu"): _pointwise(lambda x: F.gelu(x, approximate="none")),
+}
