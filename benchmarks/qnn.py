@@ -4,6 +4,7 @@
     python benchmarks/qnn.py --models mobilenetv2,bert --calibration 16 --holdout 8 --json out.json
     python benchmarks/qnn.py --models vit --holdout 32 --seeds 3   # three draws of the samples
     python benchmarks/qnn.py --models vit,bert --preset qnn-a16-per-channel --flow-types preset
+    python benchmarks/qnn.py --models bert --holdout 32 --reconstruct   # with block reconstruction
 
 Per model, one run per sample draw (``--seeds N``: draws 0..N-1; random samples only, the
 rendered text lines of PP-OCR rec are one set):
@@ -17,7 +18,9 @@ rendered text lines of PP-OCR rec are one set):
   flow at the same cost;
 - **opfuse**: ``opfuse.quantize(model, samples, preset="qnn")`` (static shapes from the
   samples, folding, patterns as QNN runs them, ORT's quantiser with QNN's config,
-  calibration and bias correction chosen on the calibration samples).
+  calibration and bias correction chosen on the calibration samples); ``--reconstruct``
+  adds block reconstruction (not run for the qnn presets by default), kept only if it
+  raises the tuning SQNR on the HTP; its row gives the tuning SQNR before and after.
 
 Each quantised model is compiled on the HTP backend (soc_model 57, graph I/O quantisation
 on the HTP) and reported: nodes on the HTP / partitions / nodes on the CPU with QNN's
