@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.vocabulary import ONNX_DOMAINS
+from opfuse.vocabulary import MS_DOMAIN, ONNX_DOMAINS
 
 Function = Callable[[list], Any]  # what a builder returns: one output, or a list of them (Split)
 
@@ -595,11 +595,5 @@ _OPS: dict[str, Callable[[_Attributes], Function]] = {
 }
 
 _MULTIPLE_OUTPUTS = {"Split"}
-
-
-# ONNX Runtime's contrib ops that its own tools write into models opfuse quantises:
-# com.microsoft Gelu (exact, erf form) is what onnxruntime.quantization's
-# qnn_preprocess_model (and ORT's transformer optimiser) make of Erf's pattern.
-_CONTRIB: dict[tuple[str, str], Callable[[_Attributes], Function]] = {
-    ("com.microsoft", "Gelu"): _pointwise(lambda x: F.gelu(x, approximate="none")),
-}
+# ONNX Runtime's contrib ops its own tools write (qnn_preprocess_model: Erf's pattern -> Gelu)
+_CONTRIB = {(MS_DOMAIN, "Gelu"): _pointwise(lambda x: F.gelu(x, approximate="none"))}
