@@ -55,11 +55,10 @@ def node_function(node: onnx.NodeProto, opset: int) -> Callable[[list], list]:
     tensors, one per ``node.output``; ``None`` for a trailing output with an empty name).
     Raises :class:`Unsupported` here, at build time, when the op or an attribute value
     is not handled."""
-    if node.domain not in ONNX_DOMAINS and (node.domain, node.op_type) not in _CONTRIB:
-        raise Unsupported(f"{node.op_type} of domain {node.domain} is not interpreted")
-    build = _CONTRIB.get((node.domain, node.op_type)) or _OPS.get(node.op_type)
+    default = node.domain in ONNX_DOMAINS
+    build = _OPS.get(node.op_type) if default else _CONTRIB.get((node.domain, node.op_type))
     if build is None:
-        raise Unsupported(f"{node.op_type} is not interpreted")
+        raise Unsupported(f"{node.op_type}{'' if default else ' of domain ' + node.domain} is not interpreted")
     attrs = _Attributes(node, opset)
     compute = build(attrs)
     unread = attrs.unread()
