@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     parser.add_argument("--adaround", action="store_true", help="opfuse with --adaround (layer-wise weight rounding)")
     parser.add_argument("--reconstruct", action="store_true",
                         help="opfuse with --reconstruct on (block reconstruction; the qnn presets do not run it by default)")
-    parser.add_argument("--calibrate", default="auto", choices=("auto", *CALIBRATION_METHODS),
+    parser.add_argument("--calibrate", default="auto", choices=tuple(CALIBRATION_METHODS),
                         help="opfuse's --calibrate (default auto: a range per tensor)")
     parser.add_argument("--flow-types", choices=("guide", "preset"), default="guide",
                         help="the flow's quantisation types: the guide's get_qnn_qdq_config defaults (uint8 "

@@ -351,7 +351,8 @@ def _reconstructed(report: QuantReport, maker: TrialMaker, qdq, keep, keep_as: s
 
     start = maker.quantizer.quantize(list(keep), keep_as=keep_as)
     try:
-        result = reconstruct(maker.float_model, start, maker.samples, seed=seed)
+        result = reconstruct(maker.float_model, start, maker.samples, seed=seed,
+                             scale_fit=maker.quantizer.preset.scale_fit)
     except Exception as e:  # noqa: BLE001 - an optional refinement: the model is quantised without it, and says why
         report.notes.append(f"block reconstruction failed ({type(e).__name__}: {_first_line(e)}); the model is "
                             "quantised without it")
