@@ -166,6 +166,7 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
                          output=tmp_path / "q.onnx", adaround=True)  # its guard runs on the HTP
     assert report.adaround_sqnr_db is not None and report.bias_sqnr_db is not None
     assert any("bound batch=1 (from the calibration samples' shapes (batch))" in n for n in report.notes)
+    assert report.reconstruction is None and any("for the qnn presets it is opt-in" in n for n in report.notes)
     assert report.device.placement.all_on_npu and report.device.strict
     v = report.verification
     assert v.runtime.startswith("QNN HTP backend") and v.cpu_qdq_sqnr_db is not None
@@ -178,6 +179,26 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
     noise = sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(f, h))
     assert abs(v.sqnr_db - 10 * np.log10(signal / noise)) < 1e-3
     assert v.sqnr_db > 20 and ctx.exists()
+
+
+def test_reconstruction_on_the_qnn_preset_searches_the_scales_and_is_judged_on_the_htp(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import opfuse.quantization.reconstruction as reconstruction
+    from opfuse.quantization.pipeline import quantize
+
+    searched = []
+    search = reconstruction._search_scales
+    monkeypatch.setattr(reconstruction, "_search_scales", lambda logs, measure: searched.append(len(logs)) or
+                        search(logs, measure))
+    m = conv_then("Relu", size=6)
+    r = np.random.default_rng(4)
+    samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
+    q, report = quantize(m, samples, preset="qnn", holdout=2, reconstruct=True)
+    facts = report.reconstruction
+    assert facts is not None and facts.layers >= 1 and searched and all(searched)
+    before, after = facts.sqnr_db
+    assert facts.kept == (after > before)
+    assert report.verification.runtime.startswith("QNN HTP backend")
 
 
 def test_the_a16_preset_writes_16_bit_activations_and_runs_them_on_the_htp_more_exactly(tmp_path):
