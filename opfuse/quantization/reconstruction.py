@@ -1,5 +1,6 @@
 """Block reconstruction: the int8 weights' rounding learned and the activations' scales
-learned or searched, block by block, to reproduce the float model's block outputs on the calibration data.
+learned or searched, block by block, to reproduce the float model's block outputs on the
+calibration data.
 
 Li et al., "BRECQ: Pushing the Limit of Post-Training Quantization by Block
 Reconstruction" (ICLR 2021), with Esser et al.'s learned step sizes (LSQ, ICLR 2020) for
@@ -29,8 +30,8 @@ instead), ``E_nearest`` the error with the rounding and scales ONNX Runtime chos
 ``w_t[c]`` each channel's share of the float model's output sensitivity: a Hutchinson
 estimate of diag(J^T J) of the graph outputs with respect to t (two probes per sample,
 normalised to mean 1), so that the error a channel makes counts as much as it reaches the
-outputs. V (and log(s), when learned) are fitted with Adam on :data:`PER_STEP` samples per step for
-:data:`ITERATIONS` steps, lambda and beta as in AdaRound (no regulariser for the first
+outputs. V (and log(s), when learned) are fitted with Adam on :data:`PER_STEP` samples per
+step for :data:`ITERATIONS` steps, lambda and beta as in AdaRound (no regulariser for the first
 :data:`WARMUP` of the steps, then beta from 20 to 2), and h is then set to 0 or 1.
 QDrop (Wei et al., ICLR 2022: each element's quantiser skipped at random in training) is
 :data:`DROP`, off: at 8 bits it left every fit of a two-conv net worse than where it began,
@@ -264,20 +265,19 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
         scales = state.exp_scales()
         near = [program.run(dict(quant[i]), block.nodes, state.weights, scales) for i in range(count)]
         e_near = max(float(sum(error(near[i], i) for i in range(count))) / count, 1e-30)
-    if scale_fit == "search" and keys:
-        _search_scales(log_scales, _BlockError(program, block, quant[:SEARCH_SAMPLES], state, error))
-    learning = scale_fit == "learned"
+    learned_scales = list(log_scales.values()) if scale_fit == "learned" else []
     groups = [g for g in ({"params": list(variables.values()), "lr": LEARNING_RATE},
-                          {"params": list(log_scales.values()) if learning else [], "lr": SCALE_LEARNING_RATE})
-              if g["params"]]
+                          {"params": learned_scales, "lr": SCALE_LEARNING_RATE}) if g["params"]]
     before = _block_db(near, floats, block, program)
-    if not groups and not keys:
+    if not groups:
         _hand_on(quant, near, block)
         return BlockResult(block.layers, before, before, 0.0, 0.0)
-    optimiser = torch.optim.Adam(groups) if groups else None
+    if scale_fit == "search" and keys:
+        _search_scales(log_scales, _BlockError(program, block, quant[:SEARCH_SAMPLES], state, error))
+    optimiser = torch.optim.Adam(groups)
     warm = int(iterations * WARMUP)
     total_weights = max(1, sum(v.numel() for v in variables.values()))
-    for step in range(iterations if optimiser is not None else 0):
+    for step in range(iterations):
         picks = torch.randint(0, count, (min(PER_STEP, count),), generator=generator).tolist()
         weights, scales = weights_with(_rectified), state.exp_scales(log_scales)
         loss = sum(error(program.run(dict(quant[i]), block.nodes, weights, scales, drop=DROP, generator=generator), i)
@@ -330,7 +330,8 @@ class _BlockError:
         self.prefix_key, self.prefix = None, None
 
     def __call__(self, live, key=None) -> float:
-        program, nodes, weights, scales = self.program, self.block.nodes, self.state.weights, self.state.exp_scales(live)
+        program, nodes, weights = self.program, self.block.nodes, self.state.weights
+        scales = self.state.exp_scales(live)
         cut = self.first.get(key, 0)
         if cut and key != self.prefix_key:
             self.prefix_key = key
@@ -344,8 +345,9 @@ def _search_scales(log_scales: dict, measure) -> None:
     """A coordinate search of the block's activation scales: each in turn (in the order of
     their keys) is multiplied by each of :data:`SCALE_STEPS`, the others as chosen so far,
     and keeps the factor whose ``measure(scales, key)`` (the block's weighted error on the
-    samples, the rounding as it stands: :class:`_BlockError`) is lowest, or stays. The search never steps up: each key's
-    choice is measured with all the earlier choices in place, and stays unless lower."""
+    samples, the rounding as it stands: :class:`_BlockError`) is lowest, or stays. The
+    search never steps up: each key's choice is measured with all the earlier choices in
+    place, and stays unless lower."""
     with torch.no_grad():
         current = {k: v.detach().clone() for k, v in log_scales.items()}
         best = measure(current)
