@@ -115,6 +115,19 @@ def test_random_calibration_warns_it_is_for_smoke_tests():
     assert report.calibration_samples + report.verification.samples == 6
 
 
+def test_random_calibration_draws_at_the_sizes_dim_gives():
+    import onnx_ir as ir
+
+    from opfuse.quantization.calibration import load_calibration
+
+    model = ir.serde.deserialize_model(small_net())  # x[N,3,12,12]
+    assert {s["x"].shape for s in load_calibration("random:3", model)[0]} == {(1, 3, 12, 12)}
+    assert {s["x"].shape for s in load_calibration("random:3", model, dims={"N": 2})[0]} == {(2, 3, 12, 12)}
+    assert {s["x"].shape for s in load_calibration("random:3", model, dims={"x:0": 3})[0]} == {(3, 3, 12, 12)}
+    with pytest.raises(BadInputError, match="no such free dimension"):
+        load_calibration("random:3", model, dims={"M": 2})
+
+
 # -- the pipeline ------------------------------------------------------------------------------
 
 def test_folds_first_then_quantises_every_weight_once():

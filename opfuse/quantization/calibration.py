@@ -43,7 +43,7 @@ import onnx_ir as ir
 
 from opfuse.constant_inputs import drop_bound, show_value
 from opfuse.errors import BadInputError
-from opfuse.inputs import find_sizes, make_feeds, runtime_inputs
+from opfuse.inputs import find_sizes, make_feeds, resolve_dims, runtime_inputs
 from opfuse.runtime import create_session
 from opfuse.vocabulary import first_line
 
@@ -54,16 +54,18 @@ CalibrationSource = str | os.PathLike | Iterable[Mapping[str, np.ndarray]]
 
 
 def load_calibration(
-    source: CalibrationSource, model: ir.Model, *, seed: int = 0, bound: Mapping[str, np.ndarray] | None = None
+    source: CalibrationSource, model: ir.Model, *, seed: int = 0, bound: Mapping[str, np.ndarray] | None = None,
+    dims: Mapping[str, int] | None = None,
 ) -> tuple[list[Sample], list[str]]:
     """(samples, notes) from ``source``, checked against ``model``'s inputs (``model``: with
-    the ``bound`` inputs already bound; see the module docstring)."""
+    the ``bound`` inputs already bound; see the module docstring). ``random:N`` draws its
+    samples at the sizes ``dims`` (``--dim``) gives."""
     notes: list[str] = []
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         match = re.fullmatch(r"random:(\d+)", text)
         if match:
-            samples = _random_samples(model, int(match.group(1)), seed)
+            samples = _random_samples(model, int(match.group(1)), seed, dims)
             notes.append(
                 f"calibration on {len(samples)} random samples (--calibration {text}): fit for a "
                 "smoke test only; scales computed on noise are not those of real data"
@@ -196,12 +198,12 @@ def _show(shape) -> str:
     return "[" + ", ".join(str(d) if isinstance(d, int) else (d.value or "?") for d in shape) + "]"
 
 
-def _random_samples(model: ir.Model, count: int, seed: int) -> list[Sample]:
+def _random_samples(model: ir.Model, count: int, seed: int, dims: Mapping[str, int] | None) -> list[Sample]:
     if count < MIN_SAMPLES:
         raise BadInputError(f"random:{count}: quantisation needs at least {MIN_SAMPLES} samples")
     session = create_session(model, "disabled")
     _, sizes, _ = find_sizes(  # sizes at which the model runs, as verification finds them
-        model, lambda feeds: session.run(None, feeds), seed=seed,
+        model, lambda feeds: session.run(None, feeds), fixed=resolve_dims(model, dims), seed=seed,
         purpose=f"random:{count}", advice="give calibration data: --calibration DATA.npz")
     return [make_feeds(model, sizes, seed=seed + i) for i in range(count)]
 

@@ -175,7 +175,7 @@ def quantize(
     work, display = load_model(model)
     bound = resolve_constant_inputs(work, constant_inputs)  # a value that does not fit: one line, before any work
     view = bound_view(work, bound)  # the inputs the result takes
-    samples, notes = load_calibration(calibration, view, seed=seed, bound=bound)
+    samples, notes = load_calibration(calibration, view, seed=seed, bound=bound, dims=dims)
     calib, held = split(samples, holdout)
     check_runs(view, samples)  # before any work: a sample the model cannot run on is named
     deciding = {} if bound else constant_across(samples, work)  # (for the compile log's fix of an If)
