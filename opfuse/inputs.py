@@ -87,14 +87,20 @@ def runtime_inputs(model: ir.Model) -> list[ir.Value]:
     return [v for v in model.graph.inputs if not v.is_initializer()]
 
 
+def dim_name(dim) -> str | None:
+    """A symbolic dimension's name, None for a fixed or anonymous one: "" and "?" name no
+    dimension (Paddle2ONNX writes "?" on every free axis: PP-OCR's classifier has H and W
+    both "?", which are not one size)."""
+    name = getattr(dim, "value", None)
+    return None if isinstance(dim, int) or name is None or str(name) in ("", "?") else str(name)
+
+
 def _dim_key(value: ir.Value, axis: int, dim) -> tuple[str, bool] | None:
     """(key, named) for a free dimension, None for a fixed one."""
     if isinstance(dim, int):
         return None if dim >= 0 else (f"{value.name}:{axis}", False)
-    name = dim.value
-    if name is None or str(name) in ("", "?"):
-        return f"{value.name}:{axis}", False
-    return str(name), True
+    name = dim_name(dim)
+    return (f"{value.name}:{axis}", False) if name is None else (name, True)
 
 
 def free_dims(model: ir.Model) -> dict[str, FreeDim]:

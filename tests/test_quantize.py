@@ -128,6 +128,25 @@ def test_random_calibration_draws_at_the_sizes_dim_gives():
         load_calibration("random:3", model, dims={"M": 2})
 
 
+def test_paddles_question_mark_dims_are_each_their_own():
+    """Paddle2ONNX writes "?" on every free axis (PP-OCR's classifier: x[?, 3, ?, ?]); they
+    are anonymous, not one dimension named "?": H and W take sizes of their own, from --dim
+    or from the samples."""
+    import onnx_ir as ir
+
+    from opfuse.quantization.calibration import load_calibration
+
+    proto = small_net()
+    for axis in (0, 2, 3):
+        proto.graph.input[0].type.tensor_type.shape.dim[axis].dim_param = "?"
+    model = ir.serde.deserialize_model(proto)
+    drawn, _ = load_calibration("random:3", model, dims={"x:2": 12, "x:3": 16})
+    assert {s["x"].shape for s in drawn} == {(1, 3, 12, 16)}
+    r = rng(3)
+    given = [{"x": r.standard_normal((1, 3, 12, 16)).astype(np.float32)} for _ in range(3)]
+    assert len(load_calibration(given, model)[0]) == 3
+
+
 # -- the pipeline ------------------------------------------------------------------------------
 
 def test_folds_first_then_quantises_every_weight_once():

@@ -43,7 +43,7 @@ import onnx_ir as ir
 
 from opfuse.constant_inputs import drop_bound, show_value
 from opfuse.errors import BadInputError
-from opfuse.inputs import find_sizes, make_feeds, resolve_dims, runtime_inputs
+from opfuse.inputs import dim_name, find_sizes, make_feeds, resolve_dims, runtime_inputs
 from opfuse.runtime import create_session
 from opfuse.vocabulary import first_line
 
@@ -168,11 +168,11 @@ def _check(samples: list[Sample], model: ir.Model, where: str) -> None:
             if problem:
                 raise BadInputError(f"{where}: sample {index}, input '{name}': {problem}")
             for axis, dim in enumerate(value.shape or ()):
-                if isinstance(dim, ir.SymbolicDim) and dim.value:  # one size per sample, like --dim
-                    seen = sizes.setdefault(dim.value, (f"'{name}' axis {axis}", array.shape[axis]))
+                if dim_name(dim) is not None:  # one size per sample, like --dim
+                    seen = sizes.setdefault(dim_name(dim), (f"'{name}' axis {axis}", array.shape[axis]))
                     if seen[1] != array.shape[axis]:
                         raise BadInputError(
-                            f"{where}: sample {index}: dimension '{dim.value}' is {seen[1]} in {seen[0]} "
+                            f"{where}: sample {index}: dimension '{dim_name(dim)}' is {seen[1]} in {seen[0]} "
                             f"but {array.shape[axis]} in '{name}' axis {axis}; a named dimension has one "
                             "size per sample")
 
