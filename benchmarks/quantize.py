@@ -28,9 +28,11 @@ weights (``quantize_static``), unless it is opfuse's own command:
 - fold, ORT: ``opfuse.optimize`` first (opset raised to 13 for per-channel when below),
   then ``quantize_static``: the weights are quantised once;
 - opfuse quantize: ``opfuse.quantize(model, calibration, preset=..., equalize=...)``;
-  when it raises, the row says "error" and why. Its default includes block reconstruction
-  where it is estimated under 15 minutes (PP-OCRv4 rec, MobileNetV2, ResNet-18 at 160x160): the
-  row's summary says whether it ran and was kept;
+  when it raises, the row says "error" and why. The ``cpu`` preset's default includes block
+  reconstruction where it is estimated under 15 minutes (PP-OCRv4 rec, MobileNetV2, ResNet-18
+  at 160x160); the ``per-tensor`` preset's, cross-layer equalisation and AdaRound instead
+  (``--no-equalize --no-adaround``: the preset as it was before 2026-12-05): the row's
+  summary says what ran and was kept;
 
 - opfuse quantize cpu --no-bias-correction: the default without its empirical bias correction;
 - opfuse quantize ... --reconstruct: block reconstruction (learned rounding and activation scales);
@@ -404,7 +406,8 @@ def flow_fold_first(case: Case, out: pathlib.Path, per_channel: bool) -> pathlib
     return ort_static(model, out, case, per_channel, "fold" + suffix)
 
 
-def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool, **options) -> tuple[pathlib.Path, str]:
+def flow_opfuse(case: Case, out: pathlib.Path, preset: str, equalize: bool | None = None,
+                **options) -> tuple[pathlib.Path, str]:
     """(the quantised model's path, its report's summary); a failed --min-sqnr keeps the
     reason and writes the best model the search found nowhere: the row is an error."""
     with quiet():
@@ -471,22 +474,24 @@ FLOWS: list[tuple[str, Callable | None]] = [
     ("quant W, fold, requant, per-tensor", lambda c, o: flow_requantize(c, o, False)),
     ("fold, ORT, per-channel", lambda c, o: flow_fold_first(c, o, True)),
     ("fold, ORT, per-tensor", lambda c, o: flow_fold_first(c, o, False)),
-    ("opfuse quantize cpu", lambda c, o: flow_opfuse(c, o, "cpu", False)),
+    ("opfuse quantize cpu", lambda c, o: flow_opfuse(c, o, "cpu")),
     ("opfuse quantize cpu + equalize", lambda c, o: flow_opfuse(c, o, "cpu", True)),
-    ("opfuse quantize per-tensor", lambda c, o: flow_opfuse(c, o, "per-tensor", False)),
-    ("opfuse quantize per-tensor + equalize", lambda c, o: flow_opfuse(c, o, "per-tensor", True)),
-    ("opfuse quantize cpu --no-bias-correction", lambda c, o: flow_opfuse(c, o, "cpu", False, bias_correction=False)),
-    ("opfuse quantize cpu --calibrate minmax", lambda c, o: flow_opfuse(c, o, "cpu", False, calibrate="minmax")),
-    ("opfuse quantize cpu --calibrate percentile", lambda c, o: flow_opfuse(c, o, "cpu", False, calibrate="percentile")),
-    ("opfuse quantize cpu + adaround", lambda c, o: flow_opfuse(c, o, "cpu", False, adaround=True)),
-    ("opfuse quantize per-tensor + equalize + adaround",
-     lambda c, o: flow_opfuse(c, o, "per-tensor", True, adaround=True)),
-    ("opfuse quantize cpu --reconstruct", lambda c, o: flow_opfuse(c, o, "cpu", False, reconstruct=True)),
-    ("opfuse quantize per-tensor --reconstruct", lambda c, o: flow_opfuse(c, o, "per-tensor", False, reconstruct=True)),
-    ("opfuse quantize per-tensor + equalize --reconstruct",
-     lambda c, o: flow_opfuse(c, o, "per-tensor", True, reconstruct=True)),
-    ("opfuse quantize qnn", lambda c, o: flow_opfuse(c, o, "qnn", False)),
-    ("opfuse quantize cpu --min-sqnr 20", lambda c, o: flow_opfuse(c, o, "cpu", False, min_sqnr=20)),
+    ("opfuse quantize per-tensor", lambda c, o: flow_opfuse(c, o, "per-tensor")),
+    ("opfuse quantize per-tensor --no-equalize --no-adaround",
+     lambda c, o: flow_opfuse(c, o, "per-tensor", False, adaround=False)),
+    ("opfuse quantize per-tensor + equalize --no-adaround",
+     lambda c, o: flow_opfuse(c, o, "per-tensor", True, adaround=False)),
+    ("opfuse quantize cpu --no-bias-correction", lambda c, o: flow_opfuse(c, o, "cpu", bias_correction=False)),
+    ("opfuse quantize cpu --calibrate minmax", lambda c, o: flow_opfuse(c, o, "cpu", calibrate="minmax")),
+    ("opfuse quantize cpu --calibrate percentile", lambda c, o: flow_opfuse(c, o, "cpu", calibrate="percentile")),
+    ("opfuse quantize cpu + adaround", lambda c, o: flow_opfuse(c, o, "cpu", adaround=True)),
+    ("opfuse quantize cpu --reconstruct", lambda c, o: flow_opfuse(c, o, "cpu", reconstruct=True)),
+    ("opfuse quantize per-tensor --no-equalize --no-adaround --reconstruct",
+     lambda c, o: flow_opfuse(c, o, "per-tensor", False, adaround=False, reconstruct=True)),
+    ("opfuse quantize per-tensor --no-adaround --reconstruct",
+     lambda c, o: flow_opfuse(c, o, "per-tensor", adaround=False, reconstruct=True)),
+    ("opfuse quantize qnn", lambda c, o: flow_opfuse(c, o, "qnn")),
+    ("opfuse quantize cpu --min-sqnr 20", lambda c, o: flow_opfuse(c, o, "cpu", min_sqnr=20)),
     ("AIMET CLE+AdaRound, per-channel", lambda c, o: flow_peer(c, o, "aimet", False)),
     ("AIMET CLE+AdaRound, per-tensor", lambda c, o: flow_peer(c, o, "aimet", True)),
     ("NNCF quantize, per-channel", lambda c, o: flow_peer(c, o, "nncf", False)),

@@ -117,16 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
                      help="; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values())
                           + " (default: %(default)s)")
-    qnt.add_argument("--equalize", action="store_true",
-                     help="cross-layer equalisation of conv pairs first (exact; helps per-tensor weights)")
+    qnt.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="cross-layer equalisation of conv pairs first (exact; helps per-tensor weights; "
+                          "default: on for the per-tensor preset)")
     qnt.add_argument("--min-sqnr", type=float, metavar="DB",
                      help="keep the costliest layers out of int8 until the output SQNR reaches DB; "
                           "below it on the held-out samples: exit 1, nothing written")
     qnt.add_argument("--holdout", type=int, metavar="N", help="samples held out for verification (default: a quarter)")
     qnt.add_argument("--no-bias-correction", action="store_true", help="skip the empirical bias correction")
-    qnt.add_argument("--adaround", action="store_true",
+    qnt.add_argument("--adaround", action=argparse.BooleanOptionalAction, default=None,
                      help="choose each weight's rounding to reconstruct its layer's float output (AdaRound); "
-                          "kept only where it raises the output SQNR on the calibration samples")
+                          "kept only where it raises the output SQNR on the calibration samples (default: on "
+                          "for the per-tensor preset, in place of block reconstruction)")
     qnt.add_argument("--reconstruct", nargs="?", choices=("auto", "on", "off"), const="on", default="auto",
                      help="learn the int8 rounding and activation scales block by block to reproduce the float "
                           "model's block outputs (needs torch; minutes), kept only where it raises the output "

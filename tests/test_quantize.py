@@ -183,12 +183,13 @@ def strict_json(path):
 
 def test_mixed_precision_keeps_the_worst_layer_in_float(tmp_path):
     net = small_net(outlier_conv=1)
-    _, plain = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False)
+    _, plain = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False, equalize=False,
+                               adaround=False)  # (the preset's equalisation and AdaRound would mend the outlier)
     worst = plain.costliest(1)[0]
     assert worst.name == "conv1", [(r.name, r.own_sqnr_db) for r in plain.costliest(3)]
     target = plain.verification.sqnr_db + 6
     q, report = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False, min_sqnr=target,
-                                report_path=tmp_path / "r.json")
+                                equalize=False, adaround=False, report_path=tmp_path / "r.json")
     kept = report.kept()
     assert kept and kept[0].name == "conv1" and kept[0].precision == "float"
     assert "keeping it alone raised the tuning output SQNR" in kept[0].reason
@@ -282,7 +283,32 @@ def test_cli_writes_a_model_onnx_runtime_runs(tmp_path, capsys, preset):
     create_session(proto, "all").run(None, samples(1)[0])
     data = json.loads(rep.read_text())
     assert data["preset"] == preset and data["summary"]["verified"] is True
-    assert data["fusion"]["summary"]["applied"] == {"Conv+BatchNormalization": 3}
+    equalised = {"Conv+Relu+Conv equalisation": 2} if preset == "per-tensor" else {}  # (the preset equalises)
+    assert data["fusion"]["summary"]["applied"] == {"Conv+BatchNormalization": 3, **equalised}
+
+
+def test_the_per_tensor_preset_equalises_and_rounds_by_adaround_unless_told_not_to(tmp_path, capsys):
+    """Per-tensor weights lose the small channels of a layer whose channel ranges differ
+    (the outlier conv here): the preset equalises the conv pairs and rounds each layer with
+    AdaRound by default (its report says so), and ``--no-equalize --no-adaround`` is the
+    preset without them."""
+    src = tmp_path / "m.onnx"
+    onnx.save(small_net(outlier_conv=1), src)
+    calib = npz(tmp_path / "c.npz", samples(16))
+    runs = {}
+    for label, flags in (("default", []), ("without", ["--no-equalize", "--no-adaround"])):
+        rep = tmp_path / f"{label}.json"
+        code = main(["quantize", str(src), "-o", str(tmp_path / f"{label}.onnx"), "--calibration", calib,
+                     "--preset", "per-tensor", "--report", str(rep), *flags])
+        assert code == 0, capsys.readouterr().err
+        runs[label] = json.loads(rep.read_text())
+    default, without = runs["default"], runs["without"]
+    assert default["fusion"]["summary"]["applied"].get("Conv+Relu+Conv equalisation") == 2
+    assert default["adaround"]["per_layer"] and default["adaround"]["output_sqnr_db"] is not None
+    assert any("AdaRound rounds the weights" in n for n in default["notes"])
+    assert "Conv+Relu+Conv equalisation" not in without["fusion"]["summary"]["applied"]
+    assert not without["adaround"]["per_layer"] and without["adaround"]["output_sqnr_db"] is None
+    assert default["verification"]["sqnr_db"] > without["verification"]["sqnr_db"] + 2  # 35.6 against 32.4 dB
 
 
 def test_calibration_auto_chooses_each_tensors_range_and_beats_one_method_for_all():

@@ -200,7 +200,7 @@ def test_the_search_never_accepts_a_step_that_lowers_the_measured_sqnr(tmp_path)
     net = small_net(outlier_conv=1)
     with pytest.raises(VerificationError) as failed:
         opfuse.quantize(net, samples(20), preset="per-tensor", min_sqnr=90, max_steps=4, adaround=False,
-                        report_path=tmp_path / "r.json")
+                        equalize=False, report_path=tmp_path / "r.json")
     report = failed.value.report
     assert report.ranking and all(r.kept_before >= 0 for r in report.ranking)
     assert report.tuning_samples + report.check_samples == report.calibration_samples

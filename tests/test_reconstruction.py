@@ -254,15 +254,22 @@ def test_reconstruct_without_torch_is_one_line_exit_2(tmp_path, capsys, monkeypa
 
 def test_by_default_it_runs_within_its_budget_and_says_why_not_beyond(monkeypatch):
     """``reconstruct="auto"``: run when the estimated time fits the budget, otherwise a note
-    with the estimate and how to run it anyway; the qnn presets do not run it."""
+    with the estimate and how to run it anyway; not where AdaRound rounds the weights (the
+    per-tensor preset's default), which the note says."""
     from opfuse.quantization import pipeline
 
     calib = data(12, 1)
-    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor")
+    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor", adaround=False)
     assert report.reconstruction is None
     assert any("block reconstruction did not run: it would take about" in n and "--reconstruct on" in n
                for n in report.notes)
     monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 3600)
-    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor")
+    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor", adaround=False)
     assert report.reconstruction is not None and report.reconstruction.layers == 7
     assert not any("block reconstruction did not run" in n for n in report.notes)
+    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor")
+    assert report.reconstruction is None and report.adaround_errors
+    assert any("block reconstruction did not run: AdaRound rounds the weights" in n for n in report.notes)
+
+
+

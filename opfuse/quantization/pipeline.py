@@ -10,7 +10,8 @@ The steps, in order (each its own module):
    left the **tuning** set (everything else is tuned on it alone);
 2. fold and clean up with :func:`opfuse.optimize` (portable ONNX, verified on a held-out
    sample as any rewrite), with ``equalize`` also cross-layer equalisation
-   (:mod:`opfuse.passes.equalize`): after folding, each weight is quantised once. A model
+   (:mod:`opfuse.passes.equalize`; by default for the per-tensor preset:
+   :class:`.presets.Preset`): after folding, each weight is quantised once. A model
    that ships dynamic int8 (ONNX Runtime's ``quantize_dynamic``: ConvInteger, MatMulInteger,
    DynamicQuantizeLSTM...) is first dequantised to float ops with its int8 weights
    (:mod:`opfuse.passes.dequantize_dynamic`, not exact), before anything else: that model
@@ -24,19 +25,18 @@ The steps, in order (each its own module):
    inside MinMax, per tensor). On PP-OCRv4 rec calibrated on one rendering of text lines
    and read on four others, auto read 92-98% exact match where the percentile for the
    whole model read 70-84% and MinMax 46-66% (float 88-99%);
-5. with ``adaround``, AdaRound (:mod:`.adaround`), then empirical bias correction
+5. with ``adaround`` (the per-tensor preset's default, opt-in for the others: it costs
+   minutes), AdaRound (:mod:`.adaround`), then empirical bias correction
    (:mod:`.bias_correction`), each kept only where it lowers a layer's error and raises
    the output SQNR on the tuning samples (:mod:`.trials`; for ``qnn`` measured on the
-   HTP). AdaRound is opt-in because it costs minutes: on the torch-exported ResNet-18
-   per tensor with ``equalize`` it took 820 s and raised the held-out SQNR from 25.0 to
-   27.1 dB (AIMET's CLE + AdaRound: 27.0);
+   HTP);
 6. mixed precision (:mod:`.search`), with a target only: an exact sensitivity ranking
    (each candidate re-quantised alone) and a walk that never accepts a step lowering the
    tuning SQNR, stopped by the check samples; kept layers run in float (16-bit
    activations for ``qnn``); a ``runner`` replaces what evaluates candidates (ONNX
    Runtime's CPU provider by default);
-7. block reconstruction (:mod:`.reconstruction`; ``reconstruct``, "auto" by default: the
-   CPU presets, when torch is installed and it is estimated under
+7. block reconstruction (:mod:`.reconstruction`; ``reconstruct``, "auto" by default: when
+   torch is installed, AdaRound is off, and it is estimated under
    :data:`RECONSTRUCTION_BUDGET_S`): the rounding of every int8 weight and the scale of
    every activation learned block by block, so that each block reproduces the float
    model's block outputs weighted by how much they reach the outputs (for ``qnn``, opt-in,
@@ -100,12 +100,12 @@ def quantize(
     calibration: CalibrationSource,
     *,
     preset: str = DEFAULT_PRESET,
-    equalize: bool = False,
+    equalize: bool | None = None,
     min_sqnr: float | None = None,
     metric: Metric | None = None,
     min_metric: float | None = None,
     bias_correction: bool = True,
-    adaround: bool = False,
+    adaround: bool | None = None,
     reconstruct: bool | str = "auto",
     calibrate: str = "auto",
     holdout: int | None = None,
@@ -142,6 +142,9 @@ def quantize(
     written; ``context``: the EPContext model), and the held-out SQNR (and ``metric``) is
     measured on the HTP's outputs, the CPU-QDQ figure beside it.
 
+    ``equalize`` and ``adaround``: None (the default) takes the preset's choice (both on for
+    ``per-tensor``, off for the others: :class:`.presets.Preset`).
+
     ``constant_inputs`` (``{"sr": 16000}``) binds inputs a deployment fixes, as
     :func:`opfuse.optimize` does: the result no longer takes them, a calibration sample that
     carries one must hold exactly that value, and ``random:N`` does not draw them.
@@ -164,6 +167,8 @@ def quantize(
     if reconstruct is True and importlib.util.find_spec("torch") is None:
         raise BadInputError("--reconstruct needs torch: pip install 'opfuse[torch]' (it pins torch==2.13.0)")
     chosen = PRESETS[preset]
+    equalize = chosen.equalize if equalize is None else equalize  # None: as the preset says
+    adaround = chosen.adaround if adaround is None else adaround
     if (context is not None or require_npu) and not chosen.qnn:
         raise BadInputError("--context and --require-npu compile for the NPU: use them with --preset qnn")
     htp = None
@@ -249,7 +254,7 @@ def quantize(
         _record_trial_facts(report, quantizer, maker)
         quantised = any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
         if reconstruct == "auto" and quantised:
-            reconstruct = _reconstruct_by_default(report, chosen, float_model, tune)
+            reconstruct = _reconstruct_by_default(report, chosen, float_model, tune, adaround)
         if reconstruct and quantised:
             qdq = _reconstructed(report, maker, qdq, keep, action.name, seed)
         report.layers = _layer_rows(float_model, qdq, tune, keep, why, gain_of, action.label)
@@ -317,15 +322,20 @@ def quantize(
     return result, report
 
 
-def _reconstruct_by_default(report: QuantReport, preset, float_model, samples) -> bool:
+def _reconstruct_by_default(report: QuantReport, preset, float_model, samples, adaround: bool) -> bool:
     """``reconstruct="auto"``: block reconstruction runs for the CPU presets when torch is
-    installed and it is estimated to take at most :data:`RECONSTRUCTION_BUDGET_S`; otherwise
-    the report says why it did not."""
+    installed, AdaRound does not round the weights already, and it is estimated to take at
+    most :data:`RECONSTRUCTION_BUDGET_S`; otherwise the report says why it did not."""
     if preset.qnn:  # measured on the HTP on two transformers only: opt-in until the CNNs are
         report.notes.append("block reconstruction did not run: for the qnn presets it is opt-in (--reconstruct "
                             "on); on the HTP, against ONNX Runtime's QNN flow over ten draws, it took BERT "
                             "from -0.16 to +0.01 dB and ViT from +0.04 to +0.52 (median) "
                             "(README)")
+        return False
+    if adaround:
+        report.notes.append("block reconstruction did not run: AdaRound rounds the weights layer by layer "
+                            "(--reconstruct on runs it too, from ONNX Runtime's rounding, kept only where it "
+                            "raises the tuning output SQNR further)")
         return False
     if importlib.util.find_spec("torch") is None:
         report.notes.append("block reconstruction did not run: torch is not installed (pip install "

@@ -34,6 +34,17 @@ DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants opset 11 
 (:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly layer in
 int8 weights with 16-bit activations instead of leaving it in float.
 
+``per-tensor`` also equalises the conv pairs first (:mod:`opfuse.passes.equalize`) and rounds
+each layer with AdaRound (:mod:`.adaround`, which chooses the layer's weight scale too) in place
+of block reconstruction (``Preset.equalize``, ``Preset.adaround``; ``--no-equalize``,
+``--no-adaround``). One scale per weight tensor spends its steps on a layer's widest channel;
+equalisation evens the channels' ranges, and AdaRound's scale search and rounding recover what
+is left. Block reconstruction keeps ONNX Runtime's weight scales, and read far worse there
+(2026-12-05, ``benchmarks/quantize.py``, one run each): PP-OCRv4 rec's worst drop over three
+calibration draws 3 / 3 / 5 points (12.7-13.0 dB) against 50 on draw 0 with reconstruction and
+56 / 17 / 48 with neither; ResNet-18 27.1 dB against 25.9 (AIMET's CLE + AdaRound 27.0). The
+cost is AdaRound's minutes: about 16 min for PP-OCRv4 rec and ResNet-18 on one shared thread.
+
 Block reconstruction (:mod:`.reconstruction`) learns the activation scales in its fit for
 ``cpu`` and ``per-tensor`` (LSQ), and searches them before it for the ``qnn`` presets, which
 quantise the residual stream too: there LSQ's gradient misleads (BERT on the HTP, ten draws:
@@ -60,6 +71,8 @@ class Preset:
     keep_as: str = "float"  # how the mixed-precision search keeps a layer: "float" or "int16"
     op_types: tuple[str, ...] | None = None  # what ONNX Runtime's quantiser may touch (None: its default)
     scale_fit: str = "learned"  # how block reconstruction chooses activation scales (.reconstruction.SCALE_FITS)
+    equalize: bool = False  # cross-layer equalisation unless the caller says otherwise (--no-equalize)
+    adaround: bool = False  # AdaRound unless the caller says otherwise (--no-adaround); auto reconstruction then off
 
     @property
     def min_opset(self) -> int:
@@ -76,8 +89,9 @@ CPU_OPS = (
 PRESETS: dict[str, Preset] = {
     "cpu": Preset("cpu", "int8 symmetric per-channel weights, uint8 activations",
                   "uint8", "int8", per_channel=True, op_types=CPU_OPS),
-    "per-tensor": Preset("per-tensor", "int8 symmetric per-tensor weights, uint8 activations",
-                         "uint8", "int8", per_channel=False, op_types=CPU_OPS),
+    "per-tensor": Preset("per-tensor", "int8 symmetric per-tensor weights, uint8 activations; equalised, "
+                         "weights rounded by AdaRound", "uint8", "int8", per_channel=False, op_types=CPU_OPS,
+                         equalize=True, adaround=True),
     "qnn": Preset("qnn", "ONNX Runtime's get_qnn_qdq_config: uint8 activations and weights, per tensor",
                   "uint8", "uint8", per_channel=False, qnn=True, keep_as="int16", scale_fit="search"),
     "qnn-per-channel": Preset("qnn-per-channel", "as qnn with int8 symmetric per-channel weights",
