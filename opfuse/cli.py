@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values())
                           + " (default: %(default)s)")
     qnt.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=None,
-                     help="cross-layer equalisation of conv pairs first (exact; helps per-tensor weights; "
-                          "default: on for the per-tensor preset)")
+                     help="cross-layer equalisation of every conv pair first (exact; helps per-tensor weights; "
+                          "by default the per-tensor preset equalises the pairs with no ReLU6 between)")
     qnt.add_argument("--min-sqnr", type=float, metavar="DB",
                      help="keep the costliest layers out of int8 until the output SQNR reaches DB; "
                           "below it on the held-out samples: exit 1, nothing written")

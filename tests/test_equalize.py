@@ -352,6 +352,31 @@ def refused(m, *words):
     return refusal
 
 
+def test_the_homogeneous_variant_refuses_a_relu6_and_equalises_the_rest():
+    """``equalize-homogeneous`` (the per-tensor quantisation preset's): a ReLU6 between would
+    become a Relu and a per-channel Min, which ONNX Runtime's int8 conv does not absorb as it
+    absorbs the Clip, so the pair is refused with that reason and the model left as it was;
+    a Relu or nothing between is equalised as by ``equalize``."""
+    from opfuse.passes.equalize import HomogeneousEqualizePass
+
+    def run(m):
+        work, report = ir.serde.deserialize_model(m), FusionReport()
+        p = HomogeneousEqualizePass(report)
+        return work, report, p, p(work).modified
+
+    m = pair_model("clip-0-6")
+    out, report, p, modified = run(m)
+    assert not modified and not report.records
+    (refusal,) = p.refusals
+    assert "would become per-channel Min/Max bounds" in refusal.reason and refusal.node == "conv1"
+    assert to_proto(out).SerializeToString() == to_proto(ir.serde.deserialize_model(m)).SerializeToString()
+    m = pair_model("relu")
+    out, report, p, modified = run(m)
+    assert modified and not p.refusals and ops(out) == ["Conv", "Relu", "Conv"]
+    assert_balanced(out, "conv1", "conv2")
+    assert_same(m, out, dims={"N": 2})
+
+
 def test_sigmoid_between_is_refused():
     refusal = refused(pair_model("sigmoid"), "Sigmoid(x/s) != Sigmoid(x)/s")
     assert refusal.node == "conv1" and refusal.anchor == "conv2"

@@ -1,22 +1,24 @@
 """Step 3 of the pipeline: the rewrites, one onnx-ir pass per file, selected by name.
 
-======================  ==========================================================
-``fold-batchnorm``      BatchNormalization -> Conv/ConvTranspose/Gemm/MatMul weights
-``fold-arithmetic``     constant Add/Sub/Mul/Div -> Conv/ConvTranspose/Gemm weights
-``remove-casts``        Casts to a value's own dtype and exact round trips, removed
-``cancel-transposes``   Transposes moved past element-wise ops, inverse pairs removed
-``fuse-activation``     Conv/Gemm + activation -> FusedConv/FusedGemm (onnxruntime)
-``fuse-epilogue``       Conv + residual Add + activation -> FusedConv (onnxruntime)
-``reshape-dims``        Reshape targets computed from shapes -> constants (0 = the input's dim)
-``fuse-patterns``       LayerNorm, GELU, SiLU, HardSwish, attention... -> the op the target
-                        runs (:mod:`opfuse.passes.patterns`)
-``equalize``            cross-layer equalisation of Conv -> [act] -> Conv weight ranges
-                        (before int8 quantisation; no target runs it by default)
-``dequantize-dynamic``  dynamic int8 (ConvInteger, MatMulInteger, DynamicQuantizeLSTM...)
-                        back to float ops with the int8 weights dequantised; not exact
-                        (it removes the activations' run-time rounding): ``quantize``
-                        runs it on such a model, no target by default
-======================  ==========================================================
+========================  ==========================================================
+``fold-batchnorm``        BatchNormalization -> Conv/ConvTranspose/Gemm/MatMul weights
+``fold-arithmetic``       constant Add/Sub/Mul/Div -> Conv/ConvTranspose/Gemm weights
+``remove-casts``          Casts to a value's own dtype and exact round trips, removed
+``cancel-transposes``     Transposes moved past element-wise ops, inverse pairs removed
+``fuse-activation``       Conv/Gemm + activation -> FusedConv/FusedGemm (onnxruntime)
+``fuse-epilogue``         Conv + residual Add + activation -> FusedConv (onnxruntime)
+``reshape-dims``          Reshape targets computed from shapes -> constants (0 = the input's dim)
+``fuse-patterns``         LayerNorm, GELU, SiLU, HardSwish, attention... -> the op the target
+                          runs (:mod:`opfuse.passes.patterns`)
+``equalize``              cross-layer equalisation of Conv -> [act] -> Conv weight ranges
+                          (before int8 quantisation; no target runs it by default)
+``equalize-homogeneous``  the same, refusing a pair whose Clip would become Min/Max
+                          (what ``quantize --preset per-tensor`` runs by default)
+``dequantize-dynamic``    dynamic int8 (ConvInteger, MatMulInteger, DynamicQuantizeLSTM...)
+                          back to float ops with the int8 weights dequantised; not exact
+                          (it removes the activations' run-time rounding): ``quantize``
+                          runs it on such a model, no target by default
+========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
 whether it emits contrib ops (the ``fuse-*`` passes write the target's fused kernels,
@@ -47,6 +49,7 @@ REGISTRY: dict[str, str] = {
     "fuse-patterns": "opfuse.passes.fuse_patterns:PatternFusionPass",
     "reshape-dims": "opfuse.passes.reshape_dims:ReshapeDimsPass",
     "equalize": "opfuse.passes.equalize:EqualizePass",
+    "equalize-homogeneous": "opfuse.passes.equalize:HomogeneousEqualizePass",
     "dequantize-dynamic": "opfuse.passes.dequantize_dynamic:DequantizeDynamicPass",
 }
 PASS_NAMES = tuple(REGISTRY)

@@ -215,6 +215,8 @@ class EqualizePass(OpfusePass):
     """Balance the per-channel weight ranges of consecutive convolutions, exactly."""
 
     name = "equalize"
+    bounds = True  # a Clip between may become per-channel Min/Max bounds
+
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._model, self._names = model, None
@@ -226,7 +228,7 @@ class EqualizePass(OpfusePass):
                 if not is_op(node, "Conv"):
                     continue
                 for path, second in list(_candidates(node, scope.graph)):
-                    pair = _check(scope, layers, node, path, second)
+                    pair = _check(scope, layers, node, path, second, self.bounds)
                     if isinstance(pair, str):
                         self.refuse(_pattern(path), node, pair, anchor=second, scope=scope)
                     else:
@@ -321,6 +323,17 @@ class EqualizePass(OpfusePass):
         value.name = self._names.fresh(f"{_SUFFIX.sub('', value.name or 'equalized')}_equalized")
 
 
+class HomogeneousEqualizePass(EqualizePass):
+    """:class:`EqualizePass` on the pairs whose ops between need no new bound: a Clip between
+    (ReLU6) is refused rather than turned into a Relu and a per-channel Min, an op that ONNX
+    Runtime's int8 conv does not absorb as it absorbs the Clip (the per-tensor quantisation
+    preset: on MobileNetV2, whose pairs all have a ReLU6 between, equalising every pair
+    read 9.85 dB at 0.76x the float model's speed, and none 9.90 dB at 1.75x)."""
+
+    name = "equalize-homogeneous"
+    bounds = False
+
+
 def _pattern(path: Sequence[ir.Node]) -> str:
     return "+".join(["Conv", *(n.op_type for n in path), "Conv"]) + " equalisation"
 
@@ -353,8 +366,10 @@ def _candidates(conv: ir.Node, graph: ir.Graph):
                 stack.append((node.outputs[0], [*path, node]))
 
 
-def _check(scope: Scope, layers: dict, first: ir.Node, path: list[ir.Node], second: ir.Node) -> _Pair | str:
-    """The pair, or why it cannot be equalised (rules 1-3 of the module docstring)."""
+def _check(scope: Scope, layers: dict, first: ir.Node, path: list[ir.Node], second: ir.Node,
+           bounds: bool = True) -> _Pair | str:
+    """The pair, or why it cannot be equalised (rules 1-3 of the module docstring; without
+    ``bounds``, a Clip that would become Min/Max too)."""
     for node in path:  # the op between first: the most basic reason
         if node.op_type not in BETWEEN:
             return _not_commuting(node)
@@ -380,6 +395,9 @@ def _check(scope: Scope, layers: dict, first: ir.Node, path: list[ir.Node], seco
         step = _read_step(node, value, scope.opset, channels, rank, dtype)
         if isinstance(step, str):
             return step
+        if not bounds and step.action == "clip":
+            return (f"{describe(node)} would become per-channel Min/Max bounds, which ONNX Runtime's int8 "
+                    "conv does not absorb as it absorbs the Clip (equalize-homogeneous; equalize takes the pair)")
         steps.append(step)
     return _Pair(a, b, steps, _pattern(path))
 

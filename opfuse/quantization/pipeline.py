@@ -143,7 +143,8 @@ def quantize(
     measured on the HTP's outputs, the CPU-QDQ figure beside it.
 
     ``equalize`` and ``adaround``: None (the default) takes the preset's choice (both on for
-    ``per-tensor``, off for the others: :class:`.presets.Preset`).
+    ``per-tensor``, which equalises only the pairs with no ReLU6 between; off for the others:
+    :class:`.presets.Preset`); ``equalize=True`` equalises every pair.
 
     ``constant_inputs`` (``{"sr": 16000}``) binds inputs a deployment fixes, as
     :func:`opfuse.optimize` does: the result no longer takes them, a calibration sample that
@@ -167,7 +168,7 @@ def quantize(
     if reconstruct is True and importlib.util.find_spec("torch") is None:
         raise BadInputError("--reconstruct needs torch: pip install 'opfuse[torch]' (it pins torch==2.13.0)")
     chosen = PRESETS[preset]
-    equalize = chosen.equalize if equalize is None else equalize  # None: as the preset says
+    equalizing = chosen.equalize if equalize is None else ("equalize" if equalize else "")  # None: the preset's
     adaround = chosen.adaround if adaround is None else adaround
     if (context is not None or require_npu) and not chosen.qnn:
         raise BadInputError("--context and --require-npu compile for the NPU: use them with --preset qnn")
@@ -188,14 +189,14 @@ def quantize(
     shipped, dynamic = view, _dynamic_kernels(work)  # (the shipped model's SQNR is read on the samples' inputs)
     if dynamic:  # float ops again, with the shipped int8 weights: the model every later step starts from
         work, dequantised = _dequantise(work)
-    passes = [*DEFAULT_PASSES, *(["equalize"] if equalize else [])]
+    passes = [*DEFAULT_PASSES, *([equalizing] if equalizing else [])]
     target = "onnx"
     static = None
     if chosen.qnn:
         work, static = _static_from_samples(work, [{**s, **bound} for s in samples], dims)
         static_note = len(notes)
         notes.append(static.note())
-        passes, target = [*TARGET_DEFAULT_PASSES["qnn"], *(["equalize"] if equalize else [])], "qnn"
+        passes, target = [*TARGET_DEFAULT_PASSES["qnn"], *([equalizing] if equalizing else [])], "qnn"
     folded, fusion = optimize(work, passes=passes, target=target, inputs=held[0], constant_inputs=bound,
                               compile_for_device=False)
     fusion.model = display
