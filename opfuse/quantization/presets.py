@@ -41,13 +41,13 @@ of block reconstruction (``Preset.equalize``, ``Preset.adaround``; ``--no-equali
 equalisation evens the channels' ranges, and AdaRound's scale search and rounding recover what
 is left. It equalises only the pairs that need no new op (``equalize-homogeneous``: a ReLU6
 between would become a Relu and a per-channel Min, which ONNX Runtime's int8 conv does not
-absorb; ``--equalize`` takes every pair): on MobileNetV2, all of whose pairs have a ReLU6
-between, equalising them read 9.85 dB at 0.76x the float model's speed, and none 9.90 dB at
-1.75x. Block reconstruction keeps ONNX Runtime's weight scales, and read far worse there
-(2026-12-05, ``benchmarks/quantize.py``, one run each): PP-OCRv4 rec's worst drop over three
-calibration draws 3 / 3 / 5 points (12.7-13.0 dB) against 50 on draw 0 with reconstruction and
-56 / 17 / 48 with neither; ResNet-18 27.1 dB against 25.9 (AIMET's CLE + AdaRound 27.0). The
-cost is AdaRound's minutes: about 16 min for PP-OCRv4 rec and ResNet-18 on one shared thread.
+absorb; ``--equalize`` takes every pair). Measured (2026-12-05, ``benchmarks/quantize.py``'s
+cases, one run each): PP-OCRv4 rec's worst drop over three calibration draws 3 / 3 / 5 points
+(12.7-13.0 dB), against 56 / 17 / 48 with neither and 50 on draw 0 with block reconstruction;
+PP-OCRv6 rec 1 point (15.3 dB; 11 without equalisation, 6 with reconstruction instead of
+AdaRound); ResNet-18 27.1 dB against 25.9 with reconstruction (AIMET's CLE + AdaRound 27.0);
+MobileNetV2 9.98 dB at 1.72x the float model's speed, where every pair equalised read 9.85 dB
+at 0.76x. The cost is AdaRound's minutes: 14-18 min for these on one shared thread.
 
 Block reconstruction (:mod:`.reconstruction`) learns the activation scales in its fit for
 ``cpu`` and ``per-tensor`` (LSQ), and searches them before it for the ``qnn`` presets, which
