@@ -44,8 +44,8 @@ between would become a Relu and a per-channel Min, which ONNX Runtime's int8 con
 absorb; ``--equalize`` takes every pair). Measured (2026-12-05, ``benchmarks/quantize.py``'s
 cases, one run each): PP-OCRv4 rec's worst drop over three calibration draws 3 / 3 / 5 points
 (12.7-13.0 dB), against 56 / 17 / 48 with neither and 50 on draw 0 with block reconstruction;
-PP-OCRv6 rec 1 point (15.3 dB; 11 without equalisation, 6 with reconstruction instead of
-AdaRound); ResNet-18 27.1 dB against 25.9 with reconstruction (AIMET's CLE + AdaRound 27.0);
+PP-OCRv6 rec 1 / 1 / 6 points (14.9-15.4 dB; draw 0: 11 without equalisation, 6 with
+reconstruction instead of AdaRound); ResNet-18 27.1 dB against 25.9 with reconstruction (AIMET's CLE + AdaRound 27.0);
 MobileNetV2 9.98 dB at 1.72x the float model's speed, where every pair equalised read 9.85 dB
 at 0.76x. The cost is AdaRound's minutes: 14-18 min for these on one shared thread.
 
