@@ -265,6 +265,13 @@ class QdqProgram:
                                      outputs, sorted(made & needed), needed))
         return blocks
 
+    def scale_read_by(self, node) -> str | None:
+        """The key of the learned scale ``node`` reads when :meth:`run` runs it: a
+        QuantizeLinear's own, or a layer's input scale, to which its int32 bias is requantised."""
+        if node.op_type == "QuantizeLinear":
+            return self.scale_key.get(node.name)
+        return self.bias_of[node.name][1] if node.name in self.bias_of else None
+
     def run(self, env, nodes, weights, scales, drop=0.0, generator=None):
         """Runs ``nodes`` on ``env`` (name -> tensor): weight DQ outputs from ``weights``
         (initializer -> tensor), activation scales from ``scales`` (key -> tensor), each

@@ -322,9 +322,7 @@ class _BlockError:
         self.program, self.block, self.quant, self.state, self.error = program, block, quant, state, error
         self.first = {}  # key -> index in block.nodes of its first reader
         for index, node in enumerate(block.nodes):
-            key = program.scale_key.get(node.name) if node.op_type == "QuantizeLinear" else None
-            if key is None and node.name in program.bias_of:
-                key = program.bias_of[node.name][1]
+            key = program.scale_read_by(node)
             if key is not None:
                 self.first.setdefault(key, index)
         self.prefix_key, self.prefix = None, None
