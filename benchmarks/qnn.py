@@ -18,8 +18,9 @@ rendered text lines of PP-OCR rec are one set):
   flow at the same cost;
 - **opfuse**: ``opfuse.quantize(model, samples, preset="qnn")`` (static shapes from the
   samples, folding, patterns as QNN runs them, ORT's quantiser with QNN's config,
-  calibration and bias correction chosen on the calibration samples); ``--reconstruct``
-  adds block reconstruction (not run for the qnn presets by default), kept only if it
+  calibration and bias correction chosen on the calibration samples, block reconstruction
+  where ``--reconstruct auto`` runs it: under its budget, the qnn presets' estimate
+  multiplied by ``QNN_FIT_FACTOR``); ``--reconstruct`` forces it on. It is kept only if it
   raises the tuning SQNR on the HTP; its row gives the tuning SQNR before and after.
 
 Each quantised model is compiled on the HTP backend (soc_model 57, graph I/O quantisation
@@ -347,7 +348,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="qnn", help="opfuse's preset (default qnn)")
     parser.add_argument("--adaround", action="store_true", help="opfuse with --adaround (layer-wise weight rounding)")
     parser.add_argument("--reconstruct", action="store_true",
-                        help="opfuse with --reconstruct on (block reconstruction; the qnn presets do not run it by default)")
+                        help="opfuse with --reconstruct on (block reconstruction; by default it runs where "
+                             "estimated under its budget)")
     parser.add_argument("--calibrate", default="auto", choices=tuple(CALIBRATION_METHODS),
                         help="opfuse's --calibrate (default auto: a range per tensor)")
     parser.add_argument("--flow-types", choices=("guide", "preset"), default="guide",

@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.add_argument("--reconstruct", nargs="?", choices=("auto", "on", "off"), const="on", default="auto",
                      help="learn the int8 rounding and activation scales block by block to reproduce the float "
                           "model's block outputs (needs torch; minutes), kept only where it raises the output "
-                          "SQNR on the calibration samples; auto: for the cpu and per-tensor presets when "
-                          "estimated under 15 min (default: %(default)s)")
+                          "SQNR on the calibration samples; auto: when estimated under 15 min (for the qnn "
+                          "presets, with the estimate multiplied by 8) and AdaRound is off (default: %(default)s)")
     qnt.add_argument("--calibrate", choices=("auto", "minmax", "percentile", "entropy"), default="auto",
                      help="how activation ranges are read off the calibration data; auto gives each tensor the "
                           "range of least round-trip error (minmax, percentile 99.99 or clipped) "

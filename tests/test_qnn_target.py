@@ -166,7 +166,7 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
                          output=tmp_path / "q.onnx", adaround=True)  # its guard runs on the HTP
     assert report.adaround_sqnr_db is not None and report.bias_sqnr_db is not None
     assert any("bound batch=1 (from the calibration samples' shapes (batch))" in n for n in report.notes)
-    assert report.reconstruction is None and any("for the qnn presets it is opt-in" in n for n in report.notes)
+    assert report.reconstruction is None and any("AdaRound rounds the weights" in n for n in report.notes)
     assert report.device.placement.all_on_npu and report.device.strict
     v = report.verification
     assert v.runtime.startswith("QNN HTP backend") and v.cpu_qdq_sqnr_db is not None
@@ -193,7 +193,14 @@ def test_reconstruction_on_the_qnn_preset_searches_the_scales_and_is_judged_on_t
     m = conv_then("Relu", size=6)
     r = np.random.default_rng(4)
     samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
-    q, report = quantize(m, samples, preset="qnn", holdout=2, reconstruct=True)
+    import opfuse.quantization.pipeline as pipeline
+
+    monkeypatch.setattr(reconstruction, "estimated_seconds", lambda *a: (200.0, ""))
+    q, report = quantize(m, samples, preset="qnn", holdout=2)  # by default, under the budget once multiplied
+    assert report.reconstruction is None and any(f"it would take about {200 * pipeline.QNN_FIT_FACTOR / 60:.0f} min"
+                                                 in n for n in report.notes)
+    monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 200 * pipeline.QNN_FIT_FACTOR)
+    q, report = quantize(m, samples, preset="qnn", holdout=2)
     facts = report.reconstruction
     assert facts is not None and facts.layers >= 1 and searched and all(searched)
     before, after = facts.sqnr_db

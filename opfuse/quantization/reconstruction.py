@@ -85,7 +85,7 @@ float model. PP-OCRv4 rec (48 samples of 3x48x320, 19 blocks) took 390-670 s on 
 of this machine's shared cores. The scale search adds, per scale key, one pass of the block
 up to the key's first reader and :data:`SCALE_STEPS` passes of the rest, on
 :data:`SEARCH_SAMPLES` samples; it is not in the estimate (it runs only for the ``qnn``
-presets, where reconstruction is opt-in). Transformer blocks hold many keys (BERT's first
+presets, whose default multiplies the estimate by :data:`.pipeline.QNN_FIT_FACTOR` instead). Transformer blocks hold many keys (BERT's first
 74, ViT's 17-26), so there it costs more than the fit: BERT's whole reconstruction took
 19-90 s and ViT's 160-410 s, on shared cores, before the prefix reuse halved the search.
 """
