@@ -699,7 +699,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds (default 30)")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
+    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads, and torch's (default 2)")
     parser.add_argument("--image-size", type=int, default=160, help="image models' input size (default 160)")
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE, help="wheel and model cache")
     parser.add_argument("--flows", default="", help="only flows whose label contains one of these (comma-separated; '=LABEL' for that label alone)")
@@ -726,6 +726,12 @@ def main() -> int:
         parser.error(f"{args.peers_python}: no peers venv for {', '.join(peers)}; set it up with: {PEERS_SETUP} "
                      "(or pass --peers-python, or leave the peers out with --flows)")
     ort.set_default_logger_severity(3)
+    try:  # block reconstruction runs in torch, whose result moves with its thread count (README)
+        import torch
+
+        torch.set_num_threads(args.threads)
+    except ImportError:
+        pass
     console = Console(width=None if sys.stdout.isatty() else 160)
     everything: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="opfuse-quantize-bench-") as tmp:
