@@ -196,7 +196,7 @@ def test_reconstruction_on_the_qnn_preset_searches_the_scales_and_is_judged_on_t
     import opfuse.quantization.pipeline as pipeline
 
     monkeypatch.setattr(reconstruction, "estimated_seconds", lambda *a: (200.0, ""))
-    q, report = quantize(m, samples, preset="qnn", holdout=2)  # by default, under the budget once multiplied
+    q, report = quantize(m, samples, preset="qnn", holdout=2)  # by default: over the budget once multiplied
     assert report.reconstruction is None and any(f"it would take about {200 * pipeline.QNN_FIT_FACTOR / 60:.0f} min"
                                                  in n for n in report.notes)
     monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 200 * pipeline.QNN_FIT_FACTOR)

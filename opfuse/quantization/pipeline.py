@@ -350,13 +350,15 @@ def _reconstruct_by_default(report: QuantReport, preset, float_model, samples, a
 
     try:
         seconds, why = estimated_seconds(float_model, samples[0])
-        if seconds is not None and preset.qnn:
-            seconds *= QNN_FIT_FACTOR
     except Exception as e:  # noqa: BLE001 - the interpreter failed on this model: quantised without the refinement
         seconds, why = None, f"the float model failed in torch ({type(e).__name__}: {_first_line(e)})"
-    if seconds is None or seconds > RECONSTRUCTION_BUDGET_S:
+    factor = QNN_FIT_FACTOR if preset.qnn else 1
+    if seconds is None or seconds * factor > RECONSTRUCTION_BUDGET_S:
+        how = ""  # for qnn, the multiplied estimate is a bound, not a forecast
+        if seconds is not None and factor > 1:
+            how = f"at most: estimated {seconds / 60:.0f} min, times {factor} for the qnn presets' scale search; "
         report.notes.append("block reconstruction did not run: " + (why if seconds is None else
-                            f"it would take about {seconds / 60:.0f} min here (more than "
+                            f"it would take about {seconds * factor / 60:.0f} min here ({how}more than "
                             f"{RECONSTRUCTION_BUDGET_S / 60:.0f})") + "; --reconstruct on runs it")
         return False
     return True
