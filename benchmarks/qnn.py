@@ -12,7 +12,10 @@ rendered text lines of PP-OCR rec are one set):
 - **the flow** ONNX Runtime's QNN guide documents: fix the shapes
   (``make_dim_param_fixed`` / ``make_input_shape_fixed``, then shape inference),
   ``qnn_preprocess_model`` (when it crashes, the flow goes on without it and says so),
-  ``get_qnn_qdq_config`` (uint8 activations and weights, MinMax) and ``quantize``; with
+  ``get_qnn_qdq_config`` (uint8 activations and weights, MinMax) and ``quantize``. Its
+  quantiser does not enter an ``If``: where the bound inputs make an ``If``'s condition
+  constant (silero_vad), the flow is run a second time, like for like, on the model ONNX
+  Runtime's own basic optimiser writes with that ``If`` inlined (``ort_flow_inlined``); with
   ``--flow-types preset``, ``get_qnn_qdq_config`` is given ``--preset``'s activation and
   weight types and per-channel choice, so a 16-bit or per-channel opfuse preset meets the
   flow at the same cost;
@@ -222,6 +225,36 @@ def _ort_flow(progress, label, fixed, calib, held, ocr, preprocess=True, preset=
     return flow
 
 
+def _inlined_by_ort(fixed: onnx.ModelProto) -> onnx.ModelProto | None:
+    """The model as ONNX Runtime's basic optimiser (constant folding: an If whose condition is a
+    constant becomes its branch) writes it, or None where it writes no smaller graph of Ifs."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save(fixed, f"{tmp}/fixed.onnx")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.optimized_model_filepath = f"{tmp}/basic.onnx"
+        options.log_severity_level = 3
+        try:
+            ort.InferenceSession(f"{tmp}/fixed.onnx", options, providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - then there is no inlined variant to give the flow
+            return None
+        basic = onnx.load(f"{tmp}/basic.onnx")
+    before = sum(n.op_type == "If" for n in fixed.graph.node)
+    return basic if sum(n.op_type == "If" for n in basic.graph.node) < before else None
+
+
+def _flow_on_inlined(progress, label, fixed, calib, held, ocr, like) -> dict:
+    """:func:`_ort_flow` on the model :func:`_inlined_by_ort` writes; ``skipped`` where it inlines nothing."""
+    progress("ONNX Runtime's basic optimiser (inlining the If)")
+    inlined = _inlined_by_ort(fixed)
+    if inlined is None:
+        return {"skipped": "ONNX Runtime's basic optimiser left every If"}
+    return {**_ort_flow(progress, label, inlined, calib, held, ocr, True, like),
+            "ifs_left": sum(n.op_type == "If" for n in inlined.graph.node)}
+
+
 def _isolated(fn, *args) -> dict:
     """``fn(progress, *args)`` in a forked child; a child killed by a signal is a row saying
     so and at which step (``progress(step)`` reports the step it is in)."""
@@ -308,6 +341,14 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
         flow["binding"] = ("opfuse's binding step only: " + ", ".join(f"{k}={v}" for k, v in constants.items())
                            + " as an initializer, no other rewrite")
     row["ort_flow"] = flow
+    if constants and any(n.op_type == "If" for n in fixed.graph.node):
+        # ONNX Runtime's quantiser does not enter an If, so the flow above leaves its branch in
+        # float; like for like, the flow is also given the model ONNX Runtime's own basic
+        # optimiser writes, which inlines an If whose condition the binding made constant
+        # (in a child too: ONNX Runtime 1.32 segfaults optimising silero_vad.onnx once sr is bound)
+        inlined = _isolated(_flow_on_inlined, label, fixed, calib, held, ocr, like)
+        if "skipped" not in inlined:
+            row["ort_flow_inlined"] = inlined
     # opfuse
     ours: dict = {}
     start = time.perf_counter()
@@ -382,9 +423,11 @@ def _margins(rows: list[dict]) -> list[str]:
     """Per model: opfuse's HTP SQNR minus the flow's, per draw of the samples, median and range."""
     by_model: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
-        ours, flow = row.get("opfuse", {}).get("htp_sqnr"), row.get("ort_flow", {}).get("htp_sqnr")
-        if isinstance(ours, (int, float)) and isinstance(flow, (int, float)):
-            by_model.setdefault(row["model"], []).append((row.get("seed", 0), ours - flow))
+        ours = row.get("opfuse", {}).get("htp_sqnr")
+        for key, suffix in (("ort_flow", ""), ("ort_flow_inlined", " (the flow given the If inlined by ONNX Runtime)")):
+            flow = row.get(key, {}).get("htp_sqnr")
+            if isinstance(ours, (int, float)) and isinstance(flow, (int, float)):
+                by_model.setdefault(row["model"] + suffix, []).append((row.get("seed", 0), ours - flow))
     lines = []
     for model, margins in by_model.items():
         values = sorted(m for _, m in margins)
