@@ -344,6 +344,9 @@ def test_quantize_names_the_value_every_calibration_sample_has():
     _, report = quantize(sr_model(), samples, preset="qnn", holdout=1)
     fixes = {f.fix for f in report.device.placement.fallbacks}
     assert fixes and all("--constant-input sr=16000 (the value every calibration sample has)" in f for f in fixes)
+    on_cpu = len(report.device.placement.cpu)  # the verification's figure says it is not the NPU's alone
+    assert on_cpu and f"with {on_cpu} node(s) on ONNX Runtime's CPU" in report.verification.runtime
     _, report = quantize(sr_model(), samples, preset="qnn", holdout=1, constant_inputs={"sr": 16000},
                          require_npu=True)
     assert report.device.placement.all_on_npu and report.device.strict
+    assert report.verification.runtime.startswith("QNN HTP backend") and "CPU" not in report.verification.runtime

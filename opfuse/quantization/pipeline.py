@@ -436,9 +436,14 @@ def _verify_on_htp(report, float_model, qdq, held, htp, *, require_npu, context,
         written = f"only the report was written ({report_path})" if report_path else "nothing was written"
         raise VerificationError(f"{e}; {written}", report) from None
     accuracy = htp_accuracy(float_model, qdq, held, session=compiled.session)
+    runtime = f"QNN HTP backend ({htp.describe()})"
+    on_cpu = len(compiled.placement.cpu)
+    if on_cpu:  # not the NPU's figure alone: the fallbacks computed in ONNX Runtime's CPU kernels
+        runtime += (f", with {on_cpu} node(s) on ONNX Runtime's CPU (the fallbacks of the compile log, "
+                    "including an If's branches)")
     report.verification = QuantVerification(
         samples=len(held), outputs=accuracy.outputs, sqnr_db=accuracy.htp_vs_float, min_sqnr_db=min_sqnr,
-        runtime=f"QNN HTP backend ({htp.describe()})",
+        runtime=runtime,
         metric=metric(compiled.session.quiet) if metric else None, min_metric=min_metric,
         cpu_qdq_sqnr_db=accuracy.cpu_vs_float, htp_vs_cpu_sqnr_db=accuracy.htp_vs_cpu,
     )
