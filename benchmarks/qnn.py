@@ -397,7 +397,18 @@ def main(argv=None) -> int:
                         help="the flow's quantisation types: the guide's get_qnn_qdq_config defaults (uint8 "
                              "activations and weights per tensor), or those of opfuse's --preset (like for like: "
                              "e.g. 16-bit activations and per-channel weights for qnn-a16-per-channel)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's thread count for block reconstruction, whose result moves with it "
+                             "(default: torch's own, which follows OMP_NUM_THREADS); recorded in each row")
     args = parser.parse_args(argv)
+    try:
+        import torch
+
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        threads = torch.get_num_threads()
+    except ImportError:
+        threads = None
     rows = []
     with tempfile.TemporaryDirectory(prefix="opfuse-qnn-bench-") as tmp:
         for label, path, traits in _models(args.models.split(","), pathlib.Path(tmp), args.cache,
@@ -410,6 +421,7 @@ def main(argv=None) -> int:
                     row = {"model": label, "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 row["seed"] = seed
                 row["seconds"] = round(time.perf_counter() - start, 1)
+                row["torch_threads"] = threads
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.json:
