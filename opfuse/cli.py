@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "presets, with the estimate multiplied by 8) and AdaRound is off (default: %(default)s)")
     qnt.add_argument("--calibrate", choices=("auto", "minmax", "percentile", "entropy"), default="auto",
                      help="how activation ranges are read off the calibration data; auto gives each tensor the "
-                          "range of least round-trip error (minmax, percentile 99.99 or clipped) "
+                          "range of least round-trip error (minmax, percentile 99.99 or clipped); where block "
+                          "reconstruction searches the scales (the qnn presets), minmax, and the search clips "
                           "(default: %(default)s)")
     qnt.add_argument("--max-steps", type=int, default=64,
                      help="mixed-precision walk steps at most, one candidate each (default: %(default)s)")

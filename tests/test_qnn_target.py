@@ -199,8 +199,11 @@ def test_reconstruction_on_the_qnn_preset_searches_the_scales_and_is_judged_on_t
     q, report = quantize(m, samples, preset="qnn", holdout=2)  # by default: over the budget once multiplied
     assert report.reconstruction is None and any(f"it would take about {200 * pipeline.QNN_FIT_FACTOR / 60:.0f} min"
                                                  in n for n in report.notes)
+    assert report.calibration == "auto"  # no search to leave the clipping to
     monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 200 * pipeline.QNN_FIT_FACTOR)
     q, report = quantize(m, samples, preset="qnn", holdout=2)
+    # the search judges each scale by its block's output: it starts from MinMax, not auto's clipping
+    assert report.calibration == "minmax" and any("starts from MinMax ranges" in n for n in report.notes)
     facts = report.reconstruction
     assert facts is not None and facts.layers >= 1 and searched and all(searched)
     before, after = facts.sqnr_db
