@@ -121,7 +121,7 @@ def two_convs(seed: int, c: int = 16) -> onnx.ModelProto:
     return model(nodes, [vinfo("x", ["N", 8, 12, 12])], [vinfo("y", ["N", c, 12, 12])], inits, opset=17)
 
 
-@pytest.mark.parametrize("seed,scale_fit", [(0, "learned"), (4, "learned"), (4, "search")])
+@pytest.mark.parametrize("seed,scale_fit", [(0, "learned"), (4, "learned"), (4, "search"), (4, "fixed")])
 def test_reconstruction_raises_the_output_sqnr_on_samples_it_never_saw(seed, scale_fit):
     """The learned model, written and run by ONNX Runtime, against the float model: a higher
     output SQNR than ONNX Runtime's per-tensor quantisation on the tuning samples and on
@@ -135,6 +135,10 @@ def test_reconstruction_raises_the_output_sqnr_on_samples_it_never_saw(seed, sca
     assert result.weighted and not result.stopped and result.values
     assert [b.layers for b in result.blocks] == [["conv0", "conv1"]] and result.blocks[0].kept
     assert result.blocks[0].reconstructed_db > result.blocks[0].nearest_db
+    if scale_fit == "fixed":  # the rounding alone is fitted: every activation scale is written as calibrated
+        given = {t.name: numpy_helper.to_array(t) for t in qdq.graph.initializer}
+        scales = {n.input[1] for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in given}
+        assert scales and all(np.array_equal(result.values.get(k, given[k]), given[k]) for k in scales)
     learned = onnx.ModelProto()
     learned.CopyFrom(qdq)
     apply_reconstruction(learned, result)

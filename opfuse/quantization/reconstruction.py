@@ -21,7 +21,8 @@ float model's output y = B_float(x) at each tensor B hands on:
               rounding fit by a coordinate search (``scale_fit="search"``: s times each of
               :data:`SCALE_STEPS`, kept where the block error with the rounding as it stands
               falls), then fixed; or learned in the fit ("learned", LSQ: the gradient
-              reaches s through round() as if it were the identity)
+              reaches s through round() as if it were the identity); or left as
+              calibrated ("fixed": the rounding alone is fitted)
     biases    bq = s_x s_w round(b / (s_x s_w)): the int32 bias ONNX Runtime's kernels read,
               re-quantised to the learned input scale, as it will be written
 
@@ -110,7 +111,7 @@ PER_STEP = 4  # samples per Adam step
 SAMPLES = 48  # tuning samples used at most
 LEARNING_RATE = 3e-3  # V
 SCALE_LEARNING_RATE = 1e-3  # log(s), when learned
-SCALE_FITS = ("learned", "search")  # activation scales: learned in the fit (LSQ), or searched before it
+SCALE_FITS = ("learned", "search", "fixed")  # activation scales: learned in the fit (LSQ), searched before it, or left as calibrated
 SCALE_STEPS = (0.7, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5)  # the factors the search tries on each scale
 SEARCH_SAMPLES = 16  # samples the search measures each trial on
 REGULARISER = 100.0
