@@ -436,7 +436,8 @@ def _margins(rows: list[dict]) -> list[str]:
     by_model: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
         ours = row.get("opfuse", {}).get("htp_sqnr")
-        for key, suffix in (("ort_flow", ""), ("ort_flow_inlined", " (the flow given the If inlined by ONNX Runtime)")):
+        inlined = " (the flow given the If inlined by ONNX Runtime)"
+        for key, suffix in (("ort_flow", ""), ("ort_flow_inlined", inlined)):
             flow = row.get(key, {}).get("htp_sqnr")
             if isinstance(ours, (int, float)) and isinstance(flow, (int, float)):
                 by_model.setdefault(row["model"] + suffix, []).append((row.get("seed", 0), ours - flow))

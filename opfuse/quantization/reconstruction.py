@@ -114,7 +114,8 @@ PER_STEP = 4  # samples per Adam step
 SAMPLES = 48  # tuning samples used at most
 LEARNING_RATE = 3e-3  # V
 SCALE_LEARNING_RATE = 1e-3  # log(s), when learned
-SCALE_FITS = ("learned", "search", "fixed")  # activation scales: learned in the fit (LSQ), searched before it, or left as calibrated
+# activation scales: learned in the fit (LSQ), searched before it, or left as calibrated
+SCALE_FITS = ("learned", "search", "fixed")
 SCALE_STEPS = (0.7, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5)  # the factors the search tries on each scale
 SEARCH_SAMPLES = 16  # samples the search measures each trial on
 REGULARISER = 100.0
