@@ -51,7 +51,7 @@ LSQ stays: on ResNet-18 the two read alike (27.23 against 27.3 dB per channel, 2
 against 25.9 per tensor), and on PP-OCRv4 rec (calibration draw 0) the search read a
 worst drop of 2 points against LSQ's 1, and took about three times as long. With the scales
 left as calibrated ("fixed", no preset's choice), PP-OCRv4 rec read worst drops of 2 / 3 / 22
-points over calibration draws 0-2 (LSQ, same commit and thread count: 7 / 3 / not run) and
+points over calibration draws 0-2 (LSQ, same commit and thread count: 7 / 3 / 3) and
 PP-OCRv6 rec 3 on draw 0 (LSQ: 0): the fit then follows the calibration rendering further.
 
 The starting point is ONNX Runtime's quantisation itself, not the model after AdaRound or
