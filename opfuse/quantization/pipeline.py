@@ -241,10 +241,9 @@ def quantize(
         calibrate = "minmax"
         report.notes.append(f"--calibrate auto reads MinMax ranges for {chosen.activation} activations: its "
                             "per-tensor search judges a range by the 8-bit round trip")
-    decided = None  # reconstruct="auto" decided before calibrating where the decision picks the ranges
-    if reconstruct == "auto" and calibrate == "auto" and chosen.scale_fit == "search":
-        decided = _reconstruct_by_default(report, chosen, float_model, tune, adaround)
-    if calibrate == "auto" and chosen.scale_fit == "search" and (decided or reconstruct is True):
+    if reconstruct == "auto" and chosen.scale_fit == "search":  # decided before calibrating: it picks the ranges
+        reconstruct = _reconstruct_by_default(report, chosen, float_model, tune, adaround)
+    if calibrate == "auto" and chosen.scale_fit == "search" and reconstruct is True:
         calibrate = "minmax"  # the scale search (x0.7..x1.5) then clips where the block's output says so
         report.notes.append("--calibrate auto starts from MinMax ranges where block reconstruction searches the "
                             "activation scales (the qnn presets): each scale is then judged by its block's output, "
@@ -275,8 +274,7 @@ def quantize(
         _record_trial_facts(report, quantizer, maker)
         quantised = any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
         if reconstruct == "auto" and quantised:
-            reconstruct = decided if decided is not None else _reconstruct_by_default(report, chosen, float_model,
-                                                                                      tune, adaround)
+            reconstruct = _reconstruct_by_default(report, chosen, float_model, tune, adaround)
         if reconstruct and quantised:
             qdq = _reconstructed(report, maker, qdq, keep, action.name, seed)
         report.layers = _layer_rows(float_model, qdq, tune, keep, why, gain_of, action.label)
