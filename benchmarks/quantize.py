@@ -49,7 +49,9 @@ Measures: for PP-OCRv4 rec (``ocr``) and PP-OCRv6 rec (``ocr-v6``; see
 ``benchmarks/ocr_text.py``), exact-match accuracy on ``--lines`` text lines of each
 evaluation rendering (default, grey-words, serif-blur, mono-noise, inverse-sans; seed 1),
 calibrated on 64 lines of another rendering (bold-mixed, seed 2), the worst rendering and
-its drop from float reported; ``--calibration-draws N`` repeats the OCR models' tables with
+its drop from float reported, with the lines behind each drop (per rendering, lines lost:
+read right by float and wrong by the flow, and lines gained: the reverse; a drop of 3 may
+be 3 lost or 12 lost and 9 gained); ``--calibration-draws N`` repeats the OCR models' tables with
 calibration lines of N draws (seeds 2, 1002, 2002...; the evaluation lines stay the same) and
 prints, per flow, the worst drop of every draw, their median and maximum (fonts: ``apt-get install fonts-dejavu-core fonts-dejavu-extra
 fonts-liberation fonts-noto-core``), and for every model
@@ -149,6 +151,7 @@ class Case:
     held_out: list[dict[str, np.ndarray]]
     opfuse_calibration: object  # what opfuse.quantize gets: an .npz path or the feed dicts
     score: Callable[[list[np.ndarray]], dict[str, float]] | None = None  # accuracy per rendering
+    right: Callable[[list[np.ndarray]], dict[str, list[bool]]] | None = None  # each line read right, per rendering
     note: str = ""
     notes: dict[str, str] = dataclasses.field(default_factory=dict)  # flow family -> what happened
     graphs: dict[str, onnx.ModelProto] = dataclasses.field(default_factory=dict)  # shared float graphs
@@ -191,17 +194,20 @@ def ocr_case(cache: pathlib.Path, work: pathlib.Path, which: str, lines: int, dr
     npz = ocr_text.calibration_npz(work / "ocr-calibration.npz", calibration)
     order = [(r, text) for r, group in evaluation.items() for text, _ in group]
 
-    def score(outputs: list[np.ndarray]) -> dict[str, float]:
+    def right(outputs: list[np.ndarray]) -> dict[str, list[bool]]:
         got = ocr_text.decode_batch(outputs[0], chars)
-        right: dict[str, list[bool]] = {r: [] for r in evaluation}
+        read: dict[str, list[bool]] = {r: [] for r in evaluation}
         for g, (r, text) in zip(got, order):
-            right[r].append(g == text)
-        return {r: sum(v) / len(v) for r, v in right.items()}
+            read[r].append(g == text)
+        return read
+
+    def score(outputs: list[np.ndarray]) -> dict[str, float]:
+        return {r: sum(v) / len(v) for r, v in right(outputs).items()}
 
     name = {"ppocrv4": "PP-OCRv4 rec (rapidocr-onnxruntime 1.4.4)", "ppocrv6": "PP-OCRv6 rec small (rapidocr 3.10.0)"}
     label = ("ocr" if which == "ppocrv4" else "ocr-v6") + (f"-draw{draw}" if draw else "")
     return Case(label, path, [{"x": ocr_text.preprocess(im)} for _, im in calibration],
-                [{"x": ocr_text.preprocess(im)} for group in evaluation.values() for _, im in group], npz, score,
+                [{"x": ocr_text.preprocess(im)} for group in evaluation.values() for _, im in group], npz, score, right,
                 f"{name[which]}, {lines} lines per rendering ({', '.join(EVAL_RENDERINGS)}), calibrated on 64 "
                 f"{CALIBRATION_RENDERING} lines (seed {calibration_seed})",
                 validation=[{"x": ocr_text.preprocess(im)} for _, im in validation],
@@ -578,6 +584,7 @@ def measure_case(case: Case, flows, work: pathlib.Path, *, rounds: int, threads:
     float_size = case.path.stat().st_size
     float_session = session(case.path, threads)
     reference = run_all(float_session, case.held_out)
+    float_read = case.right(reference) if case.right is not None else {}
     rows, sessions = [], {}
     for label, build in flows:
         row: dict = {"model": case.name, "flow": label}
@@ -619,9 +626,16 @@ def measure_case(case: Case, flows, work: pathlib.Path, *, rounds: int, threads:
             row["worst"] = min(row["accuracy"].values())
             if build is not None and "accuracy" in rows[0]:
                 row["worst_drop"] = max(rows[0]["accuracy"][r] - a for r, a in row["accuracy"].items())
+        if case.right is not None and build is not None:  # the lines behind each drop: lost (float read
+            read = case.right(outputs)  # it right, this flow wrong) and gained
+            row["lines_lost_gained"] = {r: [sum(f and not q for f, q in zip(float_read[r], v)),
+                                            sum(q and not f for f, q in zip(float_read[r], v))]
+                                        for r, v in read.items()}
         sessions[label] = sess
         shown = (f", exact match {' '.join(f'{a:.1%}' for a in row['accuracy'].values())}"
                  + (f", worst drop {100 * row['worst_drop']:.1f} points" if "worst_drop" in row else "")
+                 + (", lines lost/gained " + " ".join(f"{a}/{b}" for a, b in row["lines_lost_gained"].values())
+                    if "lines_lost_gained" in row else "")
                  if "accuracy" in row else "")
         db = ("float" if row["sqnr_db"] is None else "nothing was quantised" if row["not_quantised"]
               else f"SQNR {row['sqnr_db']:.1f} dB")
@@ -675,6 +689,11 @@ def table(case: Case, rows: list[dict], rounds: int, threads: int) -> tuple[Tabl
             f"{row['speedup']:.2f}x" if "speedup" in row else "-",
         ]
         t.add_row(*cells)
+    flips = [f"{row['flow']}: " + ", ".join(f"{r} {a}/{b}" for r, (a, b) in row["lines_lost_gained"].items())
+             for row in rows if "lines_lost_gained" in row]
+    if flips:  # a drop is lines lost minus lines gained: how many moved says how near the bar it is
+        t.caption += "\nlines lost / gained against float (read right by float and not by the flow / the reverse): " \
+            + "; ".join(flips)
     return t, notes
 
 
