@@ -16,7 +16,7 @@ the evaluation lines of ``benchmarks/quantize.py`` (the same renderings and seed
   is within half a step of the float sum: the kernel's response to a uniform patch (the
   background, the zero padding) kept.
 
-Prints the output SQNR against the float model over all lines and, per rendering, the exact
+``--only NODE`` perturbs one Conv's weight. Prints the output SQNR against the float model over all lines and, per rendering, the exact
 match, its drop from float, and the lines lost (float right, perturbed wrong) / gained.
 """
 
@@ -77,6 +77,7 @@ def main() -> int:
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--model", choices=("ppocrv4", "ppocrv6"), default="ppocrv4")
     parser.add_argument("--lines", type=int, default=400, help="lines per evaluation rendering")
+    parser.add_argument("--only", help="perturb only this Conv's weight (node name, e.g. p2o.Conv.1)")
     parser.add_argument("--cache", type=pathlib.Path, default=bench.DEFAULT_CACHE)
     args = parser.parse_args()
     ort.set_default_logger_severity(3)
@@ -92,6 +93,11 @@ def main() -> int:
     reference = outputs(proto)
     tensors = list(proto.graph.initializer) + [a.t for n in proto.graph.node if n.op_type == "Constant"
                                                for a in n.attribute if a.name == "value"]
+    if args.only:
+        node = next((n for n in proto.graph.node if n.name == args.only and n.op_type == "Conv"), None)
+        if node is None:
+            parser.error(f"no Conv named {args.only}")
+        tensors = [t for t in tensors if t.name == node.input[1]]
     changed = 0
     for tensor in tensors:
         w = numpy_helper.to_array(tensor)
