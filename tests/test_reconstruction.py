@@ -69,6 +69,18 @@ def residual_net(seed: int = 0, c: int = 8, outliers: float = 8.0) -> onnx.Model
     return model(nodes, [vinfo("x", ["N", 3, 16, 16])], [vinfo("logits", ["N", 6])], inits, opset=17)
 
 
+def reconstructed_residual_net(preset: str):
+    """residual_net(seed=5) quantised with ``preset`` on 12 samples, reconstructed (60 steps):
+    (float model, ONNX Runtime's QDQ model, the Reconstruction, the QDQ model with it written)."""
+    calib = data(12, 1)
+    float_model, qdq = quantised(residual_net(seed=5), preset, calib)
+    result = reconstruct(float_model, qdq, calib, iterations=60)
+    learned = onnx.ModelProto()
+    learned.CopyFrom(qdq)
+    apply_reconstruction(learned, result)
+    return float_model, qdq, result, learned
+
+
 def data(count: int, seed: int) -> list[dict[str, np.ndarray]]:
     return [{"x": x} for x in smooth(count, (1, 3, 16, 16), seed)]
 
@@ -176,12 +188,7 @@ def test_the_written_model_keeps_onnx_runtimes_quantisation_contract():
     """After reconstruction: int8 weights within their type, every Q and its DQs on one scale,
     and each conv's int32 bias at scale x_scale * w_scale, re-quantised from the bias it had
     (so that ONNX Runtime's integer kernels read the same numbers as the QDQ graph)."""
-    calib = data(12, 1)
-    float_model, qdq = quantised(residual_net(seed=5), "per-tensor", calib)
-    result = reconstruct(float_model, qdq, calib, iterations=60)
-    learned = onnx.ModelProto()
-    learned.CopyFrom(qdq)
-    apply_reconstruction(learned, result)
+    float_model, qdq, result, learned = reconstructed_residual_net("per-tensor")
     inits = {i.name: numpy_helper.to_array(i) for i in learned.graph.initializer}
     old = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
     producer = {o: n for n in learned.graph.node for o in n.output}
@@ -211,12 +218,7 @@ def test_the_learned_rounding_keeps_each_spatial_kernels_sum_within_half_a_step(
     import opfuse.quantization.reconstruction as module
 
     monkeypatch.setattr(module, "KEEP_KERNEL_SUMS", True)
-    calib = data(12, 1)
-    float_model, qdq = quantised(residual_net(seed=5), "cpu", calib)
-    result = reconstruct(float_model, qdq, calib, iterations=60)
-    learned = onnx.ModelProto()
-    learned.CopyFrom(qdq)
-    apply_reconstruction(learned, result)
+    float_model, qdq, result, learned = reconstructed_residual_net("cpu")
     floats = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in float_model.graph.initializer}
     inits = {i.name: numpy_helper.to_array(i) for i in learned.graph.initializer}
     nearest = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
