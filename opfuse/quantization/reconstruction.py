@@ -266,10 +266,6 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
     def integers(site, h):
         return torch.clamp(floors[site.name] + h + zeros[site.name], *site.levels)
 
-    def hardened(site):
-        return _kernel_sums_kept(variables[site.name], site) if KEEP_KERNEL_SUMS else \
-            (_rectified(variables[site.name]) >= 0.5).double()
-
     def weights_with(h_of):
         out = dict(state.weights)
         for site in sites:
@@ -317,7 +313,8 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
     with torch.no_grad():
         learned = dict(state.scales)
         learned.update({k: v.detach().clone() for k, v in log_scales.items()})
-        weights = weights_with(hardened)
+        hard = {site.name: _hardened(variables[site.name], site) for site in sites}  # h in {0, 1}, once
+        weights = weights_with(lambda site: hard[site.name])
         scales = {k: torch.exp(v) for k, v in learned.items()}
         final = [program.run(dict(quant[i]), block.nodes, weights, scales) for i in range(count)]
         e_final = float(sum(error(final[i], i) for i in range(count))) / count
@@ -328,7 +325,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
         state.learned.update(log_scales)
         changed = total = 0
         for site in sites:
-            q = site.to_own(integers(site, hardened(site))).numpy()
+            q = site.to_own(integers(site, hard[site.name])).numpy()
             state.integers[site.initializer] = q
             changed += int((q != program.integers(site)).sum())
             total += q.size
@@ -393,16 +390,16 @@ def _hand_on(quant, envs, block) -> None:
             env[t] = done[t]
 
 
-def _kernel_sums_kept(v, site):
-    """h set to 0 or 1 (``rectified(v) >= 0.5``); then, for a Conv with a k x k kernel (k > 1
-    in some dimension), in each kernel slice (one output channel, one input channel) the
-    entries whose rectified h is nearest 0.5 are flipped, one each, until sum(floor + h) is
-    within half a step of sum(w / s): the slice's response to a uniform input (module
-    docstring)."""
+def _hardened(v, site):
+    """h set to 0 or 1 (``rectified(v) >= 0.5``); with :data:`KEEP_KERNEL_SUMS`, for a Conv
+    with a k x k kernel (k > 1 in some dimension), in each kernel slice (one output channel,
+    one input channel) the entries whose rectified h is nearest 0.5 are then flipped, one
+    each, until sum(floor + h) is within half a step of sum(w / s): the slice's response to a
+    uniform input (module docstring)."""
     soft = _rectified(v).detach()
     hard = (soft >= 0.5).double()
     spatial = math.prod(int(k) for k in site.conv["kernel"]) if site.conv is not None else 1
-    if spatial <= 1:
+    if not KEEP_KERNEL_SUMS or spatial <= 1:
         return hard
     w, s = torch.tensor(site.float_weight), torch.tensor(site.scale)
     ideal = (w / s - torch.floor(w / s)).reshape(-1, spatial)  # [groups, out/group, in/group x k...]
