@@ -214,3 +214,29 @@ def test_a_reused_name_cannot_reach_the_file(tmp_path):
     expected, got = ort_run(onnx.load(renamed), feeds), ort_run(onnx.load(out), feeds)
     for name, ref in expected.items():
         np.testing.assert_allclose(got[name], ref, rtol=1e-3, atol=1e-4 * float(np.abs(ref).max()))
+
+
+# -- paths -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["onnx", "onnxruntime", "qnn"])
+def test_external_data_is_read_beside_the_model_whatever_the_working_directory(tmp_path, monkeypatch, target):
+    if target == "qnn":
+        pytest.importorskip("onnxruntime_qnn", reason="the qnn extra (onnxruntime-qnn) is not installed")
+    from opfuse.cli import main
+
+    folder, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    onnx.save(conv_bn_model(), folder / "m.onnx", save_as_external_data=True, location="m.onnx.data",
+              size_threshold=0)
+    monkeypatch.chdir(elsewhere)  # neither the model's folder nor the output's
+    out = folder / "out.onnx"
+    dims = ["--dim", "N=1"] if target == "qnn" else []
+    assert main(["optimize", str(folder / "m.onnx"), "-o", str(out), "--target", target, *dims]) == 0
+    assert (folder / "out.onnx.data").exists()  # the input kept its weights outside: so does the output
+    assert not list(elsewhere.iterdir())  # nothing was written where it ran
+    feeds = {"x": np.random.default_rng(0).normal(size=(1, 4, 7, 7)).astype(np.float32)}
+    expected = ort_run(onnx.load(folder / "m.onnx"), feeds)
+    got = ort_run(onnx.load(out), feeds)
+    for name, ref in expected.items():
+        np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
