@@ -41,6 +41,7 @@ __all__ = [
     "epsilon_census",
     "opset_of",
     "NameTable",
+    "NameLedger",
     "infer_shapes",
     "initializers_as_inputs",
     "tensor_nbytes",
@@ -253,17 +254,20 @@ class NameTable:
 
     The model's names are read when the first fresh name is asked for, not before: a pass
     that mints none never scans the model (opfuse's passes ask before their first rewrite,
-    so they read the names the model had when the pass began).
+    so they read the names the model had when the pass began). Inside a run with a
+    :class:`NameLedger`, every name the run has seen is taken too (a removed value's name is
+    never minted again), and what is minted here is recorded there.
     """
 
     def __init__(self, model: ir.Model):
         self._model = model
         self._next: dict[str, int] = {}  # base -> the suffix to try next (O(1) per name)
+        self._seen: set[str] | None = model.graph.meta.get(NAMES_SEEN)  # the run's ledger, if any
 
     @functools.cached_property
     def _taken(self) -> set[str]:
         """The set of taken names, read from the model on first use."""
-        taken: set[str] = set()
+        taken: set[str] = set(self._seen or ())
         for scope in iter_scopes(self._model):
             container = scope.container
             taken.update(v.name for v in container.inputs if v.name)
@@ -281,6 +285,8 @@ class NameTable:
         if n == 0 and name not in self._taken:
             self._next[base] = 1
             self._taken.add(name)
+            if self._seen is not None:
+                self._seen.add(name)
             return name
         n = max(n, 1)
         name = f"{base}_{n}"
@@ -289,7 +295,73 @@ class NameTable:
             name = f"{base}_{n}"
         self._next[base] = n + 1
         self._taken.add(name)
+        if self._seen is not None:
+            self._seen.add(name)
         return name
+
+
+NAMES_SEEN = "opfuse.names_seen"  # graph meta: the set of every name the run has seen (NameLedger)
+
+
+def _value_names(model: ir.Model) -> dict[str, list[ir.Value]]:
+    """Every named value of every scope, by name (inputs, initializers, node outputs)."""
+    found: dict[str, list[ir.Value]] = {}
+    for scope in iter_scopes(model):
+        values = list(scope.container.inputs)
+        if scope.function is None:
+            values += scope.graph.initializers.values()
+        values += (v for node in scope.graph for v in node.outputs)
+        for v in values:
+            if v.name:
+                found.setdefault(v.name, []).append(v)
+    return found
+
+
+class NameLedger:
+    """Every value name one run has seen, so that no new value takes a removed one's name.
+
+    A rewrite's result keeps the name of the tensor it replaces (verification compares it
+    there), and the file keeps the type the input *declared* for each name
+    (:func:`opfuse.save.restore_declared_types`). A new value that takes the name of a value
+    removed earlier would be given that value's declaration: an int64 shape tensor's type on
+    a float tensor, a model ONNX Runtime refuses to load. onnx-ir mints ``val_N`` names per
+    graph object, so a clone (a trial, a fusion attempt) forgets the names removed before it.
+
+    :meth:`settle` is called between the run's steps: a name present at one call and absent
+    at a later one is *retired*; a value that carries a retired name at a later call is new
+    (the tensor it names is gone), and is renamed to a name the run has never seen. Graph
+    inputs and outputs are never renamed. Returns the renames, which the caller applies to
+    whatever refers to values by name (the rewrite records).
+    """
+
+    def __init__(self, model: ir.Model):
+        self.present = set(_value_names(model))
+        self.retired: set[str] = set()
+        self.seen = set(self.present)  # shared with every NameTable of the run (graph meta)
+        model.graph.meta[NAMES_SEEN] = self.seen
+
+    def settle(self, model: ir.Model) -> dict[str, str]:
+        model.graph.meta[NAMES_SEEN] = self.seen  # (a model rebuilt by a step starts without it)
+        values = _value_names(model)
+        now = set(values)
+        self.retired |= self.present - now
+        renamed: dict[str, str] = {}
+        fixed = {v.name for v in (*model.graph.inputs, *model.graph.outputs)}
+        for name in sorted(now & self.retired - fixed):
+            new = self._fresh(name)
+            for value in values[name]:
+                value.name = new
+            renamed[name] = new
+        self.present = (now - set(renamed)) | set(renamed.values())
+        self.seen |= self.present
+        return renamed
+
+    def _fresh(self, base: str) -> str:
+        n = 1
+        while f"{base}_{n}" in self.seen:
+            n += 1
+        self.seen.add(f"{base}_{n}")
+        return f"{base}_{n}"
 
 
 _ITEMSIZE: dict[int, float] = {}  # TensorProto data type -> bytes per element (0.5 for 4-bit types)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import epsilon_census, label_unnamed, op_counts
+from opfuse.analyse import NameLedger, epsilon_census, label_unnamed, op_counts
 from opfuse.constant_inputs import BINDING, bind_inputs, resolve_constant_inputs
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.inputs import resolve_dims
@@ -36,11 +36,12 @@ from opfuse.targets.accelerator import fusion_veto
 from opfuse.targets.kernels import Target, load_target
 from opfuse.static_shapes import make_static
 from opfuse.save import (
+    StagedModel,
     check_destinations,
     declared_types,
+    fingerprint,
     needs_external_data,
     restore_declared_types,
-    save_model,
     write_text_atomic,
 )
 from opfuse.verify import verify_models
@@ -48,17 +49,40 @@ from opfuse.verify import verify_models
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
 
 
-def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **options) -> list:
+class _SettleNames(ir.passes.InPlacePass):
+    """Between two passes: no new value keeps a removed value's name (:class:`NameLedger`)."""
+
+    def __init__(self, ledger: NameLedger, report: FusionReport):
+        super().__init__()
+        self.ledger, self.report = ledger, report
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        settle_names(self.ledger, model, self.report)
+        return ir.passes.PassResult(model, modified=False)  # (a rename is no rewrite: no extra round)
+
+
+def settle_names(ledger: NameLedger | None, model: ir.Model, report: FusionReport) -> None:
+    """:meth:`NameLedger.settle`, and the records that named a renamed value follow it."""
+    renamed = ledger.settle(model) if ledger is not None else {}
+    if renamed:
+        report.records[:] = [dataclasses.replace(r, output=renamed[r.output]) if r.output in renamed else r
+                             for r in report.records]
+
+
+def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, *,
+               ledger: NameLedger | None = None, **options) -> list:
     """Run the named passes in order, repeatedly, until a round changes nothing.
 
     onnx-ir's PassManager drives the rounds. Records accumulate in ``report``; the
     refusals are those of the last round, so they describe the final graph. Returns the
-    pass objects (a fusion pass's ``emitted`` says what it wrote).
+    pass objects (a fusion pass's ``emitted`` says what it wrote). With a ``ledger``, the
+    names are settled after every pass (no new value takes a removed one's name).
     """
     passes = make_passes(list(names), report, **options)
     if passes:
+        steps = [step for p in passes for step in (p, _SettleNames(ledger, report))] if ledger else passes
         try:
-            ir.passes.PassManager(passes, steps=MAX_ROUNDS, early_stop=True)(model)
+            ir.passes.PassManager(steps, steps=MAX_ROUNDS, early_stop=True)(model)
         except ir.passes.PassError as e:  # the manager wraps what a pass raised
             cause = e.__cause__
             while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
@@ -73,15 +97,15 @@ def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, **op
 
 
 def run_fusion(model: ir.Model, names: list[str], report: FusionReport, target: Target, *,
-               runtime_level: str = "all", veto=None) -> ir.Model:
+               runtime_level: str = "all", veto=None, ledger: NameLedger | None = None) -> ir.Model:
     """Run the fusion passes for ``target``: through the target's own driver when it has
     one (ONNX Runtime keeps its NCHWc layout), else once. Returns the fused model."""
     if target.run_fusion is None:
-        run_passes(model, names, report, veto=veto, target=target)
+        run_passes(model, names, report, veto=veto, target=target, ledger=ledger)
         return model
     return target.run_fusion(
         model, names, report,
-        run_passes=lambda m, n, r, **options: run_passes(m, n, r, target=target, **options),
+        run_passes=lambda m, n, r, **options: run_passes(m, n, r, target=target, ledger=ledger, **options),
         runtime_level=runtime_level, veto=veto,
         fuses_residual=any(pass_class(n).fuses_residual for n in names),
     )
@@ -204,6 +228,7 @@ def optimize(
 
     work, display = load_model(model)
     label_unnamed(work)  # the log names an unnamed node by op type and position
+    ledger = NameLedger(work)  # no new value takes a removed one's name, over the whole run
     bound = resolve_constant_inputs(work, constant_inputs)  # a value that does not fit: one line, before any work
     if verify and inputs is None:
         resolve_dims(work, dims)  # a --dim the model does not have is a usage error, before any work
@@ -212,7 +237,7 @@ def optimize(
     shipped, ops_shipped = None, op_counts(work) if inexact else None
     if inexact:  # first, and the reference verification holds the other rewrites to (passes/base.py)
         shipped = work.clone() if verify else None
-        run_passes(work, inexact, report)
+        run_passes(work, inexact, report, ledger=ledger)
         report.notes.append(f"{', '.join(inexact)} is not exact: the model it wrote is the reference the other "
                             "rewrites are verified against; its own distance from the input model is measured, "
                             "not verified")
@@ -237,6 +262,7 @@ def optimize(
     tidy = CleanupPass(report, infer_shapes=keep_shapes) if cleanup else None
     if tidy is not None:
         tidy(work)  # constant subexpressions become initializers the folds can absorb
+        settle_names(ledger, work, report)
     if static is not None and static.unknown and any(r.pattern == RESOLVED for r in report.records):
         work, again = make_static(work, None)  # an If's outputs had no static shape; its branch's do
         static.unknown = again.unknown
@@ -245,50 +271,74 @@ def optimize(
     targeted = {"target": chosen} if any("target" in pass_class(n).options for n in rewrites) else {}
     if approximate and any("approximate" in pass_class(n).options for n in rewrites):
         targeted["approximate"] = True
-    run_passes(work, rewrites, report, **targeted)
+    run_passes(work, rewrites, report, ledger=ledger, **targeted)
     if fusion:
-        work = run_fusion(work, fusion, report, chosen, runtime_level=runtime_level, veto=veto)
+        work = run_fusion(work, fusion, report, chosen, runtime_level=runtime_level, veto=veto, ledger=ledger)
     if tidy is not None:
         tidy.eliminate_common = True  # (not before the folds: a shared conv output blocks a fold)
         tidy(work)  # what the rewrites left unused, and repeated nodes
         if tidy.summary():
             report.notes.append(tidy.summary())
+    settle_names(ledger, work, report)
     report.notes.extend(binding_notes(report, cleanup))
     report.ops_after = op_counts(work)
     report.notes.extend(leftover_notes(work, report, chosen))
 
-    if verify:
-        report.verification = verify_models(original, work, inputs=inputs, dims=dims, seed=seed,
-                                            records=report.records, constant_inputs=bound, approximated=shipped)
-        if not report.verification.ok:
-            bad = report.verification.first_failure()
-            if report_path is not None:  # what was attempted, and the failing check
-                write_text_atomic(report_path, report.to_json())
-            written = f"only the report was written ({report_path})" if report_path else "nothing was written"
-            if report.verification.unverified:  # the original is no reference: no rewrite is blamed
-                raise VerificationError(f"not verified: {report.verification.unverified}; {written}", report)
-            raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
-    compiled = None
-    if device is not None:
-        try:
-            compiled = backend.compile(work, report, options=device, require_npu=require_npu, context=context)
-        except OpfuseError as e:
-            if report_path is not None and isinstance(e, VerificationError):
-                write_text_atomic(report_path, report.to_json())
-            written = (f"only the report was written ({report_path})"
-                       if report_path is not None and isinstance(e, VerificationError) else "nothing was written")
-            raise type(e)(f"{e}; {written}", *([report] if isinstance(e, VerificationError) else [])) from None
     if not keep_shapes and not chosen.static_shapes:
         restore_declared_types(work, declared)  # only the shape information the input had
-    if output is not None:
-        if external_data is None:
-            external_data = input_was_external or needs_external_data(work)
-        save_model(work, output, external_data=external_data)
+    if external_data is None:
+        external_data = input_was_external or needs_external_data(work)
+
+    def verified(staged: StagedModel) -> None:  # the staged bytes, loaded back, against the original
+        if verify:
+            report.verification = verify_models(original, staged.load(), inputs=inputs, dims=dims, seed=seed,
+                                                records=report.records, constant_inputs=bound,
+                                                approximated=shipped)
+            _raise_if_failed(report, report_path)
+
+    staged = StagedModel(work, output, external_data=external_data) if output is not None or verify else None
+    try:
+        if staged is not None:
+            verified(staged)
+        compiled = None
+        if device is not None:
+            try:
+                compiled = backend.compile(work, report, options=device, require_npu=require_npu, context=context)
+            except OpfuseError as e:
+                if report_path is not None and isinstance(e, VerificationError):
+                    write_text_atomic(report_path, report.to_json())
+                written = (f"only the report was written ({report_path})"
+                           if report_path is not None and isinstance(e, VerificationError) else "nothing was written")
+                raise type(e)(f"{e}; {written}", *([report] if isinstance(e, VerificationError) else [])) from None
+        if staged is not None and fingerprint(work) != staged.fingerprint:  # changed after it was verified
+            staged.discard()
+            staged = StagedModel(work, output, external_data=external_data)
+            verified(staged)
+            report.notes.append("the model changed after verification; it was verified again as written")
+        if output is not None:
+            staged.commit()
+    finally:
+        if staged is not None:
+            staged.discard()
     if compiled is not None:
         compiled.commit_context()
     if report_path is not None:
         write_text_atomic(report_path, report.to_json())
     return work, report
+
+
+def _raise_if_failed(report: FusionReport, report_path) -> None:
+    """A failed or impossible verification: the report alone is written (when asked for), and
+    :class:`VerificationError` says which check failed and that the model was not written."""
+    if report.verification.ok:
+        return
+    bad = report.verification.first_failure()
+    if report_path is not None:  # what was attempted, and the failing check
+        write_text_atomic(report_path, report.to_json())
+    written = f"only the report was written ({report_path})" if report_path else "nothing was written"
+    if report.verification.unverified:  # the original is no reference: no rewrite is blamed
+        raise VerificationError(f"not verified: {report.verification.unverified}; {written}", report)
+    raise VerificationError(f"verification failed: {bad.label}: {bad.problem}; {written}", report)
 
 
 def binding_notes(report: FusionReport, cleanup: bool = True) -> list[str]:

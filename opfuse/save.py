@@ -10,13 +10,21 @@ for their checks, but the output carries only what the input had (:func:`declare
 before, :func:`restore_declared_types` after), so it does not grow by a value_info per
 tensor, and a dimension the user left unnamed is not given a name like ``unk__54``.
 ``opfuse optimize --keep-shapes`` keeps the inferred shapes instead.
+
+What is verified is what is written (:class:`StagedModel`): the model is serialised into the
+temporary directory exactly as it will be written (after every post-processing step:
+declared types, shapes, opset, external data), loaded back from there, and that model is the
+one verification runs. The files are renamed into place only if nothing changed since: a
+model that changed after it was staged (its :func:`fingerprint` differs) is staged and
+verified again, and staged bytes that changed on disk are never committed.
 """
 
 from __future__ import annotations
 
 __all__ = ["save_model", "write_text_atomic", "needs_external_data", "declared_types",
-           "restore_declared_types", "check_destinations"]
+           "restore_declared_types", "check_destinations", "StagedModel", "fingerprint"]
 
+import hashlib
 import os
 import pathlib
 import shutil
@@ -104,29 +112,134 @@ def save_model(
     model: ir.Model, path: str | os.PathLike, *, external_data: bool | None = None
 ) -> list[pathlib.Path]:
     """Save ``model`` to ``path``; returns the files written."""
-    path = pathlib.Path(path)
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise BadInputError(f"{path}: the output directory does not exist")
-    if path.is_dir():
-        raise BadInputError(f"{path}: is a directory")
-    if external_data is None:
-        external_data = needs_external_data(model)
-    data_name = path.name + ".data" if external_data else None
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".opfuse-", dir=parent))
-    try:
-        ir.save(model, tmp / path.name, external_data=data_name)
+    with StagedModel(model, path, external_data=external_data) as staged:
+        return staged.commit()
+
+
+class StagedModel:
+    """``model`` serialised as it will be written to ``path``, in a temporary directory beside
+    it (a private temporary directory when ``path`` is None: nothing is to be written, but the
+    bytes are still what is verified), not yet in place.
+
+    :meth:`load` reads the staged bytes back (what verification runs); :meth:`commit` renames
+    them into place, refusing bytes that changed on disk since staging; :meth:`discard` (or
+    leaving the ``with`` block) removes what was not committed. ``fingerprint`` is the
+    model's :func:`fingerprint` when it was staged: the caller compares it with the model's
+    before committing, and stages again if the model changed.
+    """
+
+    def __init__(self, model: ir.Model, path: str | os.PathLike | None, *, external_data: bool | None = None):
+        self.destination = None if path is None else pathlib.Path(path)
+        if self.destination is not None:
+            check_destinations(self.destination)
+            parent = self.destination.resolve().parent
+            name = self.destination.name
+        else:
+            parent, name = None, "model.onnx"
+        if external_data is None:
+            external_data = needs_external_data(model)
+        self.data_name = name + ".data" if external_data else None
+        self.fingerprint = fingerprint(model)
+        try:
+            self.directory = pathlib.Path(tempfile.mkdtemp(prefix=".opfuse-", dir=parent))
+            self.path = self.directory / name
+            ir.save(model, self.path, external_data=self.data_name)
+        except OSError as e:
+            self.discard()
+            raise BadInputError(f"{path or 'a temporary file'}: cannot write ({e.strerror or e})") from None
+        self.digest = self._digest()
+
+    def _files(self) -> list[pathlib.Path]:
+        data = [self.directory / self.data_name] if self.data_name else []
+        return [p for p in data if p.exists()] + [self.path]
+
+    def _digest(self) -> str:
+        h = hashlib.sha256()
+        for file in self._files():
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        return h.hexdigest()
+
+    def load(self) -> ir.Model:
+        """The staged bytes, loaded back as a model (external data from the staged folder)."""
+        return ir.load(self.path)
+
+    def commit(self) -> list[pathlib.Path]:
+        """Rename the staged files into place; returns the files written."""
+        if self.destination is None:
+            raise ValueError("a model staged without a destination cannot be committed")
+        if self._digest() != self.digest:
+            raise RuntimeError(f"{self.path}: the staged bytes changed after they were verified; not written")
+        parent = self.destination.resolve().parent
         written = []
-        if data_name and (tmp / data_name).exists():
-            os.replace(tmp / data_name, parent / data_name)
-            written.append(parent / data_name)
-        os.replace(tmp / path.name, parent / path.name)
-        written.append(parent / path.name)
+        try:
+            for file in self._files():  # the data first: the model file never points at missing data
+                os.replace(file, parent / file.name)
+                written.append(parent / file.name)
+        except OSError as e:
+            raise BadInputError(f"{self.destination}: cannot write ({e.strerror or e})") from None
+        finally:
+            self.discard()
         return written
-    except OSError as e:
-        raise BadInputError(f"{path}: cannot write ({e.strerror or e})") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def discard(self) -> None:
+        if getattr(self, "directory", None) is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    def __enter__(self) -> StagedModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+
+def fingerprint(model: ir.Model) -> str:
+    """A digest of everything :func:`save_model` writes of ``model`` except tensor bytes,
+    which stand by identity (a rewrite replaces a tensor, it does not edit one in place):
+    opsets, metadata, and per graph its inputs, outputs, initializers and nodes with their
+    names, types, shapes and attributes. Equal fingerprints: the same file."""
+    h = hashlib.sha256()
+
+    def put(*parts) -> None:
+        h.update(repr(parts).encode())
+
+    def value(v: ir.Value | None) -> None:
+        put("v") if v is None else put(v.name, str(v.type), str(v.shape), id(v.const_value))
+
+    def graph(g) -> None:
+        put("graph", g.name)
+        for v in g.inputs:
+            value(v)
+        for v in getattr(g, "initializers", {}).values():
+            value(v)
+        for node in g:
+            put(node.domain, node.op_type, node.overload, node.name)
+            for v in node.inputs:
+                value(v)
+            for v in node.outputs:
+                value(v)
+            for name, attr in node.attributes.items():
+                if attr.type == ir.AttributeType.GRAPH:
+                    graph(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    for sub in attr.value:
+                        graph(sub)
+                elif attr.type in (ir.AttributeType.TENSOR, ir.AttributeType.TENSORS):
+                    put(name, id(attr.value))
+                else:
+                    put(name, attr.type, attr.value)
+        for v in g.outputs:
+            value(v)
+
+    put(sorted(model.opset_imports.items()), model.ir_version, model.producer_name, model.producer_version,
+        sorted(model.metadata_props.items()))
+    graph(model.graph)
+    for function in model.functions.values():
+        put("function", function.domain, function.name, function.overload, sorted(function.opset_imports.items()))
+        graph(function)
+    return h.hexdigest()
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

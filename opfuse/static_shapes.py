@@ -86,16 +86,49 @@ def dims_from_samples(model: ir.Model, samples: Sequence[Mapping[str, np.ndarray
 
 
 def make_static(model: ir.Model, given: Mapping[str, int] | None, *, source: str = "--dim") -> tuple[ir.Model, StaticShapes]:
-    """``model`` with every free dimension bound and shapes inferred (a new model)."""
+    """``model`` with every free dimension bound and shapes inferred (a new model). Weights kept
+    as external data stay where they are, read relative to the model file (not the working
+    directory)."""
     proto, static = make_static_proto(ir.serde.serialize_model(model), given, source=source, ir_model=model)
-    return ir.serde.deserialize_model(proto), static
+    out = ir.serde.deserialize_model(proto)
+    base = next((t.base_dir for t in _external_tensors(model) if t.base_dir), None)
+    if base is not None:
+        ir.external_data.set_base_dir(out.graph, base)
+    return out, static
+
+
+def _external_tensors(model: ir.Model):
+    for value in model.graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            yield value.const_value
+
+
+def _fix_output_shapes(proto: onnx.ModelProto) -> None:
+    """ONNX Runtime's ``fix_output_shapes`` (inference, the checker, the outputs' shapes), run on
+    a copy whose external-data weights are inputs of their declared shape: the checker would
+    look for their files relative to the working directory, and shapes do not need their bytes."""
+    from onnxruntime.tools.onnx_model_utils import fix_output_shapes
+
+    external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        fix_output_shapes(proto)
+        return
+    view = onnx.ModelProto()
+    view.CopyFrom(proto)  # (the external tensors are references: the copy is small)
+    names = {t.name for t in external}
+    kept = [t for t in view.graph.initializer if t.name not in names]
+    del view.graph.initializer[:]
+    view.graph.initializer.extend(kept)
+    view.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external)
+    fix_output_shapes(view)
+    for mine, fixed in zip(proto.graph.output, view.graph.output):
+        mine.type.CopyFrom(fixed.type)
 
 
 def make_static_proto(proto: onnx.ModelProto, given: Mapping[str, int] | None, *, source: str = "--dim",
                       ir_model: ir.Model | None = None) -> tuple[onnx.ModelProto, StaticShapes]:
     """:func:`make_static` on a ModelProto (a copy; the argument is not changed)."""
     from onnxruntime.tools.onnx_model_utils import (  # (ONNX Runtime's tools: loaded on use)
-        fix_output_shapes,
         make_dim_param_fixed,
         make_input_shape_fixed,
     )
@@ -141,7 +174,7 @@ def make_static_proto(proto: onnx.ModelProto, given: Mapping[str, int] | None, *
                 if not d.HasField("dim_value"):
                     d.Clear()
     out = _infer(out)
-    fix_output_shapes(out)
+    _fix_output_shapes(out)
     return out, StaticShapes(bound, source, not_static(out))
 
 

@@ -198,9 +198,13 @@ class PatternFusionPass(OpfusePass):
                 matched = list(delta.match.nodes)
                 outputs = [v.name for v in delta.match.outputs]
                 stem = _stem(matched)
+                kept = {id(v) for v in delta.new_outputs}  # (these take the replaced tensors' names)
                 for new in delta.new_nodes:
                     if not new.name:
                         new.name = names.fresh(f"{stem}{new.op_type}")
+                    for i, value in enumerate(new.outputs):  # never a name the run has seen (NameLedger)
+                        if not value.name and id(value) not in kept:
+                            value.name = names.fresh(f"{new.name}_output_{i}")
                 convenience.replace_nodes_and_values(
                     container, node, matched, delta.new_nodes, delta.match.outputs, delta.new_outputs
                 )
