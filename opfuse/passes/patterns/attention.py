@@ -31,7 +31,7 @@ graph bigger than it found it.
 
 from __future__ import annotations
 
-__all__ = ["TITLE", "stages", "INTERMEDIATE_DOMAINS"]
+__all__ = ["TITLE", "RECORD_TITLES", "stages", "INTERMEDIATE_DOMAINS"]
 
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale, sdpa, sdpa_via_mha, shape_optimization
@@ -39,6 +39,8 @@ from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale,
 from opfuse.passes.patterns import opset_problem
 
 TITLE = "attention->Attention"
+# stage 1's rule slices dims out of a Shape of a reshape: its records say so, not "attention"
+RECORD_TITLES = {"ExtractDim": "Shape+Slice->dims"}
 INTERMEDIATE_DOMAINS = frozenset({"ai.onnxruntime._fusion"})
 
 
