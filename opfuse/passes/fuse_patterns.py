@@ -57,6 +57,9 @@ _OTHER_USES = "Matched nodes have other uses"  # onnxscript's reason for an unre
 _NO_REASON = "Condition function check failed"  # onnxscript's message for a check that returned False
 # an unremovable match this small (a layer and the op after it) is a use, not a pattern to explain
 _MIN_PATTERN_NODES = 3
+# ops a rule writes around the op it fuses (layouts, shapes); a record names the op they surround
+_PLUMBING = frozenset({"Identity", "Reshape", "Transpose", "Expand", "Concat", "Shape", "Slice", "Squeeze",
+                       "Unsqueeze", "Cast", "Gather"})
 
 
 class _Refusals(MatchingTracer):
@@ -324,13 +327,15 @@ def _root_op(rule) -> tuple[str, str] | None:
 
 
 def _record(scope, found, rule, matched, removed, delta, outputs) -> tuple[FusionRecord, ir.Node | None]:
-    """The rewrite's record and the node it wrote (the producer of its first output). Its label
+    """The rewrite's record and the node it wrote (the last one not :data:`_PLUMBING`, else the
+    producer of its first output). Its label
     is the pattern's source (the module's ``TITLE`` or ``RECORD_TITLES`` before "->") and the op
     type actually written ("SiLU->QuickGelu"); a title without "->" is kept when it is that op."""
     produced = delta.new_nodes
     real = [n for n in produced if n.op_type != "Constant"]
+    computing = [n for n in real if n.op_type not in _PLUMBING]  # (an MHA's Transpose/Reshape around it aside)
     main = next((v.producer() for v in delta.new_outputs if v.producer() in produced), None)
-    main = main or (real[-1] if real else (produced[-1] if produced else None))
+    main = computing[-1] if computing else (main or (real[-1] if real else (produced[-1] if produced else None)))
     title = found.record_titles.get(rule.name, found.title)
     source, _, written = title.partition("->")
     op = main.op_type if main is not None else "nothing"
