@@ -12,6 +12,7 @@ import warnings
 from collections import Counter
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 from onnxscript.rewriter import pattern
@@ -181,3 +182,36 @@ def test_each_label_names_the_op_written_and_counts_its_nodes(llama, target, ops
         op = label.partition("->")[2]
         assert written[op] == n, (label, n, written[op])
         assert f"{n} {label}" in report.summary()
+
+
+# -- attention whose heads are merged straight to [B*S, D] (GPT-2's Conv1D projection) -----------
+
+def test_attention_merged_to_two_dims_is_not_taken_as_multiheadattention_s_output(tmp_path):
+    """GPT-2 as the dynamo exporter writes it: the heads merged by a Reshape to [B*S, D] for the
+    projection's Gemm. onnxscript's MHA rule reads that Reshape as the merge to [B, S, D] and
+    wrote a MultiHeadAttention the Gemm could not run; the rule that takes it must see the shape."""
+    torch = pytest.importorskip("torch")
+
+    class Attention(torch.nn.Module):
+        def __init__(self, d=64, heads=4):
+            super().__init__()
+            self.heads, self.qkv, self.proj = heads, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+        def forward(self, x):
+            b, s, d = x.shape
+            q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).split(d, dim=2))
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b * s, d)).view(b, s, d)
+
+    torch.manual_seed(0)
+    path = tmp_path / "attention.onnx"
+    dims = {"x": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Attention().eval(), (torch.randn(2, 8, 64),), str(path), dynamo=True, opset_version=18,
+                          input_names=["x"], dynamic_shapes=dims)
+    out, report = opfuse.optimize(str(path), target="onnxruntime")
+    assert report.verification.ok
+    assert report.applied("attention->MultiHeadAttention")
+    assert Counter(n.op_type for n in out.graph)["MultiHeadAttention"] == 1
+    assert_same(onnx.load(path), out, dims={"batch": 3, "seq": 5})
