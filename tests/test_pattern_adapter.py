@@ -168,7 +168,8 @@ def llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("target, opset, expected", [
-    ("onnxruntime", None, {"RMSNorm->SimplifiedLayerNormalization", "SiLU->QuickGelu", "attention->MultiHeadAttention"}),
+    ("onnxruntime", None,
+     {"RMSNorm->SimplifiedLayerNormalization", "SiLU->QuickGelu", "attention->MultiHeadAttention"}),
     ("onnx", 23, {"RMSNorm->RMSNormalization", "attention->Attention"}),
 ])
 def test_each_label_names_the_op_written_and_counts_its_nodes(llama, target, opset, expected):

@@ -19,6 +19,17 @@ makes each outcome opfuse's own:
    a bare False (the rule's way to say "not this pattern": a MatMul of rank 3 for Gemm).
 3. A match the pass rewrote through another rule (a commuted variant, a later round) keeps
    no refusal: only roots still in the graph at the end are reported.
+4. **A rule that raises** (in its check or its rewrite) is a refusal with the exception's
+   first line; the nodes its rewrite built are dropped, and the other rewrites go on.
+5. **What a rule declares** is done as onnxscript's ``RewriteRuleSet`` does it:
+   ``remove_nodes=False`` replaces only the match's outputs and keeps the matched nodes
+   still used elsewhere (``ExtractDim``'s shape Concat feeding other Reshapes); the
+   ``graph_pre_visitor``/``graph_post_visitor`` run before and after each graph or
+   function; a ``verbose`` rule prints its matches. ``as_function`` (the match kept as a
+   model-local function) is refused with a reason: opfuse does not write one.
+6. **A record's label** is the pattern's source and the op type written ("SiLU->QuickGelu"),
+   one record per node written: a rewrite of a node an earlier rewrite wrote (attention's
+   intermediate SDPA, a LayerNormalization taking a scale) takes that record in.
 
 First, an op the target says to ``unfuse`` (:attr:`Target.unfused_ops`) is expanded into
 its ONNX function body (:mod:`opfuse.passes.patterns.unfuse`), recorded like a rewrite.
