@@ -19,6 +19,17 @@ makes each outcome opfuse's own:
    a bare False (the rule's way to say "not this pattern": a MatMul of rank 3 for Gemm).
 3. A match the pass rewrote through another rule (a commuted variant, a later round) keeps
    no refusal: only roots still in the graph at the end are reported.
+4. **A rule that raises** (in its check or its rewrite) is a refusal with the exception's
+   first line; the nodes its rewrite built are dropped, and the other rewrites go on.
+5. **What a rule declares** is done as onnxscript's ``RewriteRuleSet`` does it:
+   ``remove_nodes=False`` replaces only the match's outputs and keeps the matched nodes
+   still used elsewhere (``ExtractDim``'s shape Concat feeding other Reshapes); the
+   ``graph_pre_visitor``/``graph_post_visitor`` run before and after each graph or
+   function; a ``verbose`` rule prints its matches. ``as_function`` (the match kept as a
+   model-local function) is refused with a reason: opfuse does not write one.
+6. **A record's label** is the pattern's source and the op type written ("SiLU->QuickGelu"),
+   one record per node written: a rewrite of a node an earlier rewrite wrote (attention's
+   intermediate SDPA, a LayerNormalization taking a scale) takes that record in.
 
 First, an op the target says to ``unfuse`` (:attr:`Target.unfused_ops`) is expanded into
 its ONNX function body (:mod:`opfuse.passes.patterns.unfuse`), recorded like a rewrite.
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 __all__ = ["PatternFusionPass"]
 
+import dataclasses
 import functools
 import os
 
@@ -40,12 +52,13 @@ import onnx_ir as ir
 from onnx_ir import convenience
 from onnxscript.optimizer import basic_constant_propagation
 from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display a verbose rule asks for)
 
 from opfuse.analyse import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
 from opfuse.passes.patterns.unfuse import unfuse_ops
-from opfuse.report import FusionRecord
+from opfuse.report import FusionRecord, Refusal
 from opfuse.targets.kernels import Target, load_target
 from opfuse.symbolic_shapes import infer_symbolic_shapes
 from opfuse.graph_edit import drop_if_unused
@@ -55,6 +68,9 @@ _OTHER_USES = "Matched nodes have other uses"  # onnxscript's reason for an unre
 _NO_REASON = "Condition function check failed"  # onnxscript's message for a check that returned False
 # an unremovable match this small (a layer and the op after it) is a use, not a pattern to explain
 _MIN_PATTERN_NODES = 3
+# ops a rule writes around the op it fuses (layouts, shapes); a record names the op they surround
+_PLUMBING = frozenset({"Identity", "Reshape", "Transpose", "Expand", "Concat", "Shape", "Slice", "Squeeze",
+                       "Unsqueeze", "Cast", "Gather"})
 
 
 class _Refusals(MatchingTracer):
@@ -88,6 +104,10 @@ class PatternFusionPass(OpfusePass):
         super().__init__(report)
         self.target = load_target(target) if isinstance(target, str) else target
         self.approximate = approximate
+        self._made: dict[ir.Node, tuple[FusionRecord, str]] = {}  # node written -> its record, pattern
+
+    def release(self) -> None:
+        self._made.clear()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         patterns = [p for p in PATTERN_ORDER if self.target.policy(p) == "fuse"]
@@ -180,17 +200,33 @@ class PatternFusionPass(OpfusePass):
         return True
 
     def _apply(self, model, scope: Scope, found, rules, tracer, names: NameTable, records) -> bool:
+        """One stage's rules over one graph or function, as onnxscript's ``RewriteRuleSet``
+        applies them, honouring what each rule declares (:func:`_declared`)."""
         container = scope.container
+        rules = self._set_up(scope, found, rules)
         by_root, anywhere = _index(rules)
         changed = False
         for node in container:
             key = ("" if node.domain in ONNX_DOMAINS else node.domain, node.op_type)
             for rule in (*by_root.get(key, ()), *anywhere):
-                delta = rule.try_rewrite(model, container, node, tracer=tracer)
+                try:
+                    delta = rule.try_rewrite(model, container, node, tracer=tracer)
+                except Exception as error:  # a rule's own fault: its refusal, and the other rewrites go on
+                    _drop_detached_uses(model)  # (nodes its rewrite built before it raised)
+                    tracer.failed[(found.title, id(node))] = (
+                        node, found.title, f"rule {rule.name or type(rule).__name__} failed: {_first_line(error)}", ())
+                    continue
                 if delta is None:
                     continue
                 if delta.new_initializers and scope.function is not None:
-                    continue  # functions have no initializers (onnxscript skips these too)
+                    _discard(delta)  # functions have no initializers (onnxscript skips these too)
+                    continue
+                if rule.as_function:
+                    _discard(delta)
+                    tracer.failed[(found.title, id(node))] = (node, found.title, (
+                        f"rule {rule.name} asks for the matched nodes to become a model-local function "
+                        "(as_function), which opfuse does not write"), tuple(delta.match.nodes))
+                    continue
                 for initializer in delta.new_initializers:
                     initializer.name = names.fresh(initializer.name or "pattern_constant")
                     scope.graph.register_initializer(initializer)
@@ -205,16 +241,65 @@ class PatternFusionPass(OpfusePass):
                     for i, value in enumerate(new.outputs):  # never a name the run has seen (NameLedger)
                         if not value.name and id(value) not in kept:
                             value.name = names.fresh(f"{new.name}_output_{i}")
-                convenience.replace_nodes_and_values(
-                    container, node, matched, delta.new_nodes, delta.match.outputs, delta.new_outputs
-                )
+                if getattr(rule, "_verbose", 0):  # (onnxscript's private attribute and display helper)
+                    print(f"----{rule.name or ''}: matched nodes----")
+                    display_nodes(matched)
+                    print("++++replacement nodes++++")
+                    display_nodes(delta.new_nodes)
+                removed = _replace(container, node, rule, delta, names)
                 for new in delta.new_nodes:
                     if new.domain and new.domain not in model.opset_imports:
                         model.opset_imports[new.domain] = 1
-                records.append(_record(scope, found.title, found.record_titles, rule, matched, delta.new_nodes, outputs))
+                record, main = _record(scope, found, rule, matched, removed, delta, outputs)
+                self._add_record(records, record, main, matched, found.title)
                 changed = True
                 break
+        for rule in _unique_visitors(rules, "graph_post_visitor"):
+            try:
+                rule.graph_post_visitor()
+            except Exception as error:
+                self.refusals.append(Refusal(found.title, "", (
+                    f"rule {rule.name or type(rule).__name__} could not clean up: {_first_line(error)}"),
+                    graph=scope.label))
         return changed
+
+    def _set_up(self, scope: Scope, found, rules) -> tuple:
+        """The stage's rules after their ``graph_pre_visitor`` (onnxscript calls it before
+        each graph or function); a rule whose set-up raises is left out of this graph, with
+        a refusal saying so."""
+        failed = set()
+        for rule in _unique_visitors(rules, "graph_pre_visitor"):
+            try:
+                rule.graph_pre_visitor()
+            except Exception as error:
+                failed.add(rule.graph_pre_visitor)
+                self.refusals.append(Refusal(found.title, "", (
+                    f"rule {rule.name or type(rule).__name__} could not set up: {_first_line(error)}"),
+                    graph=scope.label))
+        return rules if not failed else tuple(r for r in rules if r.graph_pre_visitor not in failed)
+
+    def _add_record(self, records: list, record: FusionRecord, main, matched, title: str) -> None:
+        """Append a rewrite's record; one that rewrote the node an earlier rewrite of this
+        pass produced (attention's intermediate SDPA, a LayerNormalization taking a scale, an
+        Add taken into a fused norm) takes that record in: one record per node written. A
+        later stage of the same pattern keeps the first stage's source ("attention->"), a
+        later pattern its own ("Add+LayerNormalization->")."""
+        for node in matched:
+            previous, previous_title = self._made.pop(node, (None, None))
+            index = next((i for i, r in enumerate(records) if r is previous), None)
+            if index is None:
+                continue
+            del records[index]
+            label = record.pattern
+            if previous_title == title:
+                label = f"{previous.pattern.partition('->')[0]}->{record.pattern.partition('->')[2]}"
+            kept = [n for n in record.removed if n != previous.node]
+            record = dataclasses.replace(
+                record, pattern=label, removed=tuple(dict.fromkeys((*previous.removed, *kept))),
+                detail=f"{record.detail}; took in {previous.pattern} at '{previous.node}'")
+        records.append(record)
+        if main is not None:
+            self._made[main] = (record, title)
 
 
 def _could_match(found, present: set[tuple[str, str]]) -> bool:
@@ -256,20 +341,100 @@ def _root_op(rule) -> tuple[str, str] | None:
     return ("" if domain.value() in ONNX_DOMAINS else domain.value()), op.value()
 
 
-def _record(scope, title, titles, rule, matched, produced, outputs) -> FusionRecord:
+def _record(scope, found, rule, matched, removed, delta, outputs) -> tuple[FusionRecord, ir.Node | None]:
+    """The rewrite's record and the node it wrote (the last one not :data:`_PLUMBING`, else the
+    producer of its first output). Its label
+    is the pattern's source (the module's ``TITLE`` or ``RECORD_TITLES`` before "->") and the op
+    type actually written ("SiLU->QuickGelu"); a title without "->" is kept when it is that op."""
+    produced = delta.new_nodes
     real = [n for n in produced if n.op_type != "Constant"]
-    main = real[-1] if real else (produced[-1] if produced else None)
+    computing = [n for n in real if n.op_type not in _PLUMBING]  # (an MHA's Transpose/Reshape around it aside)
+    main = next((v.producer() for v in delta.new_outputs if v.producer() in produced), None)
+    main = computing[-1] if computing else (main or (real[-1] if real else (produced[-1] if produced else None)))
+    title = found.record_titles.get(rule.name, found.title)
+    source, _, written = title.partition("->")
+    op = main.op_type if main is not None else "nothing"
+    label = title if not written and source == op else f"{source}->{op}"
     approximate = "approximat" in (rule.name or "")
+    kept = len(matched) - len(removed)
     return FusionRecord(
-        pattern=titles.get(rule.name, title),
+        pattern=label,
         node=node_label(main) if main is not None else "",
-        removed=tuple(node_label(n) for n in matched),
+        removed=tuple(node_label(n) for n in removed),
         produced=", ".join(describe(n) for n in real),
         graph=scope.label,
         detail=("an approximation (asked for with --approximate); " if approximate else "")
-               + f"rule {rule.name}: {len(matched)} nodes -> {len(real)}",
+               + f"rule {rule.name}: {len(matched)} nodes -> {len(real)}"
+               + (f" ({kept} matched node(s) kept: still used outside the match)" if kept else ""),
         output=outputs[0] if outputs else "",
-    )
+    ), main
+
+
+def _replace(container, root: ir.Node, rule, delta, names: NameTable) -> list[ir.Node]:
+    """Put the delta in place as onnxscript's ``RewriteRuleSet`` does, and return the nodes
+    removed. A rule declared ``remove_nodes`` (onnxscript checked them removable) loses all
+    its matched nodes; one declared ``remove_nodes=False`` (``ExtractDim``, whose matched
+    shape Concat may feed other Reshapes) only has its outputs replaced, and keeps the
+    matched nodes still used: onnxscript removes the unused ones afterwards, here right
+    away (the same nodes). A kept node's replaced output gives its name to the new value
+    (which computes the same tensor) and takes a fresh one."""
+    matched = list(delta.match.nodes)
+    if rule.remove_nodes:
+        convenience.replace_nodes_and_values(container, root, matched, delta.new_nodes,
+                                             delta.match.outputs, delta.new_outputs)
+        return matched
+    old_names = [v.name for v in delta.match.outputs]
+    convenience.replace_nodes_and_values(container, root, [], delta.new_nodes, delta.match.outputs,
+                                         delta.new_outputs)
+    removed, pending = [], [n for n in matched if n.graph is not None]
+    while True:
+        dead = [n for n in pending if all(not v.uses() and not v.is_graph_output() for v in n.outputs)]
+        if not dead:
+            break
+        container.remove(dead, safe=True)
+        removed += dead
+        pending = [n for n in pending if n not in dead]
+    for old, name in zip(delta.match.outputs, old_names):
+        if old.producer() in pending and name:
+            old.name = names.fresh(name)
+    return removed
+
+
+def _discard(delta) -> None:
+    """Detach the nodes a delta built (the TapeBuilder made them users of graph values)."""
+    for node in delta.new_nodes:
+        for i in range(len(node.inputs)):
+            node.replace_input_with(i, None)
+
+
+def _drop_detached_uses(model: ir.Model) -> None:
+    """After a rule raised midway through its rewrite: the nodes it built are in no graph but
+    are still users of graph values, which would make the matched nodes look used; drop
+    those uses."""
+    for scope in iter_scopes(model):
+        values = [*scope.container.inputs, *scope.graph.initializers.values(),
+                  *(v for n in scope.graph for v in n.outputs)]
+        for value in values:
+            for user, index in list(value.uses()):
+                if user.graph is None:
+                    user.replace_input_with(index, None)
+
+
+def _unique_visitors(rules, visitor: str) -> list:
+    """One rule per distinct ``graph_pre_visitor``/``graph_post_visitor`` (a rule's commuted
+    variants share their instance's), skipping rules that declare none."""
+    seen, found = set(), []
+    for rule in rules:
+        method = getattr(rule, visitor, None)
+        if method is not None and method not in seen:
+            seen.add(method)
+            found.append(rule)
+    return found
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _node_count(model: ir.Model) -> int:

@@ -18,7 +18,8 @@ pattern            what it matches                               becomes (standa
 =================  ============================================  =========================
 
 One module per pattern (``layer_norm.py``...): its algebra, its legality rules, a ``TITLE``
-for the log (``RECORD_TITLES`` names rules the log shows apart) and a
+for the log (``RECORD_TITLES`` names rules the log shows apart; a record's label is the
+title's source before "->" and the op type the rewrite wrote, "SiLU->QuickGelu") and a
 ``stages(form, approximate)`` function returning the onnxscript rules
 that produce the pattern in ``form`` ("standard": ONNX ops, where the model's opset has
 them, else a refusal naming the opset; "onnxruntime": ONNX Runtime's contrib ops; "qnn":
@@ -67,7 +68,7 @@ class PatternRules:
     title: str
     stages: tuple[tuple, ...]
     intermediate_domains: frozenset[str] = frozenset()
-    record_titles: dict = dataclasses.field(default_factory=dict)  # rule name -> the log's title
+    record_titles: dict = dataclasses.field(default_factory=dict)  # rule name -> its title (source before "->")
 
     @property
     def transactional(self) -> bool:

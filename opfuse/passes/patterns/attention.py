@@ -31,7 +31,7 @@ graph bigger than it found it.
 
 from __future__ import annotations
 
-__all__ = ["TITLE", "stages", "INTERMEDIATE_DOMAINS"]
+__all__ = ["TITLE", "RECORD_TITLES", "stages", "INTERMEDIATE_DOMAINS"]
 
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale, sdpa, sdpa_via_mha, shape_optimization
@@ -39,6 +39,8 @@ from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale,
 from opfuse.passes.patterns import opset_problem
 
 TITLE = "attention->Attention"
+# stage 1's rule slices dims out of a Shape of a reshape: its records say so, not "attention"
+RECORD_TITLES = {"ExtractDim": "Shape+Slice->dims"}
 INTERMEDIATE_DOMAINS = frozenset({"ai.onnxruntime._fusion"})
 
 
@@ -80,6 +82,29 @@ class SdpaToAttention(pattern.RewriteRuleClassBase):
         return op.Attention(*inputs, **attributes)
 
 
+class MhaKeepingItsOutputShape(mha.MultiHeadAttention):
+    """onnxscript's SDPA -> MultiHeadAttention, which takes the Reshape after the head merge
+    as the merge to [B, S, D] without reading its shape (its TODO); the dynamo exporter's
+    GPT-2 reshapes to [B*S, D] there for a Gemm, which MultiHeadAttention's output is not."""
+
+    def check(self, op, **bindings) -> pattern.MatchResult:
+        result = super().check(op, **bindings)
+        out, query = bindings.get("attention_reshaped"), bindings.get("query_BSD")
+        if result and (out is None or out.shape is None or query.shape is None
+                       or list(out.shape) != list(query.shape)):
+            return result.fail(f"the heads are merged into shape {out.shape if out is not None else None}, "
+                               f"not the query's {query.shape} ([B, S, D]) that MultiHeadAttention writes")
+        return result
+
+
+def _mha_rules(has_past_present: bool) -> list:
+    """onnxscript's ``mha._make_rule_set``, with :class:`MhaKeepingItsOutputShape`."""
+    return [MhaKeepingItsOutputShape.rule(
+        f"MHA{'_Rotary' if rotary else ''}{'_Past' if has_past_present else ''}{'_CrossAttention' if cross else ''}",
+        is_rotary=rotary, has_past_present=has_past_present, is_cross_attention=cross)
+        for rotary in (False, True) for cross in ((False,) if has_past_present else (False, True))]
+
+
 def stages(form: str, approximate: bool = False):
     if form == "standard":
         return [
@@ -90,8 +115,8 @@ def stages(form: str, approximate: bool = False):
     return [
         list(shape_optimization.rules.rules),
         list(sdpa.sdpa_rules.rules),
-        list(mha.mha_rules_with_past.rules),
-        list(mha.mha_rules_no_past.rules),
+        _mha_rules(has_past_present=True),
+        _mha_rules(has_past_present=False),
         list(mha_scale._mha_scale_rules.rules),
         list(mha_bias.mha_bias_rules.rules),
         list(attention.attention_rules.rules),
