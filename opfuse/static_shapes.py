@@ -107,7 +107,7 @@ def _fix_output_shapes(proto: onnx.ModelProto) -> None:
     """ONNX Runtime's ``fix_output_shapes`` (inference, the checker, the outputs' shapes), run on
     a copy whose external-data weights are inputs of their declared shape: the checker would
     look for their files relative to the working directory, and shapes do not need their bytes."""
-    from onnxruntime.tools.onnx_model_utils import fix_output_shapes
+    from onnxruntime.tools.onnx_model_utils import fix_output_shapes  # (ONNX Runtime's tools: loaded on use)
 
     external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     if not external:
