@@ -47,7 +47,7 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
   which takes precedence over any mask or index reading of the same input (a rotary
   ``(inv_freq @ position_ids)``, which torch lowers to a Mul at one token, is also
   "multiplied"): the indices of a Gather into a cos/sin table (made by Cos/Sin, or named
-  so), the position input of a RotaryEmbedding, a bound of a Range, or a Mul/MatMul/Einsum
+  so), the position input of a RotaryEmbedding, the start of a Range, or a Mul/MatMul/Einsum
   whose result reaches a Cos or Sin within a few ops (rotary angles); else by the name
   ``*position*`` (``position_ids``, ``cache_position``; GPT-2's learned position table is
   gathered by them, which no use tells apart from token ids). A mask whose CumSum counts
@@ -486,8 +486,8 @@ def _position_use(node: ir.Node, value: ir.Value) -> str | None:
         return f"index the cos/sin table {table} in {node.op_type} '{node.name}'" if table else None
     if node.op_type == "RotaryEmbedding" and len(node.inputs) > 1 and node.inputs[1] is value:
         return f"the position ids of RotaryEmbedding '{node.name}'"
-    if is_op(node, "Range"):
-        return f"a bound of Range '{node.name}'"
+    if is_op(node, "Range") and node.inputs and node.inputs[0] is value:  # (a limit is a length, not a position)
+        return f"the start of Range '{node.name}'"
     if is_op(node, "Mul", "MatMul", "Einsum"):
         trig = _reaches_trig(node.outputs[0])
         if trig is not None:

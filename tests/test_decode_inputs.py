@@ -276,7 +276,8 @@ def _rotary(lowered_to_mul: bool, with_past: bool):
              helper.make_node("Mul" if lowered_to_mul else "MatMul", ["inv_freq", "posf"], ["freqs"], name="angles"),
              helper.make_node("Transpose", ["freqs"], ["freqs_t"], perm=[0, 2, 1], name="freqs_t"),
              helper.make_node("Concat", ["freqs_t", "freqs_t"], ["emb"], axis=-1, name="emb"),
-             helper.make_node("Cos", ["emb"], ["cos"], name="cos"), helper.make_node("Sin", ["emb"], ["sin"], name="sin"),
+             helper.make_node("Cos", ["emb"], ["cos"], name="cos"),
+             helper.make_node("Sin", ["emb"], ["sin"], name="sin"),
              helper.make_node("Mul", ["x", "cos"], ["xc"], name="x_cos"),
              helper.make_node("Mul", ["x", "sin"], ["xs"], name="x_sin"),
              helper.make_node("Add", ["xc", "xs"], ["y"], name="rotated")]
@@ -343,3 +344,13 @@ def test_an_optimised_model_that_cannot_run_where_the_original_runs_is_said_to_b
                                   "(random (seed 0) at n=32)")
     assert not v.rewrites, "no rewrite is blamed"
     assert verify_models(original, original.clone()).ok
+
+
+def test_the_start_of_a_range_is_a_position_and_its_limit_a_length():
+    m = model([helper.make_node("Range", ["start", "limit", "step"], ["r"], name="range"),
+               helper.make_node("Cast", ["r"], ["y"], to=TensorProto.FLOAT, name="cast")],
+              [vinfo("start", [], TensorProto.INT64), vinfo("limit", [], TensorProto.INT64)], [vinfo("y", None)],
+              [tensor("step", np.array(1, np.int64))], fill_output_shapes=False)
+    ranges = integer_ranges(ir.serde.deserialize_model(m))
+    assert ranges["start"].positions and "the start of Range 'range'" in ranges["start"].why
+    assert "limit" not in ranges
