@@ -16,6 +16,18 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
   the batch, like the ``[2, ?, 128]`` state of an RNN, is not forced up with the
   others). A dimension is *batch* when it is axis 0 of an input of rank 2 or more.
   Dimensions given with ``--dim`` never change. The sizes used are reported.
+- **Derived dimensions.** A dimension whose name is arithmetic on others (torch's
+  exporters write ``past_seq + 1``, ``2*seq``, ``seq - 1``, ``((past_seq + 1)//2)``,
+  ``batch*past_seq``) is computed from them whenever every name in it is another free
+  dimension of the inputs: never drawn, never searched (a KV-cache decode step's mask
+  ``[batch, past_seq + 1]`` drawn apart from its past ``[batch, H, past_seq, D]`` runs on
+  no model, or on the original and not on a fused attention that checks). The name is
+  parsed by :mod:`ast` and only names, integers, ``+ - * //``, unary minus and
+  parentheses are admitted (:func:`parse_dim_expression`); anything else is a dimension of
+  its own. ``--dim`` may give a derived dimension: alone, it fixes the one name it reads
+  (``--dim 'past_seq + 1=17'`` sets ``past_seq=16``); with its names, it must agree with
+  them, and a contradiction is a usage error. A search assignment giving a derived
+  dimension a size below 1 is skipped. The report says which sizes were derived.
 - **Integer values that follow what they feed** (:func:`integer_ranges`). An integer
   input's readers are walked (through the ops that pass its value on: Cast, Reshape,
   Unsqueeze, Squeeze, Flatten, Expand, Slice, Transpose, Identity) and its values drawn
@@ -28,6 +40,18 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
   - **an index** into a table: the indices of a Gather or GatherElements, anywhere in
     the table's size along the gathered axis (an Embedding's vocabulary);
   - otherwise 0-7.
+
+  **Position ids** are not drawn but counted: 0..n-1 along the last axis of every row,
+  after the past length in a decode step (the size of axis -2 of the first float input of
+  rank 3+ named ``*past*`` or ``*cache*``, a past key/value cache). Recognised by their use,
+  which takes precedence over any mask or index reading of the same input (a rotary
+  ``(inv_freq @ position_ids)``, which torch lowers to a Mul at one token, is also
+  "multiplied"): the indices of a Gather into a cos/sin table (made by Cos/Sin, or named
+  so), the position input of a RotaryEmbedding, the start of a Range, or a Mul/MatMul/Einsum
+  whose result reaches a Cos or Sin within a few ops (rotary angles); else by the name
+  ``*position*`` (``position_ids``, ``cache_position``; GPT-2's learned position table is
+  gathered by them, which no use tells apart from token ids). A mask whose CumSum counts
+  positions is a mask.
 - **Integer values that branch.** A random integer in 0-7 rarely equals the sample rate
   an ``If`` tests for. Integer inputs that reach a comparison with a constant (``Equal``,
   ``Less``, ``Greater`` and their ``OrEqual`` forms, through reshapes, casts and gathers)
@@ -40,16 +64,23 @@ from __future__ import annotations
 __all__ = [
     "SIZE_STEPS",
     "FreeDim",
+    "DimExpression",
+    "parse_dim_expression",
+    "derive_sizes",
+    "describe_sizes",
     "free_dims",
     "resolve_dims",
     "integer_cases",
     "IntegerRange",
     "integer_ranges",
+    "past_cache",
     "make_feeds",
     "find_sizes",
 ]
 
+import ast
 import dataclasses
+import operator
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -73,14 +104,80 @@ _INDEXING = ("Gather", "GatherElements")  # input 1 indexes input 0 along ``axis
 DEFAULT_INTEGER_HIGH = 8  # integers are drawn from 0..7 unless a reader takes fewer
 
 
+# -- dimensions named by an expression of others ----------------------------------------------
+
+MAX_EXPRESSION_CHARS = 200  # a longer name is read as a name, never parsed
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+@dataclasses.dataclass(frozen=True)
+class DimExpression:
+    """A dimension named by arithmetic on others (``past_seq + 1``, ``2*seq``,
+    ``((past_seq + 1)//2)``): names, integers, ``+ - * //``, unary minus and parentheses."""
+
+    text: str
+    tree: ast.expr
+    names: tuple[str, ...]  # the dimensions it reads, in order of first appearance
+
+    def evaluate(self, sizes: Mapping[str, int]) -> int:
+        """Its size at ``sizes`` (which must hold every name; // by 0 raises ZeroDivisionError)."""
+        return _evaluate(self.tree, sizes)
+
+
+def _evaluate(node: ast.expr, sizes: Mapping[str, int]) -> int:
+    if isinstance(node, ast.Name):
+        return int(sizes[node.id])
+    if isinstance(node, ast.Constant):
+        return int(node.value)
+    if isinstance(node, ast.UnaryOp):
+        return -_evaluate(node.operand, sizes)
+    assert isinstance(node, ast.BinOp)  # parse_dim_expression admits nothing else
+    return _ARITHMETIC[type(node.op)](_evaluate(node.left, sizes), _evaluate(node.right, sizes))
+
+
+def _admitted(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return True
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, ast.USub) and _admitted(node.operand)
+    if isinstance(node, ast.BinOp):
+        return type(node.op) in _ARITHMETIC and _admitted(node.left) and _admitted(node.right)
+    return False
+
+
+def parse_dim_expression(text: str) -> DimExpression | None:
+    """The expression a dimension's name spells, None when it is a plain name or anything
+    outside the grammar (a call, an attribute, a power, a float, a string: such a name is a
+    dimension of its own, never evaluated). Parsed by :mod:`ast`, walked, never ``eval``-ed."""
+    if not text or len(text) > MAX_EXPRESSION_CHARS:
+        return None
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    try:
+        if isinstance(tree, ast.Name) or not _admitted(tree):
+            return None
+    except RecursionError:
+        return None
+    names = tuple(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
+    return DimExpression(text, tree, names) if names else None
+
+
 @dataclasses.dataclass(frozen=True)
 class FreeDim:
-    """One free dimension: its key (a name, or ``INPUT:AXIS``) and where it appears."""
+    """One free dimension: its key (a name, or ``INPUT:AXIS``) and where it appears.
+
+    ``derived``: the expression its name spells, when every name in it is another free
+    dimension of the model's inputs (its size follows from theirs: never drawn)."""
 
     key: str
     places: tuple[tuple[str, int], ...]  # (input name, axis)
     named: bool
     batch: bool  # axis 0 of an input of rank 2 or more somewhere: stays 1
+    derived: DimExpression | None = None
 
 
 def runtime_inputs(model: ir.Model) -> list[ir.Value]:
@@ -120,7 +217,11 @@ def free_dims(model: ir.Model) -> dict[str, FreeDim]:
             places.setdefault(key, []).append((value.name, axis))
             named[key] = is_named
             batch_like[key] = batch_like.get(key, False) or (axis == 0 and rank >= 2)
-    return {k: FreeDim(k, tuple(p), named[k], batch_like[k]) for k, p in places.items()}
+    parsed = {k: parse_dim_expression(k) for k in places if named[k]}
+    bases = {k for k in places if named[k] and parsed[k] is None}
+    derived = {k: e for k, e in parsed.items() if e is not None and set(e.names) <= bases}
+    return {k: FreeDim(k, tuple(p), named[k], batch_like[k] and k not in derived, derived.get(k))
+            for k, p in places.items()}
 
 
 def _listing(dims: Mapping[str, FreeDim]) -> str:
@@ -129,14 +230,89 @@ def _listing(dims: Mapping[str, FreeDim]) -> str:
     parts = []
     for d in dims.values():
         where = ", ".join(f"{i}:{a}" for i, a in d.places)
+        where += f"; derived from {', '.join(d.derived.names)}" if d.derived else ""
         parts.append(f"{d.key} ({where})" if d.named else d.key)
     return "the model's free dimensions: " + ", ".join(parts)
 
 
+SOLVE_LIMIT = 1 << 16  # the largest base size tried when a --dim gives a derived dimension
+
+
+def _solve(expression: DimExpression, known: Mapping[str, int], name: str, target: int) -> int | None:
+    """The smallest size >= 1 of ``name`` at which ``expression`` is ``target`` (the others
+    ``known``): read off a line through 0 and 1 when it is one, else searched."""
+    def at(x: int) -> int | None:
+        try:
+            return expression.evaluate({**known, name: x})
+        except ZeroDivisionError:
+            return None
+
+    low, high = at(0), at(1)
+    if low is not None and high is not None and high != low and (target - low) % (high - low) == 0:
+        x = (target - low) // (high - low)
+        if x >= 1 and at(x) == target:
+            return x
+    return next((x for x in range(1, SOLVE_LIMIT) if at(x) == target), None)
+
+
+def derive_sizes(dims: Mapping[str, FreeDim], sizes: Mapping[str, int]) -> dict[str, int]:
+    """``sizes`` with each derived dimension whose names all have a size, and that is not
+    in ``sizes`` already, computed from them (a // by 0 gives 0: no size)."""
+    out = dict(sizes)
+    for key, dim in dims.items():
+        if dim.derived is not None and key not in out and all(n in out for n in dim.derived.names):
+            try:
+                out[key] = dim.derived.evaluate(out)
+            except ZeroDivisionError:
+                out[key] = 0
+    return out
+
+
+def _settle(dims: Mapping[str, FreeDim], given: Mapping[str, int]) -> dict[str, int]:
+    """Given sizes with the bases a given derived dimension fixes solved for (when one of its
+    names is left) and every derived dimension they decide computed; a contradiction, or a
+    derived size below 1, is a usage error."""
+    sizes = {k: v for k, v in given.items() if dims[k].derived is None}
+    pending = {k: v for k, v in given.items() if dims[k].derived is not None}
+    progress = True
+    while progress:
+        progress = False
+        for key, size in pending.items():
+            expression = dims[key].derived
+            unknown = [n for n in expression.names if n not in sizes]
+            if len(unknown) != 1:
+                continue
+            solved = _solve(expression, sizes, unknown[0], size)
+            if solved is None:
+                raise BadInputError(f"--dim '{key}={size}': no size of {unknown[0]} makes {key} = {size}; "
+                                    f"give {unknown[0]} with --dim {unknown[0]}=N (the other follows)")
+            sizes[unknown[0]] = solved
+            progress = True
+    out = derive_sizes(dims, sizes)
+    for key, size in pending.items():
+        expression = dims[key].derived
+        if key not in out:
+            left = [n for n in expression.names if n not in sizes]
+            raise BadInputError(f"--dim '{key}={size}': {key} is derived from {', '.join(left)}, which it "
+                                f"does not decide alone; give them with --dim {left[0]}=N (its size follows)")
+        if out[key] != size:
+            at = ", ".join(f"{n}={out[n]}" for n in expression.names)
+            raise BadInputError(f"--dim '{key}={size}' contradicts {at}, at which {key} is {out[key]}; "
+                                "give only the dimensions it is made of (its size follows)")
+    for key, size in out.items():
+        if size < 1:
+            at = ", ".join(f"{n}={out[n]}" for n in dims[key].derived.names)
+            raise BadInputError(f"--dim: at {at} the derived dimension {key} is {size}; sizes must be at least 1")
+    return out
+
+
 def resolve_dims(model: ir.Model, given: Mapping[str, int] | None) -> dict[str, int]:
-    """``--dim`` values by free-dimension key; an unknown name or position is a usage error.
+    """``--dim`` values by free-dimension key, with the derived dimensions they decide; an
+    unknown name or position, or a size that contradicts a derived one, is a usage error.
 
     ``INPUT:AXIS`` may also address a named dimension (it then sets that name everywhere).
+    A derived dimension given alone fixes the one name it reads (``--dim 'past_seq + 1=17'``
+    sets ``past_seq`` to 16); given with its names, it must agree with them.
     """
     dims = free_dims(model)
     by_place = {f"{i}:{a}": d.key for d in dims.values() for i, a in d.places}
@@ -148,7 +324,7 @@ def resolve_dims(model: ir.Model, given: Mapping[str, int] | None) -> dict[str, 
         if int(size) < 1:
             raise BadInputError(f"--dim {text}={size}: sizes must be at least 1")
         out[key] = int(size)
-    return out
+    return _settle(dims, out)
 
 
 # -- integer inputs ---------------------------------------------------------------------------
@@ -199,13 +375,22 @@ def integer_cases(model: ir.Model) -> dict[str, list[int]]:
 
 @dataclasses.dataclass(frozen=True)
 class IntegerRange:
-    """The values drawn for one integer input: 0 .. high-1, and why (None: the default)."""
+    """The values drawn for one integer input: 0 .. high-1, and why (None: the default).
+
+    ``positions``: not drawn but counted, 0..n-1 along the last axis of each row, after the
+    past length (the size of axis -2 of the input ``after``, a past key/value cache) when
+    there is one."""
 
     high: int
     why: str | None = None
     mask: bool = False  # a mask: one kept position per row (the first of the last axis)
+    positions: bool = False
+    after: str | None = None  # the past cache input whose axis -2 is the past length
 
     def describe(self, name: str) -> str:
+        if self.positions:
+            after = f", after the past length ({self.after} axis -2)" if self.after else ""
+            return f"{name} 0..n-1 along the last axis{after} (positions: {self.why})"
         values = "0/1" if self.high == 2 else f"0-{self.high - 1}"
         return f"{name} {values} ({self.why})"
 
@@ -245,6 +430,79 @@ def _range_from_reader(node: ir.Node, value: ir.Value) -> IntegerRange | None:
         return IntegerRange(2, f"a mask: read by {op} '{node.name}'", mask=True)
     if is_op(node, "Cast") and node.attributes.get_int("to", 0) == ir.DataType.BOOL:
         return IntegerRange(2, f"a mask: cast to bool in '{node.name}'", mask=True)
+    if is_op(node, "CumSum") and node.inputs and node.inputs[0] is value:
+        return IntegerRange(2, f"a mask: its CumSum '{node.name}' counts positions", mask=True)
+    return None
+
+
+# -- position ids ----------------------------------------------------------------------------
+
+TRIG = ("Cos", "Sin")
+POSITION_REACH = 10  # ops from a position input to the Cos/Sin of its rotary angles, at most
+_TABLE_REACH = 6  # ops back from a gathered table to the Cos/Sin that made it, at most
+
+
+def _trig_table(table: ir.Value | None) -> str | None:
+    """How ``table`` is a cos/sin table (made by Cos/Sin, or named so), None when it is not."""
+    seen = table
+    for _ in range(_TABLE_REACH):
+        if seen is None:
+            return None
+        if any(t in (seen.name or "").lower() for t in ("cos", "sin")):
+            return f"'{seen.name}'"
+        producer = seen.producer()
+        if producer is None or not producer.inputs:
+            return None
+        if is_op(producer, *TRIG):
+            return f"made by {producer.op_type} '{producer.name}'"
+        seen = producer.inputs[0]
+    return None
+
+
+def _reaches_trig(value: ir.Value) -> ir.Node | None:
+    """The Cos/Sin that ``value`` reaches within :data:`POSITION_REACH` ops (rotary angles),
+    not through a Gather's indices (what a Gather returns is the table's, not the index)."""
+    frontier, seen = [value], {id(value)}
+    for _ in range(POSITION_REACH):
+        following = []
+        for v in frontier:
+            for node, index in v.uses():
+                if is_op(node, *_INDEXING) and index == 1:
+                    continue
+                if is_op(node, *TRIG):
+                    return node
+                for out in node.outputs:
+                    if id(out) not in seen:
+                        seen.add(id(out))
+                        following.append(out)
+        frontier = following
+    return None
+
+
+def _position_use(node: ir.Node, value: ir.Value) -> str | None:
+    """How a reader of the integer value ``value`` reads positions, None when it does not."""
+    if is_op(node, *_INDEXING) and len(node.inputs) > 1 and node.inputs[1] is value:
+        table = _trig_table(node.inputs[0])
+        return f"index the cos/sin table {table} in {node.op_type} '{node.name}'" if table else None
+    if node.op_type == "RotaryEmbedding" and len(node.inputs) > 1 and node.inputs[1] is value:
+        return f"the position ids of RotaryEmbedding '{node.name}'"
+    if is_op(node, "Range") and node.inputs and node.inputs[0] is value:  # (a limit is a length, not a position)
+        return f"the start of Range '{node.name}'"
+    if is_op(node, "Mul", "MatMul", "Einsum"):
+        trig = _reaches_trig(node.outputs[0])
+        if trig is not None:
+            return f"rotary angles, {node.op_type} '{node.name}' reaches {trig.op_type} '{trig.name}'"
+    return None
+
+
+def past_cache(model: ir.Model) -> ir.Value | None:
+    """The first past key/value cache input (a float input of rank 3 or more named ``*past*``
+    or ``*cache*``), whose axis -2 is the past sequence length; None when there is none."""
+    for value in runtime_inputs(model):
+        name = (value.name or "").lower()
+        if (("past" in name or "cache" in name) and value.dtype is not None and value.dtype.is_floating_point()
+                and value.shape is not None and len(value.shape) >= 3):
+            return value
     return None
 
 
@@ -252,11 +510,21 @@ def integer_ranges(model: ir.Model) -> dict[str, IntegerRange]:
     """Integer input name -> the values to draw for it (see the module docstring).
 
     Decided by walking the input's readers in the main graph, and by name for a mask no
-    reader identifies; inputs with no such reader are left out (they take 0-7).
+    reader identifies; inputs with no such reader are left out (they take 0-7). Position
+    ids (a reader that reads positions, else a name ``*position*``) are counted, whatever
+    other reader reads them as a mask or an index.
     """
     out: dict[str, IntegerRange] = {}
+    past = past_cache(model)
     for value in runtime_inputs(model):
         if value.dtype is None or np.dtype(value.dtype.numpy()).kind not in "iu":
+            continue
+        uses = [u for node, v in _readers(value, _PASSES_VALUE_ON, stop=lambda node, v: _position_use(node, v))
+                if (u := _position_use(node, v)) is not None]
+        why = uses[0] if uses else "by the name" if "position" in value.name.lower() else None
+        if why is not None:
+            out[value.name] = IntegerRange(DEFAULT_INTEGER_HIGH, why, positions=True,
+                                           after=past.name if past is not None else None)
             continue
         found: list[IntegerRange] = []
         for node, v in _readers(value, _PASSES_VALUE_ON, stop=lambda node, v: _range_from_reader(node, v)):
@@ -307,7 +575,9 @@ def make_feeds(
     rng = np.random.default_rng(seed)
     integers = dict(integers or {})
     ranges = integer_ranges(model) if ranges is None else ranges
-    feeds = {}
+    dims = free_dims(model)
+    sizes = derive_sizes(dims, {**{k: 1 for k, d in dims.items() if d.derived is None}, **sizes})
+    shapes = {}
     for value in runtime_inputs(model):
         if value.type is None or value.shape is None or value.dtype is None:
             raise BadInputError(
@@ -317,7 +587,11 @@ def make_feeds(
         shape = []
         for axis, dim in enumerate(value.shape):
             found = _dim_key(value, axis, dim)
-            shape.append(int(dim) if found is None else int(sizes.get(found[0], 1)))
+            shape.append(int(dim) if found is None else max(int(sizes.get(found[0], 1)), 0))
+        shapes[value.name] = shape
+    feeds = {}
+    for value in runtime_inputs(model):
+        shape = shapes[value.name]
         dtype = value.dtype.numpy()
         kind = np.dtype(dtype).kind
         if kind == "f" or str(dtype) == "bfloat16":
@@ -327,7 +601,12 @@ def make_feeds(
                 data = np.full(shape, integers[value.name], dtype=dtype)
             else:
                 taken = ranges.get(value.name, IntegerRange(DEFAULT_INTEGER_HIGH))
-                data = rng.integers(0, taken.high, size=shape).astype(dtype)
+                if taken.positions:
+                    start = shapes[taken.after][-2] if taken.after in shapes else 0
+                    count = shape[-1] if shape else 1
+                    data = np.broadcast_to(np.arange(start, start + count).reshape(shape[-1:]), shape).astype(dtype)
+                else:
+                    data = rng.integers(0, taken.high, size=shape).astype(dtype)
                 if taken.mask and data.ndim:
                     data[..., :1] = 1
         elif kind == "b":
@@ -342,17 +621,27 @@ def make_feeds(
 
 
 def _candidates(dims: Mapping[str, FreeDim], fixed: Mapping[str, int]) -> Iterator[dict[str, int]]:
-    """Size assignments to try, smallest first (see the module docstring)."""
-    base = {k: fixed.get(k, 1) for k in dims}
-    growable = [k for k, d in dims.items() if k not in fixed and not d.batch]
-    if not growable:
-        yield dict(base)
-        return
-    for step in SIZE_STEPS:
-        yield {**base, **{k: step for k in growable}}
+    """Size assignments to try, smallest first (see the module docstring): the free base
+    dimensions vary, the derived ones follow (an assignment giving one a size below 1 is
+    skipped)."""
+    base = {k: fixed.get(k, 1) for k, d in dims.items() if d.derived is None}
+    growable = [k for k, d in dims.items() if k not in fixed and not d.batch and d.derived is None]
+    steps: list[dict[str, int]] = [dict(base)] if not growable else []
+    for step in SIZE_STEPS if growable else ():
+        steps.append({**base, **{k: step for k in growable}})
         if len(growable) > 1 and step != 1:
-            for k in growable:
-                yield {**base, k: step}
+            steps.extend({**base, k: step} for k in growable)
+    for sizes in steps:
+        full = derive_sizes(dims, {**sizes, **fixed})
+        if all(v >= 1 for v in full.values()):
+            yield full
+
+
+def describe_sizes(dims: Mapping[str, FreeDim], sizes: Mapping[str, int]) -> str:
+    """``batch=1, past_seq=8; derived: past_seq + 1=9`` (the derived dimensions said apart)."""
+    drawn = ", ".join(f"{k}={v}" for k, v in sizes.items() if k not in dims or dims[k].derived is None)
+    derived = ", ".join(f"{k}={v}" for k, v in sizes.items() if k in dims and dims[k].derived is not None)
+    return drawn + (f"; derived: {derived}" if derived else "")
 
 
 def find_sizes(
@@ -385,7 +674,9 @@ def find_sizes(
             raise
         except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own exception types
             last = e
-    shown = ", ".join(f"{k}" for k in dims) or "none"
+    shown = ", ".join(k for k, d in dims.items() if d.derived is None) or "none"
+    derived = [k for k, d in dims.items() if d.derived is not None]
+    shown += f"; derived from them: {', '.join(derived)}" if derived else ""
     raise BadInputError(
         f"{purpose}: ONNX Runtime cannot run the input model on random inputs at any of "
         f"{tried} size(s) tried (free dimensions: {shown}; last error: "

@@ -33,7 +33,9 @@ from opfuse.constant_inputs import drop_bound
 from opfuse.errors import BadInputError
 from opfuse.inputs import (
     MAX_INTEGER_CASES,
+    describe_sizes,
     find_sizes,
+    free_dims,
     integer_cases,
     integer_ranges,
     make_feeds,
@@ -164,7 +166,7 @@ def input_sets(original, run, inputs, dims, seed, result: Verification, graph_ou
                 continue
             sets.append((f"{name}={value}", more[0], more[2]))
             result.input_sets.append(f"{name}={value}")
-    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    shown = describe_sizes(free_dims(original), sizes)
     result.inputs = f"random (seed {used})" + (f" at {shown}" if shown else "")
     if used > seed:
         result.notes.append(f"seed {used} used: the original's outputs were not finite on seed(s) "

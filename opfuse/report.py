@@ -77,6 +77,7 @@ class OutputCheck:
     @property
     def label(self) -> str:
         what = f"rewrite {self.rewrite} (tensor '{self.name}')" if self.rewrite else f"output '{self.name}'"
+        what = "the optimised model" if self.name == "<model>" else what  # it does not load or run at all
         return f"{what} [{self.inputs}]" if self.inputs else what
 
 

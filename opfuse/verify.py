@@ -80,6 +80,12 @@ A reference that is no reference
   runs again in a fresh session on the same inputs; if it differs from itself as much,
   the model is nondeterministic and no rewrite is blamed (not verified, with the tensor
   named).
+- **Only inputs the original runs on.** Every input set is one the original ran on
+  (sizes at which it fails are passed over by the size search, and a set it fails on is
+  dropped); the inputs are consistent with its own declared shapes where they say so (a
+  dimension named ``past_seq + 1`` is derived, :mod:`opfuse.inputs`). So when the
+  optimised model cannot run on a set, that is its failure, and the message says so:
+  "ONNX Runtime cannot run the optimised model on inputs the original runs on".
 
 Bound inputs
 ------------
@@ -347,9 +353,10 @@ def verify_models(
         try:
             actual = run_optimised({k: v for k, v in feeds.items() if k not in bound})
         except Exception as e:  # noqa: BLE001
+            where = f" [{label}]" if label else ""
             result.outputs.append(OutputCheck("<model>", "", (), np.inf, np.inf, 0.0, False,
-                                              f"ONNX Runtime cannot run the optimised model: {first_line(e)}",
-                                              inputs=label))
+                                              "ONNX Runtime cannot run the optimised model on inputs the original "
+                                              f"runs on ({result.inputs}{where}): {first_line(e)}", inputs=label))
             continue
         for tensor, rewrite in probes:
             if tensor in expected and tensor in actual:
