@@ -282,3 +282,10 @@ def test_no_lab_note_in_the_package():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              for what, pattern in LAB_NOTES.items() if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_the_architecture_page_names_every_module():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(PACKAGE.parent)) for p in MODULES
+               if f"`{p.relative_to(PACKAGE.parent).as_posix()}`" not in page]
+    assert not missing, "docs/architecture.md does not name: " + ", ".join(missing)
