@@ -95,7 +95,7 @@ LOW_SQNR_DB = 10  # below it, with no target given, the report suggests --min-sq
 FLOOR_SQNR_DB = 3  # below it, with no target given, the result is no model of the float one: exit 1
 RECONSTRUCTION_BUDGET_S = 900  # reconstruct="auto" runs when estimated to take at most this
 # The qnn presets' reconstruction searches each activation scale before the rounding fit, and
-# estimated_seconds does not count that search; measured, it took up to about 8-10x the estimate
+# estimated_seconds does not count that search; measured, it took 7-10x the estimate
 # (docs/quantization.md). So auto runs it for qnn when the estimate is at most a budget's eighth.
 QNN_FIT_FACTOR = 8
 LAYER_SAMPLES = 16  # samples of the per-layer SQNR table (every intermediate tensor exposed)
