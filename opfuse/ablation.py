@@ -1,4 +1,4 @@
-"""The chapter's ablation (section 4 of ../shared/seed/NOTES.md) as named configurations.
+"""The chapter's ablation (the table ``opfuse bench`` reproduces) as named configurations.
 
 =============  ================  ========================================================
 name           chapter's row     what runs

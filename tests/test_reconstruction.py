@@ -133,7 +133,7 @@ def two_convs(seed: int, c: int = 16) -> onnx.ModelProto:
     return model(nodes, [vinfo("x", ["N", 8, 12, 12])], [vinfo("y", ["N", c, 12, 12])], inits, opset=17)
 
 
-@pytest.mark.parametrize("seed,scale_fit", [(0, "learned"), (4, "learned"), (4, "search"), (4, "fixed")])
+@pytest.mark.parametrize("seed,scale_fit", [(0, "learned"), (4, "learned"), (4, "search")])
 def test_reconstruction_raises_the_output_sqnr_on_samples_it_never_saw(seed, scale_fit):
     """The learned model, written and run by ONNX Runtime, against the float model: a higher
     output SQNR than ONNX Runtime's per-tensor quantisation on the tuning samples and on
@@ -147,10 +147,6 @@ def test_reconstruction_raises_the_output_sqnr_on_samples_it_never_saw(seed, sca
     assert result.weighted and not result.stopped and result.values
     assert [b.layers for b in result.blocks] == [["conv0", "conv1"]] and result.blocks[0].kept
     assert result.blocks[0].reconstructed_db > result.blocks[0].nearest_db
-    if scale_fit == "fixed":  # the rounding alone is fitted: every activation scale is written as calibrated
-        given = {t.name: numpy_helper.to_array(t) for t in qdq.graph.initializer}
-        scales = {n.input[1] for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in given}
-        assert scales and all(np.array_equal(result.values.get(k, given[k]), given[k]) for k in scales)
     learned = onnx.ModelProto()
     learned.CopyFrom(qdq)
     apply_reconstruction(learned, result)
@@ -208,37 +204,6 @@ def test_the_written_model_keeps_onnx_runtimes_quantisation_contract():
         bias_before = old[b_dq.input[0]].astype(np.float64) * old[b_dq.input[1]].astype(np.float64)
         np.testing.assert_array_equal(inits[b_dq.input[0]],
                                       np.rint(bias_before / inits[b_dq.input[1]].astype(np.float64)).astype(np.int32))
-
-
-def test_the_learned_rounding_keeps_each_spatial_kernels_sum_within_half_a_step(monkeypatch):
-    """With KEEP_KERNEL_SUMS (off by default: the module docstring), each k x k slice (one output, one input channel) of a reconstructed 3x3 Conv weight sums,
-    in integers, to within half a step of the float slice's sum over its scale: its response
-    to a uniform patch kept. Read from the written model; ONNX Runtime's nearest rounding
-    misses that on some slices of the same net (so the check is not empty)."""
-    import opfuse.quantization.reconstruction as module
-
-    monkeypatch.setattr(module, "KEEP_KERNEL_SUMS", True)
-    float_model, qdq, result, learned = reconstructed_residual_net("cpu")
-    floats = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in float_model.graph.initializer}
-    inits = {i.name: numpy_helper.to_array(i) for i in learned.graph.initializer}
-    nearest = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
-    producer = {o: n for n in learned.graph.node for o in n.output}
-    float_weight = {n.name: n.input[1] for n in float_model.graph.node if n.op_type == "Conv"}
-    kept = {layer for b in result.blocks if b.kept for layer in b.layers}
-    checked = missed_by_nearest = 0
-    for node in learned.graph.node:
-        if node.op_type != "Conv" or node.name not in kept:
-            continue
-        dq = producer[node.input[1]]
-        w = floats[float_weight[node.name]]
-        if w.shape[2] * w.shape[3] == 1:
-            continue
-        scale = inits[dq.input[1]].astype(np.float64).reshape(-1, 1, 1, 1)
-        ideal = (w / scale).sum((2, 3))
-        assert np.all(np.abs(inits[dq.input[0]].astype(np.float64).sum((2, 3)) - ideal) <= 0.5 + 1e-9), node.name
-        missed_by_nearest += int(np.sum(np.abs(nearest[dq.input[0]].astype(np.float64).sum((2, 3)) - ideal) > 0.5))
-        checked += 1
-    assert checked >= 2 and missed_by_nearest > 0
 
 
 def test_an_op_the_interpreter_does_not_know_ends_the_reconstruction_there():

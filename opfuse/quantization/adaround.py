@@ -44,9 +44,8 @@ weight is an 8-bit DequantizeLinear initializer read by that layer alone. ConvTr
 auto_pad other than NOTSET/VALID and an input not quantised per tensor are left as ONNX
 Runtime rounded them, with the reason.
 
-Cost: per step two products of [out, K] by [K, BATCH]; on this machine's shared cores
-ResNet-18 (21 layers, K up to 4608) took 820-1323 s, MobileNetV2 1157-1579 s and PP-OCRv4
-rec 1731 s (``benchmarks/quantize.py --flows adaround``). Measured gains are in the README.
+Cost: per step two products of [out, K] by [K, BATCH]: minutes per model on one thread
+(``benchmarks/quantize.py --flows adaround``; times and gains in docs/results/quantize.md).
 
 AdaQuant (Hubara et al. 2021: also adjusting the float weights) is not done: with weights
 stored as ONNX Runtime's int8 and scales chosen by the error above, the rounding is the

@@ -22,13 +22,10 @@ The steps, in order (each its own module):
 4. calibrate and insert QDQ with ONNX Runtime's quantiser (:mod:`.presets`); ``calibrate``
    "auto" (the default) gives each tensor the range whose 8-bit round trip is closest to
    its own values (:mod:`.ranges`: MinMax, the 99.99th percentile, or a range clipped
-   inside MinMax, per tensor). On PP-OCRv4 rec calibrated on one rendering of text lines
-   and read on four others, auto read 92-98% exact match where the percentile for the
-   whole model read 70-84% and MinMax 46-66% (float 88-99%). Where step 7 will search the
-   activation scales (the ``qnn`` presets), auto starts from MinMax instead and leaves the
-   clipping to that search, which judges a scale by its block's output: on the HTP, over
-   ten draws, BERT read +0.05 dB over ONNX Runtime's QNN flow (min -0.16) where auto's start
-   read +0.01 (min -0.24), and ViT +0.80 (min +0.31) where it read +0.52 (min +0.10);
+   inside MinMax, per tensor; docs/quantization.md gives what it gains). Where step 7 will
+   search the activation scales (the ``qnn`` presets), auto starts from MinMax instead and
+   leaves the clipping to that search, which judges a scale by its block's output
+   (docs/results/qnn.md: above auto's own start on BERT and ViT over ten draws);
 5. with ``adaround`` (the per-tensor preset's default, opt-in for the others: it costs
    minutes), AdaRound (:mod:`.adaround`), then empirical bias correction
    (:mod:`.bias_correction`), each kept only where it lowers a layer's error and raises
@@ -98,11 +95,8 @@ LOW_SQNR_DB = 10  # below it, with no target given, the report suggests --min-sq
 FLOOR_SQNR_DB = 3  # below it, with no target given, the result is no model of the float one: exit 1
 RECONSTRUCTION_BUDGET_S = 900  # reconstruct="auto" runs when estimated to take at most this
 # The qnn presets' reconstruction searches each activation scale before the rounding fit, and
-# estimated_seconds does not count that search. Its cost against the estimate, measured here:
-# MobileNetV2 at 224x224 1695 s against 240 (7x), ViT 160-410 s against 41 (up to 10x, beside
-# another job), both before the search reused block prefixes; BERT 16-19 s against 48 after.
-# So auto runs it for qnn when the estimate is at most a budget's eighth (BERT and ViT do,
-# MobileNetV2 does not).
+# estimated_seconds does not count that search; measured, it took 7-10x the estimate
+# (docs/quantization.md). So auto runs it for qnn when the estimate is at most a budget's eighth.
 QNN_FIT_FACTOR = 8
 LAYER_SAMPLES = 16  # samples of the per-layer SQNR table (every intermediate tensor exposed)
 
@@ -354,8 +348,7 @@ def _reconstruct_by_default(report: QuantReport, preset, float_model, samples, a
         return False
     if importlib.util.find_spec("torch") is None:
         report.notes.append("block reconstruction did not run: torch is not installed (pip install "
-                            "'opfuse[torch]'); on PP-OCRv4 rec it took the worst drop over three calibration "
-                            "draws from 6 / 42 / 2 points to 1 / 3 / 2")
+                            "'opfuse[torch]')")
         return False
     from opfuse.quantization.reconstruction import estimated_seconds  # (torch: only block reconstruction needs it)
 
@@ -365,7 +358,7 @@ def _reconstruct_by_default(report: QuantReport, preset, float_model, samples, a
         seconds, why = None, f"the float model failed in torch ({type(e).__name__}: {_first_line(e)})"
     factor = QNN_FIT_FACTOR if preset.qnn else 1
     if seconds is None or seconds * factor > RECONSTRUCTION_BUDGET_S:
-        how = ""  # for qnn, the estimate times the factor (PP-OCR cls: 16 min, measured 18 beside a test run)
+        how = ""  # for qnn, the estimate times the factor
         if seconds is not None and factor > 1:
             how = f"estimated {seconds / 60:.0f} min, times {factor} for the qnn presets' scale search; "
         report.notes.append("block reconstruction did not run: " + (why if seconds is None else

@@ -20,13 +20,11 @@ What ``cpu`` and ``per-tensor`` quantise (:data:`CPU_OPS`): the layers with weig
 activations ONNX Runtime folds into them (Relu, Clip), and the ops that only move or pool
 8-bit values. Element-wise arithmetic (Add, Mul, Div, Sub, Pow, Softmax, Sigmoid, the
 pieces of a decomposed LayerNorm or HardSwish) stays in float: in 8 bits each such op
-rounds its result again, and on PP-OCRv4 rec quantising them as well took exact-match
-accuracy from 82% to 76% (``benchmarks/quantize.py``), for little time saved on a CPU.
-That includes residual Adds (and a Relu after one): ONNX Runtime could run them as
-QLinearAdd, but quantising them cost PP-OCRv4 rec half a point (97.0% -> 96.5% exact
-match, float 98.0%), so ResNet-style skip connections run in float between a
-DequantizeLinear and a QuantizeLinear: a few more kernels per block, measured in the int8
-rows of ``opfuse bench``.
+rounds its result again, which costs accuracy for little time saved on a CPU
+(docs/quantization.md gives the measurement). That includes residual Adds (and a Relu
+after one): ONNX Runtime could run them as QLinearAdd, but ResNet-style skip connections
+run in float between a DequantizeLinear and a QuantizeLinear: a few more kernels per
+block, measured in the int8 rows of ``opfuse bench``.
 ``qnn-a16`` calibrates with MinMax when ``--calibrate`` is ``auto``: auto's per-tensor search
 judges a range by its 8-bit round trip (:mod:`.ranges`), which is not what a 16-bit tensor
 loses. ``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float. Per-channel weights need
@@ -41,20 +39,13 @@ of block reconstruction (``Preset.equalize``, ``Preset.adaround``; ``--no-equali
 equalisation evens the channels' ranges, and AdaRound's scale search and rounding recover what
 is left. It equalises only the pairs that need no new op (``equalize-homogeneous``: a ReLU6
 between would become a Relu and a per-channel Min, which ONNX Runtime's int8 conv does not
-absorb; ``--equalize`` takes every pair). Measured (2026-12-05, ``benchmarks/quantize.py``'s
-cases, one run each): PP-OCRv4 rec's worst drop over three calibration draws 3 / 3 / 5 points
-(12.7-13.0 dB), against 56 / 17 / 48 with neither and 50 on draw 0 with block reconstruction;
-PP-OCRv6 rec 1 / 1 / 6 points (14.9-15.4 dB; draw 0: 11 without equalisation, 6 with
-reconstruction instead of AdaRound); ResNet-18 27.1 dB against 25.9 with reconstruction (AIMET's CLE + AdaRound 27.0);
-MobileNetV2 9.98 dB at 1.72x the float model's speed, where every pair equalised read 9.85 dB
-at 0.76x. The cost is AdaRound's minutes: 14-18 min for these on one shared thread.
+absorb; ``--equalize`` takes every pair). The cost is AdaRound's minutes; what it gains per
+model is in docs/results/quantize.md.
 
 Block reconstruction (:mod:`.reconstruction`) learns the activation scales in its fit for
 ``cpu`` and ``per-tensor`` (LSQ), and searches them before it for the ``qnn`` presets, which
-quantise the residual stream too: there LSQ's gradient misleads (BERT on the HTP, ten draws:
-0.14 dB below ONNX Runtime's QNN flow with LSQ, 0.01 above with the search), while on
-PP-OCRv4 rec's CPU preset the search took about three times as long and read no better
-(worst drop 2 against 1 on calibration draw 0).
+quantise the residual stream too: there LSQ's gradient misleads, while for the CPU presets
+the search costs more and reads no better (docs/quantization.md).
 """
 
 from __future__ import annotations

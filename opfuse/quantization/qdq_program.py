@@ -14,8 +14,7 @@ ONNX Runtime wrote it, fake-quantised, and the float model it was made from.
   ``s_x * s_w`` as it will be written (straight through the rounding);
 - every other node is its torch function (:mod:`.torch_ops`: the default domain, and the
   ONNX Runtime contrib ops its own tools write); the first node that has none ends the
-  program, and so,
-  with :data:`ATTENTION` off, does the first product of two activations.
+  program.
 
 A tensor that depends on no QuantizeLinear (a mask, a shape) is computed once per sample
 (:meth:`QdqProgram.static_values`). Each compute output has the float model's tensor of the
@@ -50,7 +49,6 @@ from opfuse.runtime import create_session
 from opfuse.vocabulary import OpKind, op_kind, weight_spec
 
 LAYERS_PER_BLOCK = 2
-ATTENTION = True  # off: the program ends at the first product of two activations
 PROBES = 2  # Hutchinson probes per sample for the output sensitivities
 
 
@@ -104,10 +102,6 @@ class QdqProgram:
             elif node.op_type == "Constant":
                 kind = "constant"
                 self.constants[node.output[0]] = _constant_node(node)
-            elif not ATTENTION and node.op_type in ("MatMul", "Einsum") and \
-                    sum(i in self.dependent for i in node.input) > 1:
-                self.stopped = f"{node.name or node.op_type}: a product of two activations (attention)"
-                break
             else:
                 try:
                     self.functions[id(node)] = node_function(node, self.opset)
@@ -272,10 +266,9 @@ class QdqProgram:
             return self.scale_key.get(node.name)
         return self.bias_of[node.name][1] if node.name in self.bias_of else None
 
-    def run(self, env, nodes, weights, scales, drop=0.0, generator=None):
+    def run(self, env, nodes, weights, scales):
         """Runs ``nodes`` on ``env`` (name -> tensor): weight DQ outputs from ``weights``
-        (initializer -> tensor), activation scales from ``scales`` (key -> tensor), each
-        element's quantiser skipped with probability ``drop``."""
+        (initializer -> tensor), activation scales from ``scales`` (key -> tensor)."""
 
         for node in nodes:
             op = node.op_type
@@ -294,8 +287,6 @@ class QdqProgram:
                 v = x / s
                 v = v + (torch.round(v) - v).detach()  # straight through the rounding (LSQ)
                 y = ((torch.clamp(v + z, lo, hi) - z) * s).to(x.dtype)
-                if drop:
-                    y = torch.where(torch.rand(x.shape, generator=generator) < drop, x, y)
                 env[node.output[0]] = y
             elif op == "DequantizeLinear" and node.input[0] in self.site_of_weight:
                 env[node.output[0]] = weights[node.input[0]]

@@ -4,9 +4,9 @@ calibration data.
 
 Li et al., "BRECQ: Pushing the Limit of Post-Training Quantization by Block
 Reconstruction" (ICLR 2021), with Esser et al.'s learned step sizes (LSQ, ICLR 2020) for
-the CPU presets and a search of the scales for the ``qnn`` ones.
-AdaRound (:mod:`.adaround`) fits each layer alone; on PP-OCRv4 rec that left a worst drop
-of 4 points on each of three calibration draws (README, issue 18).
+the CPU presets and a search of the scales for the ``qnn`` ones. AdaRound
+(:mod:`.adaround`) fits each layer alone; fitting a block jointly is what holds a model
+whose layers' errors interact (docs/quantization.md gives the measurements).
 
 The algebra, for a block B of the QDQ graph (a run of its compute nodes, with the
 QuantizeLinear/DequantizeLinear pairs on their inputs), its quantised input xq (the
@@ -21,8 +21,7 @@ float model's output y = B_float(x) at each tensor B hands on:
               rounding fit by a coordinate search (``scale_fit="search"``: s times each of
               :data:`SCALE_STEPS`, kept where the block error with the rounding as it stands
               falls), then fixed; or learned in the fit ("learned", LSQ: the gradient
-              reaches s through round() as if it were the identity); or left as
-              calibrated ("fixed": the rounding alone is fitted)
+              reaches s through round() as if it were the identity)
     biases    bq = s_x s_w round(b / (s_x s_w)): the int32 bias ONNX Runtime's kernels read,
               re-quantised to the learned input scale, as it will be written
 
@@ -34,45 +33,16 @@ normalised to mean 1), so that the error a channel makes counts as much as it re
 outputs. V (and log(s), when learned) are fitted with Adam on :data:`PER_STEP` samples per
 step for :data:`ITERATIONS` steps, lambda and beta as in AdaRound (no regulariser for the first
 :data:`WARMUP` of the steps, then beta from 20 to 2), and h is then set to 0 or 1.
-Tried and off (:data:`KEEP_KERNEL_SUMS`): keeping each k x k kernel's sum, in each slice of a Conv
-weight with a spatial kernel (one output channel, one input channel), the entries whose h is nearest 0.5
-are flipped, one each, until |sum(floor(W / s_w) + h) - sum(W / s_w)| <= 1/2. The slice's
-response to a uniform patch (a background, the zero padding), which calibration sees at a
-few levels only, is then the float one within half a step at any level. The idea: on PP-OCRv4
-rec, the first depthwise conv's nearest rounding alone (everything else float) reads
-15.0 dB and costs 9.75 points on one rendering; with its kernel sums kept, 24.8 dB and none
-(``experiments/ocr_fragility/perturb.py``). With the fit (2026-12-05, one run each, PP-OCRv4
-rec read on 400 lines per rendering, through ``/work/exp/dc_recon.py``, a script outside the
-repository that patches the same projection in): calibration draw 0 read 16.9 dB against 16.1 and a
-worst drop of 3.0 points against 3.5 (mono-noise), but draw 1 read 16.1 dB and 8.5 points
-(grey-words, 34 lines lost and none gained; without it, 16.9 dB and 3 points on the first 100
-lines). ResNet-18 per channel read 27.38 dB against 27.29. The kernel sums are one more
-constraint the calibration data cannot judge: on a draw where the fit had traded them
-against the activations' rounding, keeping them costs another rendering.
-QDrop (Wei et al., ICLR 2022: each element's quantiser skipped at random in training) is
-:data:`DROP`, off: at 8 bits it left every fit of a two-conv net worse than where it began,
-and on PP-OCRv4 rec it read 15.9 dB where no drop read 16.9 (calibration draw 0).
 
-Why the scales are searched for the ``qnn`` presets (:attr:`.presets.Preset.scale_fit`),
-which quantise the residual stream too (2026-12-05, the torch-exported BERT of
-``benchmarks/qnn.py``): with LSQ, two of its four blocks ended with a larger error than they
-began (1.03-1.15 of round-to-nearest's), and were left as they were. The straight-through
-gradient of the block error with respect to log(s) disagreed in sign and size with a
-finite difference (s x 1.01 and x 0.99) on the residual stream's tensors: +0.32 against
--4.9 on the embedding Add's output, relative to the error. The search lowered every block
-(0.991-0.999 of nearest), and moved BERT from 0.14 dB below ONNX Runtime's QNN flow on the
-HTP to 0.01 above, the median of ten draws. For the CPU presets (residual Adds in float)
-LSQ stays: on ResNet-18 the two read alike (27.23 against 27.3 dB per channel, 25.89
-against 25.9 per tensor), and on PP-OCRv4 rec (calibration draw 0) the search read a
-worst drop of 2 points against LSQ's 1, and took about three times as long. With the scales
-left as calibrated ("fixed", no preset's choice), PP-OCRv4 rec read worst drops of 2 / 3 / 22
-points over calibration draws 0-2 (LSQ, same commit and thread count: 7 / 3 / 3) and
-PP-OCRv6 rec 3 on draw 0 (LSQ: 0): the fit then follows the calibration rendering further.
+The scales are searched for the ``qnn`` presets (:attr:`.presets.Preset.scale_fit`), which
+quantise the residual stream too: there LSQ's straight-through gradient of the block error
+with respect to log(s) disagreed in sign with a finite difference, and left blocks worse
+than they began; for the CPU presets (residual Adds in float) LSQ reads as well and costs
+less (docs/quantization.md).
 
 The starting point is ONNX Runtime's quantisation itself, not the model after AdaRound or
 bias correction: a correction fitted to the rounding this replaces is wrong for the one it
-learns (on PP-OCRv4 rec, draw 1: worst drop 20 points from the bias-corrected model, 3
-from ONNX Runtime's). The caller corrects the biases again afterwards.
+learns. The caller corrects the biases again afterwards.
 
 Blocks: the QDQ graph's compute nodes in graph order, cut where every tensor crossing the
 cut is one the float model has (so each block output has a target) and is read through a
@@ -100,13 +70,11 @@ Legality and limits (each refusal is recorded with its reason):
 
 Cost: per step, the block forward and backward on :data:`PER_STEP` samples;
 :func:`estimated_seconds` tells it beforehand from one forward and backward pass of the
-float model. PP-OCRv4 rec (48 samples of 3x48x320, 19 blocks) took 390-670 s on one thread
-of this machine's shared cores. The scale search adds, per scale key, one pass of the block
-up to the key's first reader and :data:`SCALE_STEPS` passes of the rest, on
-:data:`SEARCH_SAMPLES` samples; it is not in the estimate (it runs only for the ``qnn``
-presets, whose default multiplies the estimate by :data:`.pipeline.QNN_FIT_FACTOR` instead). Transformer blocks hold many keys (BERT's first
-74, ViT's 17-26), so there it costs more than the fit: BERT's whole reconstruction took
-19-90 s and ViT's 160-410 s, on shared cores, before the prefix reuse halved the search.
+float model. The scale search adds, per scale key, one pass of the block up to the key's
+first reader and :data:`SCALE_STEPS` passes of the rest, on :data:`SEARCH_SAMPLES` samples;
+it is not in the estimate (it runs only for the ``qnn`` presets, whose default multiplies
+the estimate by :data:`.pipeline.QNN_FIT_FACTOR` instead). Transformer blocks hold many
+keys, so there the search costs more than the fit (measured times: docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -129,16 +97,14 @@ PER_STEP = 4  # samples per Adam step
 SAMPLES = 48  # tuning samples used at most
 LEARNING_RATE = 3e-3  # V
 SCALE_LEARNING_RATE = 1e-3  # log(s), when learned
-# activation scales: learned in the fit (LSQ), searched before it, or left as calibrated
-SCALE_FITS = ("learned", "search", "fixed")
+# activation scales: learned in the fit (LSQ) or searched before it
+SCALE_FITS = ("learned", "search")
 SCALE_STEPS = (0.7, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5)  # the factors the search tries on each scale
 SEARCH_SAMPLES = 16  # samples the search measures each trial on
 REGULARISER = 100.0
 BETA = (20.0, 2.0)
 WARMUP = 0.2
 ZETA, GAMMA = 1.1, -0.1
-DROP = 0.0
-KEEP_KERNEL_SUMS = False  # the hardened rounding keeps each k x k kernel's sum: off (module docstring)
 MACS_PER_SECOND = 2.0e9  # the fits' pace on one thread here, fitted to three models (estimated_seconds)
 SECONDS_PER_NODE = 5e-4  # and the per-node cost of one sample's pass
 
@@ -183,9 +149,8 @@ def estimated_seconds(float_model: onnx.ModelProto, sample) -> tuple[float | Non
     """What :func:`reconstruct` will take, counted rather than timed (so that the answer does
     not depend on the machine's load): per step and sample, the float model's
     multiply-accumulates at :data:`MACS_PER_SECOND` plus :data:`SECONDS_PER_NODE` a node.
-    Fitted to the fits measured here (one thread, shared cores): torch-exported ResNet-18 at
-    160x160 (0.93 GMAC, 49 nodes) 576 s, estimated 584; MobileNetV2 (0.15 GMAC, 100 nodes)
-    148 s, estimated 152; PP-OCRv4 rec (0.70 GMAC, 376 nodes) 389-608 s, estimated 647.
+    The two constants are fitted to measured fits of three models on one thread
+    (docs/quantization.md, "What block reconstruction costs").
     Returns (seconds, "") or (None, why it cannot be told)."""
     reference = FloatProgram(float_model)
     if reference.unsupported:
@@ -301,7 +266,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
     for step in range(iterations):
         picks = torch.randint(0, count, (min(PER_STEP, count),), generator=generator).tolist()
         weights, scales = weights_with(lambda site: _rectified(variables[site.name])), state.exp_scales(log_scales)
-        loss = sum(error(program.run(dict(quant[i]), block.nodes, weights, scales, drop=DROP, generator=generator), i)
+        loss = sum(error(program.run(dict(quant[i]), block.nodes, weights, scales), i)
                    for i in picks) / (len(picks) * e_near)
         if step >= warm and variables:
             beta = BETA[1] + (BETA[0] - BETA[1]) * (1 - (step - warm) / max(1, iterations - warm))
@@ -313,7 +278,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
     with torch.no_grad():
         learned = dict(state.scales)
         learned.update({k: v.detach().clone() for k, v in log_scales.items()})
-        hard = {site.name: _hardened(variables[site.name], site) for site in sites}  # h in {0, 1}, once
+        hard = {site.name: _hardened(variables[site.name]) for site in sites}  # h in {0, 1}, once
         weights = weights_with(lambda site: hard[site.name])
         scales = {k: torch.exp(v) for k, v in learned.items()}
         final = [program.run(dict(quant[i]), block.nodes, weights, scales) for i in range(count)]
@@ -390,31 +355,9 @@ def _hand_on(quant, envs, block) -> None:
             env[t] = done[t]
 
 
-def _hardened(v, site):
-    """h set to 0 or 1 (``rectified(v) >= 0.5``); with :data:`KEEP_KERNEL_SUMS`, for a Conv
-    with a k x k kernel (k > 1 in some dimension), in each kernel slice (one output channel,
-    one input channel) the entries whose rectified h is nearest 0.5 are then flipped, one
-    each, until sum(floor + h) is within half a step of sum(w / s): the slice's response to a
-    uniform input (module docstring)."""
-    soft = _rectified(v).detach()
-    hard = (soft >= 0.5).double()
-    spatial = math.prod(int(k) for k in site.conv["kernel"]) if site.conv is not None else 1
-    if not KEEP_KERNEL_SUMS or spatial <= 1:
-        return hard
-    w, s = torch.tensor(site.float_weight), torch.tensor(site.scale)
-    ideal = (w / s - torch.floor(w / s)).reshape(-1, spatial)  # [groups, out/group, in/group x k...]
-    h, doubt = hard.reshape(-1, spatial).clone(), (soft.reshape(-1, spatial) - 0.5).abs()
-    gap = ideal.sum(-1) - h.sum(-1)
-    need = torch.where(gap.abs() > 0.5, torch.round(gap), torch.zeros_like(gap))
-    for step in (1.0, -1.0):
-        count = torch.where(torch.sign(need) == step, need.abs(), torch.zeros_like(need))
-        if not bool((count > 0).any()):
-            continue
-        movable = (h == 0) if step > 0 else (h == 1)
-        cost = torch.where(movable, doubt, torch.full_like(doubt, math.inf))
-        rank = torch.argsort(torch.argsort(cost, dim=-1), dim=-1)
-        h = h + step * ((rank < count[:, None]) & torch.isfinite(cost)).double()
-    return h.reshape(hard.shape)
+def _hardened(v):
+    """h set to 0 or 1: ``rectified(v) >= 0.5``."""
+    return (_rectified(v).detach() >= 0.5).double()
 
 
 def _rectified(v):
