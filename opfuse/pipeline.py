@@ -23,7 +23,7 @@ import onnx_ir as ir
 from opfuse.analyse import NameLedger, epsilon_census, label_unnamed, op_counts
 from opfuse.constant_inputs import BINDING, bind_inputs, resolve_constant_inputs
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
-from opfuse.inputs import resolve_dims
+from opfuse.dims import resolve_dims
 from opfuse.leftovers import leftover_notes
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.opset import upgrade_opset

@@ -31,16 +31,14 @@ import onnx_ir as ir
 
 from opfuse.constant_inputs import drop_bound
 from opfuse.errors import BadInputError
+from opfuse.dims import free_dims, resolve_dims, runtime_inputs
 from opfuse.inputs import (
     MAX_INTEGER_CASES,
     describe_sizes,
     find_sizes,
-    free_dims,
     integer_cases,
     integer_ranges,
     make_feeds,
-    resolve_dims,
-    runtime_inputs,
 )
 from opfuse.report import Verification
 from opfuse.runtime import create_session

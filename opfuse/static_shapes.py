@@ -5,7 +5,7 @@ whose batch is symbolic ("REASON : Cannot get shape"), and runs the whole graph 
 fixed. A target that needs them (:attr:`opfuse.targets.kernels.Target.static_shapes`) gets
 them here, before any rewrite:
 
-1. **Bind.** Every free input dimension (:func:`opfuse.inputs.free_dims`: a named one such
+1. **Bind.** Every free input dimension (:func:`opfuse.dims.free_dims`: a named one such
    as ``batch``, or an unnamed one addressed as ``INPUT:AXIS``) takes a value: from
    ``--dim NAME=VALUE``, or in ``opfuse quantize`` from the calibration samples' shapes
    (:func:`dims_from_samples`; samples that disagree are an error, since one static graph
@@ -37,7 +37,7 @@ import onnx
 import onnx_ir as ir
 
 from opfuse.errors import BadInputError
-from opfuse.inputs import free_dims, resolve_dims
+from opfuse.dims import free_dims, resolve_dims
 
 
 @dataclasses.dataclass

@@ -83,7 +83,7 @@ A reference that is no reference
 - **Only inputs the original runs on.** Every input set is one the original ran on
   (sizes at which it fails are passed over by the size search, and a set it fails on is
   dropped); the inputs are consistent with its own declared shapes where they say so (a
-  dimension named ``past_seq + 1`` is derived, :mod:`opfuse.inputs`). So when the
+  dimension named ``past_seq + 1`` is derived, :mod:`opfuse.dims`). So when the
   optimised model cannot run on a set, that is its failure, and the message says so:
   "ONNX Runtime cannot run the optimised model on inputs the original runs on".
 
@@ -117,7 +117,8 @@ import onnxruntime as ort
 from opfuse.analyse import infer_shapes
 from opfuse.constant_inputs import bound_view, show_value
 from opfuse.errors import BadInputError
-from opfuse.inputs import branch_conditions, free_dims, make_feeds
+from opfuse.dims import free_dims
+from opfuse.inputs import branch_conditions, make_feeds
 from opfuse.random_ops import describe_random, random_nodes, seed_random_nodes
 from opfuse.reference import NoReference, Runner as _Runner, input_sets, require_finite, rerun
 from opfuse.report import FusionRecord, OutputCheck, Verification
@@ -140,7 +141,7 @@ def make_inputs(
     """Seeded random inputs; free dims from ``dims`` (by name or ``INPUT:AXIS``), else 1.
 
     Names the model does not have are ignored here (the benchmarks pass a batch size for
-    every model); ``opfuse optimize`` rejects them (:func:`opfuse.inputs.resolve_dims`).
+    every model); ``opfuse optimize`` rejects them (:func:`opfuse.dims.resolve_dims`).
     """
     known = free_dims(model)
     by_place = {f"{i}:{a}": d.key for d in known.values() for i, a in d.places}

@@ -26,7 +26,8 @@ from onnx import TensorProto, helper
 from graphs import model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.errors import BadInputError
-from opfuse.inputs import free_dims, integer_ranges, make_feeds, parse_dim_expression, resolve_dims
+from opfuse.dims import free_dims, parse_dim_expression, resolve_dims
+from opfuse.inputs import integer_ranges, make_feeds
 from opfuse.pipeline import optimize
 from opfuse.verify import verify_models
 

@@ -21,7 +21,8 @@ import opfuse.algebra
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.errors import BadInputError, VerificationError
-from opfuse.inputs import find_sizes, free_dims, integer_cases, resolve_dims
+from opfuse.dims import free_dims, resolve_dims
+from opfuse.inputs import find_sizes, integer_cases
 from opfuse.load import load_model
 from opfuse.pipeline import optimize
 from opfuse.verify import _Runner, compare_tensor, verify_models

@@ -43,7 +43,8 @@ import onnx_ir as ir
 
 from opfuse.constant_inputs import drop_bound, show_value
 from opfuse.errors import BadInputError
-from opfuse.inputs import dim_name, find_sizes, make_feeds, resolve_dims, runtime_inputs
+from opfuse.dims import dim_name, resolve_dims, runtime_inputs
+from opfuse.inputs import find_sizes, make_feeds
 from opfuse.runtime import create_session
 from opfuse.vocabulary import first_line
 

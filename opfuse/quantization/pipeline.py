@@ -406,7 +406,7 @@ def _first_line(e: Exception) -> str:
 
 def _static_from_samples(work: ir.Model, samples, dims):
     """Every symbolic dimension bound: ``dims`` (--dim) first, the others from the samples."""
-    from opfuse.inputs import resolve_dims  # (static shapes: only the qnn preset needs them)
+    from opfuse.dims import resolve_dims  # (static shapes: only the qnn preset needs them)
     from opfuse.static_shapes import dims_from_samples, make_static  # (likewise)
 
     given = resolve_dims(work, dims)
