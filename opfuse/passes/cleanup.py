@@ -67,7 +67,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxscript.optimizer
 
-from opfuse.analyse import iter_scopes, tensor_nbytes
+from opfuse.analyse import iter_scopes, node_label, tensor_nbytes
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.constant_branches import GUARD, RESOLVED, guard
 from opfuse.passes.shape_values import fold_shape_values
@@ -90,13 +90,15 @@ class CleanupPass(OpfusePass):
         self.infer_shapes = infer_shapes  # node by node while folding, also where no decision reads one
         self.removed: dict[str, int] = {}  # op label -> nodes gone, over all runs
         self._shapes_seen: object = None  # the main graph's op counts after the last shape-value step
+        self._shape_refusals: list = []  # that step's refusals (a round that skips it describes the same graph)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         before = _all_ops(model)
         ops = before
         for _ in range(BRANCH_ROUNDS if self.fold_constants else 0):
             if self._shapes_seen != count_ops(model.graph):  # (the inference costs; its answer would not change)
-                self.report.records.extend(fold_shape_values(model))
+                records, self._shape_refusals = fold_shape_values(model)
+                self.report.records.extend(records)
                 self._shapes_seen = count_ops(model.graph)
             infer = self.infer_shapes or _inference_matters(ops)
             if not infer and not _could_fold(model):  # (a pass over 48k nodes that folds nothing: ~0.5 s)
@@ -115,6 +117,8 @@ class CleanupPass(OpfusePass):
         common.RemoveUnusedNodesPass()(model)
         after = _all_ops(model)
         self._shapes_seen = count_ops(model.graph)
+        present = {node_label(node) for node in model.graph}
+        self.refusals.extend(r for r in self._shape_refusals if r.node in present)
         gone = before - after
         for op, n in gone.items():
             self.removed[op] = self.removed.get(op, 0) + n
