@@ -221,3 +221,37 @@ def test_open_nsfws_computed_pad_folds_to_the_end_side(target):
         x = rng(batch).normal(0, 1, (batch, 4, 8, 8)).astype(np.float32)
         want, got = ort_run(open_nsfw_stem_pad(), {"x": x})["y"], ort_run(out, {"x": x})["y"]
         assert want.shape == got.shape == (batch, 4, 4, 4) and np.array_equal(want, got)
+
+
+
+def test_a_value_the_evaluation_does_not_reach_stays_computed_with_a_reason(monkeypatch):
+    """When ONNX's reference ops evaluate none of the chain (made to fail here), the
+    inference's value is not written: the Pad keeps its computed pads and the report
+    says why, at the Pad."""
+    from opfuse.passes import shape_values
+
+    monkeypatch.setattr(shape_values, "_run_op", lambda node, opset, inputs: None)
+    out, report = optimize(open_nsfw_stem_pad())
+    assert report.verification.ok
+    pad = next(n for n in out.graph if n.op_type == "Pad")
+    assert pad.inputs[1].const_value is None and pad.inputs[1].producer() is not None
+    reasons = [r.reason for r in report.refusals if r.pattern == "shape arithmetic->constant" and r.node == "/Pad_1"]
+    assert len(reasons) == 1 and "does not confirm" in reasons[0] and "did not reach" in reasons[0], reasons
+    x = rng(3).normal(0, 1, (3, 4, 8, 8)).astype(np.float32)
+    assert np.array_equal(ort_run(open_nsfw_stem_pad(), {"x": x})["y"], ort_run(out, {"x": x})["y"])
+
+
+def test_a_refusal_the_constant_folder_made_moot_is_not_reported(monkeypatch):
+    """Only the Slice fails to evaluate: the confirmed part before it folds, constant folding
+    evaluates the rest (ONNX's reference ops again, through onnxscript), and the Pad reads
+    [0,0,0,0, 0,0,1,1] with no refusal left about it."""
+    from opfuse.passes import shape_values
+
+    run_op = shape_values._run_op
+    monkeypatch.setattr(shape_values, "_run_op",
+                        lambda node, opset, inputs: None if node.op_type == "Slice" else run_op(node, opset, inputs))
+    out, report = optimize(open_nsfw_stem_pad())
+    assert report.verification.ok
+    pad = next(n for n in out.graph if n.op_type == "Pad")
+    assert pad.inputs[1].const_value.numpy().tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert not [r for r in report.refusals if r.pattern == "shape arithmetic->constant"], report.refusals

@@ -55,7 +55,7 @@ compared by verification at its own tensor like every rewrite.
 
 from __future__ import annotations
 
-__all__ = ["fold_shape_values", "has_shape_reads"]
+__all__ = ["fold_shape_values", "has_shape_reads", "standing"]
 
 import logging
 
@@ -80,10 +80,11 @@ def has_shape_reads(graph: ir.Graph) -> bool:
     return any(info is not None and info.metadata_only for info in map(op_info, graph))
 
 
-def fold_shape_values(model: ir.Model) -> tuple[list[FusionRecord], list[Refusal]]:
+def fold_shape_values(model: ir.Model) -> tuple[list[FusionRecord], list[tuple[ir.Node, int, Refusal]]]:
     """Replace static shape values in the main graph by constants (module docstring);
-    the records of the consumers that now read a constant, and the refusals of those whose
-    value the inference knew but the evaluation did not confirm."""
+    the records of the consumers that now read a constant, and (consumer, input index,
+    refusal) for those whose value the inference knew but the evaluation did not confirm
+    (:func:`standing` keeps the ones still true after later folding)."""
     if not has_shape_reads(model.graph):
         return [], []
     tool = run_tool(_with_shape_twins(_inference_proto(model)), auto_merge=True)
@@ -104,11 +105,11 @@ def fold_shape_values(model: ir.Model) -> tuple[list[FusionRecord], list[Refusal
             if array is None and id(value) in known:
                 if id(node.outputs[0]) in known:
                     continue  # inside the chain: its end's reader has the refusal
-                refusals.append(Refusal(PATTERN, node_label(node), (
+                refusals.append((node, index, Refusal(PATTERN, node_label(node), (
                     f"input {index} ('{value.name}') stays computed: ONNX Runtime's symbolic shape inference "
                     f"gives it {known[id(value)].reshape(-1).tolist()}, which evaluating its chain with ONNX's "
                     f"reference ops at two sizes of the symbolic dims does not confirm "
-                    f"({_evaluated_text(value, evaluations)})")))
+                    f"({_evaluated_text(value, evaluations)})"))))
                 continue
             if array is None and is_op(node, "Reshape") and index == 1 and int_attr(node, "allowzero", 0) == 0:
                 array = _open_target(node, tool, [e.get(id(value)) for e in evaluations])
@@ -131,6 +132,17 @@ def fold_shape_values(model: ir.Model) -> tuple[list[FusionRecord], list[Refusal
                        + (f"; the inference's own arithmetic gave {inferred.reshape(-1).tolist()}" if differs else ""),
                 output=node.outputs[0].name or ""))
     return records, refusals
+
+
+def standing(declined: list[tuple[ir.Node, int, Refusal]], graph: ir.Graph) -> list[Refusal]:
+    """The refusals of :func:`fold_shape_values` whose input is still computed in ``graph``
+    (constant folding may have evaluated the chain since, from a part that was confirmed)."""
+    out = []
+    for node, index, refusal in declined:
+        value = node.inputs[index] if node.graph is graph and index < len(node.inputs) else None
+        if value is not None and value.const_value is None and not is_op(value.producer(), "Constant"):
+            out.append(refusal)
+    return out
 
 
 def _confirmed(inferred: np.ndarray, evaluated: list[np.ndarray | None]) -> np.ndarray | None:
