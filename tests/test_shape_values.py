@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from graphs import model, ort_run, rng, tensor, vinfo
+from graphs import constant_node, model, ort_run, rng, tensor, vinfo
 from opfuse.pipeline import optimize
 
 HIDDEN = 16
@@ -152,3 +152,106 @@ def test_a_dim_that_may_broadcast_is_not_folded():
     assert report.verification.ok and not any(r.pattern == "shape arithmetic->constant" for r in report.records)
     x1 = np.ones((1, 1), np.float32)
     assert ort_run(out, {"x": x1})["ones"].shape == ort_run(m, {"x": x1})["ones"].shape == (1,)
+
+
+def open_nsfw_stem_pad(hw: int = 8):
+    """open_nsfw's ``/Pad_1`` (a Caffe ResNet re-exported through torch): TensorFlow's SAME
+    padding of a 3x3 stride-2 max pool, computed from H and W, written as torch's
+    ``F.pad(x, [w_begin, w_end, h_begin, h_end], mode="replicate")``. The op sequence is the
+    model's own: Shape -> Gather -> Add/Sub/Div -> Cast -> Cast -> Sub/Mul/Add -> Sub ->
+    Div -> Cast -> Cast -> Sub, four Unsqueezes (last dim first, begin then end) -> Concat
+    -> Cast, zeros from ConstantOfShape(8 - len), Concat -> Reshape[-1, 2] -> Slice(step
+    -1) -> Transpose -> Reshape[-1] -> Cast -> Pad(edge) -> MaxPool."""
+    nodes = []
+
+    def const(name, value):
+        nodes.append(constant_node(name, name, np.asarray(value, np.int64)))
+        return name
+
+    def op(op_type, inputs, name, **attrs):
+        nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
+        return name
+
+    def same_padding(axis, tag):  # (begin, end) of SAME padding along ``axis``: total = (ceil(n/2)-1)*2 + 3 - n
+        n = op("Gather", [op("Shape", ["x"], f"Shape_{tag}"), const(f"axis_{tag}", axis)], f"Gather_{tag}", axis=0)
+        half = op("Div", [op("Sub", [op("Add", [n, const(f"c2_{tag}", 2)], f"Add_{tag}"), const(f"c1_{tag}", 1)],
+                             f"Sub_{tag}"), const(f"two_{tag}", 2)], f"Div_{tag}")
+        half = op("Cast", [op("Cast", [half], f"Cast_a_{tag}", to=TensorProto.INT64)], f"Cast_b_{tag}",
+                  to=TensorProto.INT64)
+        total = op("Sub", [op("Add", [op("Mul", [op("Sub", [half, const(f"one_{tag}", 1)], f"Sub1_{tag}"),
+                                                 const(f"stride_{tag}", 2)], f"Mul_{tag}"),
+                                      const(f"k_{tag}", 3)], f"Add3_{tag}"), n], f"Total_{tag}")
+        begin = op("Div", [total, const(f"halve_{tag}", 2)], f"Half_{tag}")
+        begin = op("Cast", [op("Cast", [begin], f"Cast_c_{tag}", to=TensorProto.INT64)], f"Begin_{tag}",
+                   to=TensorProto.INT64)
+        return begin, op("Sub", [total, begin], f"End_{tag}")
+
+    w_begin, w_end = same_padding(3, "w")
+    h_begin, h_end = same_padding(2, "h")
+    zero = const("unsqueeze_axes", [0])
+    listed = op("Concat", [op("Unsqueeze", [v, zero], f"Unsqueeze_{i}") for i, v in
+                           enumerate((w_begin, w_end, h_begin, h_end))], "Concat_list", axis=0)
+    count = op("Gather", [op("Shape", [listed], "Shape_list"), const("first", [0])], "Gather_len", axis=0)
+    zeros = op("ConstantOfShape", [op("Sub", [const("eight", [8]), count], "Sub_len")], "ConstantOfShape_zeros",
+               value=helper.make_tensor("v", TensorProto.INT64, [1], [0]))
+    pairs = op("Reshape", [op("Concat", [op("Cast", [listed], "Cast_list", to=TensorProto.INT64), zeros],
+                              "Concat_pads", axis=0), const("pairs_shape", [-1, 2])], "Reshape_pairs")
+    flipped = op("Slice", [pairs, const("start", [-1]), const("end", [-(2 ** 63) + 1]), const("axis0", [0]),
+                           const("step", [-1])], "Slice_flip")
+    pads = op("Reshape", [op("Transpose", [flipped], "Transpose_pairs", perm=[1, 0]), const("flat", [-1])],
+              "Reshape_flat")
+    nodes += [helper.make_node("Cast", [pads], ["pads"], name="Cast_pads", to=TensorProto.INT64),
+              helper.make_node("Pad", ["x", "pads"], ["padded"], name="/Pad_1", mode="edge"),
+              helper.make_node("MaxPool", ["padded"], ["y"], name="MaxPool", kernel_shape=[3, 3], strides=[2, 2])]
+    return model(nodes, [vinfo("x", ["batch", 4, hw, hw])], [vinfo("y", None)], opset=17)
+
+
+@pytest.mark.parametrize("target", ["onnx", "onnxruntime"])
+def test_open_nsfws_computed_pad_folds_to_the_end_side(target):
+    """SAME padding of 8: begin 0, end 1 on H and W, so pads = [0,0,0,0, 0,0,1,1]. ONNX
+    Runtime's symbolic inference slices the [4, 2] pairs as 8 flat elements and gives
+    [0,0,1,1, 0,0,0,0] (padding on the top and left); the value written is the chain's own."""
+    out, report = optimize(open_nsfw_stem_pad(), target=target)
+    assert report.verification.ok
+    assert [n.op_type for n in out.graph] == ["Pad", "MaxPool"]
+    pad = next(n for n in out.graph if n.op_type == "Pad")
+    assert pad.inputs[1].const_value.numpy().tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert any(r.pattern == "shape arithmetic->constant" and r.node == "/Pad_1" for r in report.records)
+    for batch in (1, 3):
+        x = rng(batch).normal(0, 1, (batch, 4, 8, 8)).astype(np.float32)
+        want, got = ort_run(open_nsfw_stem_pad(), {"x": x})["y"], ort_run(out, {"x": x})["y"]
+        assert want.shape == got.shape == (batch, 4, 4, 4) and np.array_equal(want, got)
+
+
+
+def test_a_value_the_evaluation_does_not_reach_stays_computed_with_a_reason(monkeypatch):
+    """When ONNX's reference ops evaluate none of the chain (made to fail here), the
+    inference's value is not written: the Pad keeps its computed pads and the report
+    says why, at the Pad."""
+    from opfuse.passes import shape_values
+
+    monkeypatch.setattr(shape_values, "_run_op", lambda node, opset, inputs: None)
+    out, report = optimize(open_nsfw_stem_pad())
+    assert report.verification.ok
+    pad = next(n for n in out.graph if n.op_type == "Pad")
+    assert pad.inputs[1].const_value is None and pad.inputs[1].producer() is not None
+    reasons = [r.reason for r in report.refusals if r.pattern == "shape arithmetic->constant" and r.node == "/Pad_1"]
+    assert len(reasons) == 1 and "does not confirm" in reasons[0] and "did not reach" in reasons[0], reasons
+    x = rng(3).normal(0, 1, (3, 4, 8, 8)).astype(np.float32)
+    assert np.array_equal(ort_run(open_nsfw_stem_pad(), {"x": x})["y"], ort_run(out, {"x": x})["y"])
+
+
+def test_a_refusal_the_constant_folder_made_moot_is_not_reported(monkeypatch):
+    """Only the Slice fails to evaluate: the confirmed part before it folds, constant folding
+    evaluates the rest (ONNX's reference ops again, through onnxscript), and the Pad reads
+    [0,0,0,0, 0,0,1,1] with no refusal left about it."""
+    from opfuse.passes import shape_values
+
+    run_op = shape_values._run_op
+    monkeypatch.setattr(shape_values, "_run_op",
+                        lambda node, opset, inputs: None if node.op_type == "Slice" else run_op(node, opset, inputs))
+    out, report = optimize(open_nsfw_stem_pad())
+    assert report.verification.ok
+    pad = next(n for n in out.graph if n.op_type == "Pad")
+    assert pad.inputs[1].const_value.numpy().tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert not [r for r in report.refusals if r.pattern == "shape arithmetic->constant"], report.refusals

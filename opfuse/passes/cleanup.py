@@ -70,7 +70,7 @@ import onnxscript.optimizer
 from opfuse.analyse import iter_scopes, tensor_nbytes
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.constant_branches import GUARD, RESOLVED, guard
-from opfuse.passes.shape_values import fold_shape_values
+from opfuse.passes.shape_values import fold_shape_values, standing
 from opfuse.random_ops import draws_random, random_nodes
 from opfuse.report import FusionRecord
 from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_onnx, is_op
@@ -90,13 +90,16 @@ class CleanupPass(OpfusePass):
         self.infer_shapes = infer_shapes  # node by node while folding, also where no decision reads one
         self.removed: dict[str, int] = {}  # op label -> nodes gone, over all runs
         self._shapes_seen: object = None  # the main graph's op counts after the last shape-value step
+        self._shape_refusals: list = []  # that step's (node, index, refusal): a round that skips it re-reads them
+        self._reported: list = []  # the refusals the last run put in the report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         before = _all_ops(model)
         ops = before
         for _ in range(BRANCH_ROUNDS if self.fold_constants else 0):
             if self._shapes_seen != count_ops(model.graph):  # (the inference costs; its answer would not change)
-                self.report.records.extend(fold_shape_values(model))
+                records, self._shape_refusals = fold_shape_values(model)
+                self.report.records.extend(records)
                 self._shapes_seen = count_ops(model.graph)
             infer = self.infer_shapes or _inference_matters(ops)
             if not infer and not _could_fold(model):  # (a pass over 48k nodes that folds nothing: ~0.5 s)
@@ -115,10 +118,20 @@ class CleanupPass(OpfusePass):
         common.RemoveUnusedNodesPass()(model)
         after = _all_ops(model)
         self._shapes_seen = count_ops(model.graph)
+        self._report_refusals(standing(self._shape_refusals, model.graph))
         gone = before - after
         for op, n in gone.items():
             self.removed[op] = self.removed.get(op, 0) + n
         return ir.passes.PassResult(model, modified=before != after)
+
+    def _report_refusals(self, refusals: list) -> None:
+        """This run's refusals, in place of those the previous run reported (the pipeline
+        calls this pass directly, before and after the rewrites: the report keeps the last
+        run's, which describe the graph written)."""
+        previous = {id(r) for r in self._reported}
+        self.report.refusals[:] = [r for r in self.report.refusals if id(r) not in previous]
+        self._reported = list(refusals)
+        self.report.refusals.extend(self._reported)
 
     def summary(self) -> str:
         """One line for the report: how many nodes went, by op."""
