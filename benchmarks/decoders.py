@@ -20,7 +20,7 @@ Each is exported by both torch exporters at opset 18 (``torchscript``: ``dynamo=
 logits, encoder_hidden_states; decode is one decoder step with the encoder's states and the
 self- and cross-attention caches ``past_key_values.i.decoder|encoder.key|value``.) The
 cache is transformers' DynamicCache, flattened by :class:`CausalLMStep`. Exports are kept in
-``~/.cache/opfuse-decoders/<torch, transformers and corpus versions>/<model>/<exporter>-<graph>/``
+``~/.cache/opfuse-decoders/<versions>/<model>-<config hash>/<exporter>-<graph>/model.onnx``
 (``--cache``), so a re-run reuses them; an export that fails is kept as its first error line
 and becomes one row, ``export failed: ...``, not a crash.
 
