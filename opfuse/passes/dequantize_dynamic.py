@@ -73,7 +73,7 @@ from opfuse import algebra
 from opfuse.analyse import NameTable, Scope, describe, find_constant, iter_scopes, node_label
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
-from opfuse.report import FusionRecord
+from opfuse.report import FusionRecord, Reason
 from opfuse.vocabulary import integer_op, int_attr, is_op, str_attr
 
 LSTM_OPSET = 7  # the first opset whose LSTM this writes (its attributes have not changed since)
@@ -195,7 +195,7 @@ def _remove_dead(scope: Scope, nodes: list[ir.Node]) -> list[ir.Node]:
 
 def _const(value: ir.Value | None, role: str) -> np.ndarray | str:
     found = find_constant(value, role)
-    return found if isinstance(found, str) else found.array
+    return found.sentence if isinstance(found, Reason) else found.array
 
 
 def _only_reader(value: ir.Value, what: str) -> ir.Node | str:

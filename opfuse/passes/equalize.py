@@ -78,7 +78,7 @@ from opfuse.analyse import Constant, NameTable, Scope, describe, find_constant, 
 from opfuse.activations import clip_bounds
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
-from opfuse.report import FusionRecord
+from opfuse.report import FusionRecord, Reason
 from opfuse.vocabulary import ELEMENTWISE_KINDS, OpKind, int_attr, is_op, op_info, op_kind
 
 logger = logging.getLogger(__name__)
@@ -419,8 +419,8 @@ def _sole_use_problem(owner: ir.Node, nxt: ir.Node) -> str | None:
 
 def _read_layer(node: ir.Node) -> _Layer | str:
     weight = find_constant(node.inputs[1] if len(node.inputs) > 1 else None, f"weight of {describe(node)}")
-    if isinstance(weight, str):
-        return weight
+    if isinstance(weight, Reason):
+        return weight.sentence
     dtype = weight.array.dtype
     if dtype.name not in DTYPES:
         return f"the weight of {describe(node)} is {dtype.name}; equalisation handles {' and '.join(DTYPES)}"
@@ -429,8 +429,9 @@ def _read_layer(node: ir.Node) -> _Layer | str:
         return f"the weight of {describe(node)} has shape {list(weight.array.shape)}, which is not a Conv weight"
     bias: Constant | None | str = None
     if len(node.inputs) > 2 and node.inputs[2] is not None:
-        bias = find_constant(node.inputs[2], f"bias of {describe(node)}")
-        if not isinstance(bias, str) and bias.array.size != weight.array.shape[0]:
+        found = find_constant(node.inputs[2], f"bias of {describe(node)}")
+        bias = found.sentence if isinstance(found, Reason) else found
+        if isinstance(found, Constant) and found.array.size != weight.array.shape[0]:
             bias = f"the bias of {describe(node)} has {bias.array.size} values, not one per output channel"
     return _Layer(node, weight, bias, group)
 
@@ -456,8 +457,8 @@ def _read_step(node: ir.Node, x: ir.Value, opset: int, channels: int, rank: int,
             return f"{describe(node)} has {len(node.inputs)} inputs; equalisation rescales a {op} of two"
         index = 1 if node.inputs[0] is x else 0
         found = find_constant(node.inputs[index], f"other operand of {describe(node)}")
-        if isinstance(found, str):
-            return f"{found}, and {op}(x/s, y) != {op}(x, y)/s unless y is a constant to rescale"
+        if isinstance(found, Reason):
+            return f"{found.sentence}, and {op}(x/s, y) != {op}(x, y)/s unless y is a constant to rescale"
         shape = found.array.shape
         try:
             per_channel = (1, channels) + (1,) * (rank - 2)  # one value per channel at most
@@ -482,8 +483,8 @@ def _not_commuting(node: ir.Node) -> str:
 def _clip_bounds(node: ir.Node, opset: int, dtype) -> tuple[float | None, float | None] | str:
     """(lo, hi) of a Clip, None for a bound that is absent (or the dtype's own limit)."""
     bounds = clip_bounds(node, opset)
-    if isinstance(bounds, str):
-        return f"{bounds}; equalisation must divide each Clip bound by the channel's scale"
+    if isinstance(bounds, Reason):
+        return f"{bounds.sentence}; equalisation must divide each Clip bound by the channel's scale"
     limit = float(np.finfo(dtype).max)
     lo, hi = (None if abs(b) >= limit else b for b in bounds)
     return lo, hi

@@ -60,7 +60,7 @@ from opfuse.analyse import (
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.layout_chain import describe_chain, follow_channel, has_layout_op, trace_through_layout
-from opfuse.report import FusionRecord
+from opfuse.report import FusionRecord, Reason
 from opfuse.vocabulary import FLOAT_DTYPES, ONNX_DOMAINS, OPS, WEIGHTED_OPS, WeightSpec, float_attr
 
 # Transient metadata on values (never serialised; dropped by ``release``): on the values a
@@ -114,16 +114,16 @@ class Producer:
     def group(self, node: ir.Node) -> int:
         return self.spec.group_of(node)
 
-    def output(self, node: ir.Node, weight: np.ndarray) -> ProducerShape | str:
+    def output(self, node: ir.Node, weight: np.ndarray) -> ProducerShape | Reason:
         layout, group = self.layout(node), self.group(node)
         if layout in ("oihw", "iohw"):
             if weight.ndim < 3:
-                return f"the weight of {describe(node)} has rank {weight.ndim}, not 3 or more"
+                return Reason(f"the weight of {describe(node)} has rank {weight.ndim}, not 3 or more")
             if layout == "iohw" and weight.shape[0] % group:
-                return f"the weight of {describe(node)} does not split into {group} groups"
+                return Reason(f"the weight of {describe(node)} does not split into {group} groups")
             return ProducerShape(algebra.output_channels(weight.shape, layout, group), weight.ndim, 1)
         if weight.ndim != 2:
-            return f"the weight of {describe(node)} has rank {weight.ndim}, not 2"
+            return Reason(f"the weight of {describe(node)} has rank {weight.ndim}, not 2")
         if not self.spec.batched:  # Gemm: [M, N]
             return ProducerShape(algebra.output_channels(weight.shape, layout), 2, 1)
         # MatMul: y[..., n] = sum_k a[..., k] * w[k, n]; channels are the last axis.
@@ -180,8 +180,8 @@ class FoldPass(OpfusePass):
         """Reason to report when no input comes from a producer (None: not a candidate)."""
         return None
 
-    def affine(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | str:
-        """Read the consumer as a per-channel affine map, or say why it is not one."""
+    def affine(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | Reason:
+        """Read the consumer as a per-channel affine map, or the :class:`Reason` it is not one."""
         raise NotImplementedError
 
     # -- the pass ------------------------------------------------------------------------
@@ -243,26 +243,26 @@ class FoldPass(OpfusePass):
             if problem:
                 return problem
         weight = find_constant(_input(producer, info.weight_index), f"weight of {describe(producer)}")
-        if isinstance(weight, str):
-            return weight
+        if isinstance(weight, Reason):
+            return weight.sentence
         bias: Constant | None = None
         if info.bias_index is not None and _input(producer, info.bias_index) is not None:
             found = find_constant(_input(producer, info.bias_index), f"bias of {describe(producer)}")
-            if isinstance(found, str):
-                return found
+            if isinstance(found, Reason):
+                return found.sentence
             bias = found
         if str(weight.array.dtype) not in FLOAT_DTYPES:
             return f"the weight of {describe(producer)} is {weight.array.dtype}, not floating point"
         out = info.output(producer, weight.array)
-        if not isinstance(out, str) and out.rank is None and not self._shapes_inferred:
+        if isinstance(out, ProducerShape) and out.rank is None and not self._shapes_inferred:
             self._infer_shapes()  # only when a rank is needed and unknown
             out = info.output(producer, weight.array)
-        if isinstance(out, str):
-            return out
+        if isinstance(out, Reason):
+            return out.sentence
         cand.producer_out = out
         affine = self._read_consumer(cand, out) if cand.layout else self.affine(cand, out)
-        if isinstance(affine, str):
-            return affine
+        if isinstance(affine, Reason):
+            return affine.sentence
         if info.spec.bias is None and affine.shift is not None and cand.producer_out.rank != 2:
             return (
                 f"folding {describe(node)} gives {describe(producer)} a bias, which needs a Gemm, and its "
@@ -276,26 +276,27 @@ class FoldPass(OpfusePass):
                 )
         return self._rewrite(cand, weight, bias, affine, out)
 
-    def _read_consumer(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | str:
+    def _read_consumer(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | Reason:
         """The consumer's map through layout ops: along the axis they put the channels on, or,
         when they do not keep that axis whole, a map with one value (it commutes with any op
         that only moves elements)."""
         producer, node = cand.producer, cand.consumer
         if out.rank is None:
-            return f"the rank of {describe(producer)}'s output is unknown, so its channel axis cannot be followed"
+            return Reason(f"the rank of {describe(producer)}'s output is unknown, so its channel axis cannot be "
+                          "followed")
         view = follow_channel(cand.layout, out.rank, out.channel_axis % out.rank, out.channels,
                               cand.scope.opset, self._infer_shapes)
-        if isinstance(view, str):
-            reason = f"{view}, between {describe(producer)} and {describe(node)}"
+        if isinstance(view, Reason):
+            reason = Reason(f"{view.sentence}, between {describe(producer)} and {describe(node)}")
             fed = node.inputs[cand.side]
             if fed.shape is None:
                 return reason
             scalar = self.affine(cand, ProducerShape(1, len(fed.shape), 0))
-            return reason if isinstance(scalar, str) else scalar
+            return reason if isinstance(scalar, Reason) else scalar
         affine = self.affine(cand, ProducerShape(out.channels, view[0], view[1]))
-        if isinstance(affine, str):
-            affine += (f" ({describe_chain(cand.layout)} puts {describe(producer)}'s output channels "
-                       f"on axis {view[1]})")
+        if isinstance(affine, Reason):
+            return Reason(f"{affine.sentence} ({describe_chain(cand.layout)} puts {describe(producer)}'s output "
+                          f"channels on axis {view[1]})")
         return affine
 
     def _infer_shapes(self, symbolic: bool = False) -> None:
