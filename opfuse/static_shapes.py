@@ -37,6 +37,7 @@ import onnx_ir as ir
 
 from opfuse.errors import BadInputError
 from opfuse.dims import free_dims, resolve_dims
+from opfuse.symbolic_shapes import tool_quiet
 
 
 @dataclasses.dataclass
@@ -182,8 +183,6 @@ def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not not_static(inferred):
         return inferred
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy, rarely needed)
-
-    from opfuse.symbolic_shapes import tool_quiet
 
     with contextlib.suppress(Exception), tool_quiet():  # (it raises many kinds; it prints nothing, it logs)
         better = SymbolicShapeInference.infer_shapes(inferred, auto_merge=False, guess_output_rank=False)

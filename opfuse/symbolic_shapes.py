@@ -90,7 +90,8 @@ def run_tool(model, *, auto_merge: bool):
 
     try:
         with tool_quiet():  # its warnings ("unsupported broadcast") are no user's concern
-            tool = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)  # (its infer_shapes writes a file on failure)
+            # (not its infer_shapes, which writes a file on failure); verbose=0: it logs only warnings
+            tool = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
             tool._preprocess(model if isinstance(model, onnx.ModelProto) else _inference_proto(model))
             while tool.run_:
                 tool._infer_impl()
