@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "optimize": "opfuse.pipeline",
+    "OptimizeOptions": "opfuse.pipeline",
     "inspect_model": "opfuse.pipeline",
     "quantize": "opfuse.quantization.pipeline",
     "QuantReport": "opfuse.quantization.report",

@@ -37,6 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.analyse import describe, find_constant
+from opfuse.report import Reason
 from opfuse.vocabulary import float_attr, op_info, str_attr
 
 
@@ -52,8 +53,8 @@ class Activation:
         return self.op + (f"({shown})" if self.params else "")
 
 
-def clip_bounds(node: ir.Node, opset: int) -> tuple[float, float] | str:
-    """(lo, hi) of a Clip, -inf/inf for an absent bound; a reason when they are unusable."""
+def clip_bounds(node: ir.Node, opset: int) -> tuple[float, float] | Reason:
+    """(lo, hi) of a Clip, -inf/inf for an absent bound; the :class:`Reason` when they are unusable."""
     if "min" in node.attributes or "max" in node.attributes or (opset and opset < 11):
         bounds = [float_attr(node, "min", -math.inf), float_attr(node, "max", math.inf)]
     else:
@@ -61,15 +62,15 @@ def clip_bounds(node: ir.Node, opset: int) -> tuple[float, float] | str:
         for i, which in ((1, "lower"), (2, "upper")):
             if i < len(node.inputs) and node.inputs[i] is not None:
                 found = find_constant(node.inputs[i], f"{which} bound of {describe(node)}")
-                if isinstance(found, str):
-                    return f"its {which} bound is not a constant: {found}"
+                if isinstance(found, Reason):
+                    return Reason(f"its {which} bound is not a constant: {found.sentence}")
                 if found.array.size != 1:
-                    return f"the {which} bound of {describe(node)} is not a scalar"
+                    return Reason(f"the {which} bound of {describe(node)} is not a scalar")
                 bounds[i - 1] = float(found.array.reshape(-1)[0])
     if any(math.isnan(b) for b in bounds):
-        return f"{describe(node)} has a NaN bound"
+        return Reason(f"{describe(node)} has a NaN bound")
     if bounds[0] > bounds[1]:
-        return f"the lower bound of {describe(node)} ({bounds[0]:g}) exceeds its upper bound ({bounds[1]:g})"
+        return Reason(f"the lower bound of {describe(node)} ({bounds[0]:g}) exceeds its upper bound ({bounds[1]:g})")
     return bounds[0], bounds[1]
 
 
@@ -81,8 +82,8 @@ def read_activation(node: ir.Node, opset: int) -> Activation | str | None:
         return None
     if spec.bounds_from_inputs:
         bounds = clip_bounds(node, opset)
-        if isinstance(bounds, str):
-            return bounds
+        if isinstance(bounds, Reason):
+            return bounds.sentence
         limit = float(ml_dtypes.finfo(_dtype(node)).max)
         return Activation(node.op_type, tuple(float(np.clip(b, -limit, limit)) for b in bounds))
     params = tuple(

@@ -58,6 +58,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from opfuse.report import Reason
 from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_op, op_label
 
 logger = logging.getLogger(__name__)
@@ -160,10 +161,10 @@ def _is_identity(node: ir.Node | None) -> bool:
     return is_op(node, "Identity")
 
 
-def find_constant(value: ir.Value | None, role: str = "operand") -> Constant | str:
-    """The constant behind ``value``, or a sentence saying why it is not one."""
+def find_constant(value: ir.Value | None, role: str = "operand") -> Constant | Reason:
+    """The constant behind ``value``, or the :class:`~opfuse.report.Reason` it is not one."""
     if value is None:
-        return f"the {role} is absent"
+        return Reason(f"the {role} is absent")
     seen = value
     while True:
         if seen.is_graph_input():
@@ -172,16 +173,16 @@ def find_constant(value: ir.Value | None, role: str = "operand") -> Constant | s
                 if seen.is_initializer()
                 else "a graph input, set at run time"
             )
-            return f"the {role} '{value.name}' is {extra}"
+            return Reason(f"the {role} '{value.name}' is {extra}")
         if seen.const_value is not None:
             return Constant(_as_array(seen.const_value), seen)
         producer = seen.producer()
         if producer is None:
-            return f"the {role} '{value.name}' is not a constant (it comes from an outer scope)"
+            return Reason(f"the {role} '{value.name}' is not a constant (it comes from an outer scope)")
         if _is_identity(producer):
             seen = producer.inputs[0]
             if seen is None:
-                return f"the {role} '{value.name}' is not a constant"
+                return Reason(f"the {role} '{value.name}' is not a constant")
             continue
         if is_op(producer, "Constant"):
             try:
@@ -189,9 +190,9 @@ def find_constant(value: ir.Value | None, role: str = "operand") -> Constant | s
             except ValueError:
                 tensor = None
             if tensor is None:
-                return f"the {role} '{value.name}' comes from a Constant node opfuse cannot read"
+                return Reason(f"the {role} '{value.name}' comes from a Constant node opfuse cannot read")
             return Constant(_as_array(tensor), seen)
-        return f"the {role} '{value.name}' is computed at run time by {describe(producer)}"
+        return Reason(f"the {role} '{value.name}' is computed at run time by {describe(producer)}")
 
 
 def _as_array(tensor: ir.TensorProtocol) -> np.ndarray:

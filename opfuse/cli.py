@@ -248,12 +248,11 @@ def _apply_config(args) -> None:
 
 
 def _optimize(args) -> int:
-    from opfuse.pipeline import optimize  # the pipeline loads onnx and ONNX Runtime: per command
+    from opfuse.pipeline import OptimizeOptions, optimize  # the pipeline loads onnx and ONNX Runtime: per command
 
     _apply_config(args)
     start = time.perf_counter()
-    _, report = optimize(
-        args.input,
+    options = OptimizeOptions(
         passes=args.passes,
         target=args.target,
         runtime_level=args.runtime_level,
@@ -275,6 +274,7 @@ def _optimize(args) -> int:
         htp_options=dict(args.htp),
         context=args.context,
     )
+    _, report = optimize(args.input, options=options)
     return _print_result(args, report, print_report, time.perf_counter() - start)
 
 
@@ -332,7 +332,7 @@ def _inspect(args) -> int:
 
 def _demo(args) -> int:
     from opfuse.models import BUILTIN_MODELS, build  # the model zoo loads onnx: per command
-    from opfuse.pipeline import optimize  # the pipeline loads onnx and ONNX Runtime: per command
+    from opfuse.pipeline import OptimizeOptions, optimize  # the pipeline loads onnx and ONNX Runtime: per command
 
     if args.model not in BUILTIN_MODELS:
         raise BadInputError(f"unknown built-in model {args.model!r}; choose from {', '.join(BUILTIN_MODELS)}")
@@ -342,9 +342,9 @@ def _demo(args) -> int:
     proto = build(args.model)
     console.print(f"built {args.model} in code ({time.perf_counter() - start:.1f} s); optimising...")
     start = time.perf_counter()
-    _, report = optimize(proto, passes=args.passes, target=args.target,
-                         runtime_level=args.runtime_level, hardware=args.hardware,
-                         opset=args.opset, approximate=args.approximate)
+    _, report = optimize(proto, options=OptimizeOptions(passes=args.passes, target=args.target,
+                                                        runtime_level=args.runtime_level, hardware=args.hardware,
+                                                        opset=args.opset, approximate=args.approximate))
     report.model = f"built-in {args.model}"
     print_report(report, console)
     console.print(f"summary: {report.summary()}  ({time.perf_counter() - start:.1f} s with verification)")

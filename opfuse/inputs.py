@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import Constant, find_constant, iter_scopes
+from opfuse.analyse import Constant, find_constant
 from opfuse.dims import SIZE_STEPS, FreeDim, derive_sizes, dim_key, free_dims, runtime_inputs
 from opfuse.errors import BadInputError
 from opfuse.vocabulary import first_line, is_op
@@ -293,10 +293,6 @@ def branch_conditions(model: ir.Model) -> dict[str, str]:
             out[label] = node.inputs[0].name
     # an unnamed If shares its label with others: which branch ran cannot be told apart
     return {k: v for k, v in out.items() if labels[k] == 1}
-
-
-def subgraph_labels(model: ir.Model) -> set[str]:
-    return {scope.label for scope in iter_scopes(model)}
 
 
 # -- feeds -----------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 A :class:`FusionReport` is plain data. Passes append a :class:`FusionRecord` for every
 rewrite they apply and a :class:`Refusal` for every candidate they decline, always with a
-one-sentence reason. The report renders as JSON (``to_json``) and as rich tables
+one-sentence reason. A question that has an answer or a reason why not (is this value a
+constant? where do the channels land?) returns ``Value | Reason``: the :class:`Reason` is
+that sentence, as a type of its own. The report renders as JSON (``to_json``) and as rich tables
 (``print_report``); the ONNX and PyTorch front ends share this vocabulary.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 __all__ = [
     "FusionRecord",
     "Refusal",
+    "Reason",
     "OutputCheck",
     "Verification",
     "FusionReport",
@@ -43,6 +46,21 @@ class FusionRecord:
     # the tensor the rewritten node now computes; a rewrite's output keeps the name of the
     # tensor it replaces, so the name means the same values in the original model
     output: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    """Why a question about the graph has no answer: one sentence a :class:`Refusal` can carry.
+
+    A function that answers with a value, or says why it cannot, returns ``Value | Reason``
+    (onnxscript's ``MatchResult`` plays this part in its rewriter), so a failure is never
+    mistaken for a value that happens to be text: the caller asks ``isinstance(x, Reason)``
+    and passes ``x.sentence`` on, or builds a longer sentence around it."""
+
+    sentence: str
+
+    def __str__(self) -> str:
+        return self.sentence
 
 
 @dataclasses.dataclass(frozen=True)

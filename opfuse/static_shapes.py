@@ -29,7 +29,6 @@ __all__ = ["StaticShapes", "make_static", "make_static_proto", "dims_from_sample
 
 import contextlib
 import dataclasses
-import io
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -38,6 +37,7 @@ import onnx_ir as ir
 
 from opfuse.errors import BadInputError
 from opfuse.dims import free_dims, resolve_dims
+from opfuse.symbolic_shapes import tool_quiet
 
 
 @dataclasses.dataclass
@@ -184,7 +184,7 @@ def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
         return inferred
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy, rarely needed)
 
-    with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()):  # (it raises many kinds)
+    with contextlib.suppress(Exception), tool_quiet():  # (it raises many kinds; it prints nothing, it logs)
         better = SymbolicShapeInference.infer_shapes(inferred, auto_merge=False, guess_output_rank=False)
         if better is not None and len(not_static(better)) < len(not_static(inferred)):
             return better

@@ -13,10 +13,9 @@ shapes it had, and the rules that need a shape refuse with their reason.
 
 from __future__ import annotations
 
-__all__ = ["infer_symbolic_shapes", "run_tool"]
+__all__ = ["infer_symbolic_shapes", "run_tool", "tool_quiet"]
 
 import contextlib
-import io
 import logging
 
 import onnx
@@ -64,6 +63,24 @@ def infer_symbolic_shapes(model: ir.Model) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def tool_quiet():
+    """The tool's warnings ("unsupported broadcast") silenced inside, through its own logger
+    (with its ``verbose=0``, its only output), whose level is restored on every exit. A
+    logger's level is process-wide: another thread's use of the tool meanwhile is silenced
+    too, and two calls overlapping on two threads can leave it at ERROR (the later one
+    restores the level the earlier set): not reentrant across threads."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
+
+    tool_logger = logging.getLogger(SymbolicShapeInference.__module__)  # (the tool prints nothing itself)
+    level = tool_logger.level
+    tool_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tool_logger.setLevel(level)
+
+
 def run_tool(model, *, auto_merge: bool):
     """ONNX Runtime's SymbolicShapeInference run over ``model`` (an ``ir.Model``, or the
     ``ModelProto`` to read) - its ``sympy_data_`` holds the values of shape tensors, its
@@ -71,12 +88,10 @@ def run_tool(model, *, auto_merge: bool):
     assume two dims equal where a broadcast meets them."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
 
-    tool_logger = logging.getLogger(SymbolicShapeInference.__module__)
-    level = tool_logger.level
-    tool_logger.setLevel(logging.ERROR)  # its warnings ("unsupported broadcast") are no user's concern
     try:
-        tool = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)  # (its infer_shapes writes a file on failure)
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints what it cannot infer
+        with tool_quiet():  # its warnings ("unsupported broadcast") are no user's concern
+            # (not its infer_shapes, which writes a file on failure); verbose=0: it logs only warnings
+            tool = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
             tool._preprocess(model if isinstance(model, onnx.ModelProto) else _inference_proto(model))
             while tool.run_:
                 tool._infer_impl()
@@ -84,8 +99,6 @@ def run_tool(model, *, auto_merge: bool):
     except Exception as e:  # noqa: BLE001 - the tool raises many kinds
         logger.info("symbolic shape inference failed: %s", e)
         return None
-    finally:
-        tool_logger.setLevel(level)
     return tool
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import onnx_ir as ir
 import pytest
 from onnx import helper
 
+import opfuse
 import opfuse.algebra
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import main
@@ -290,3 +292,20 @@ def test_an_internal_error_is_one_line_exit_1_and_its_traceback_on_request(tmp_p
     monkeypatch.setenv("OPFUSE_TRACEBACK", "1")
     with pytest.raises(ValueError, match="a bug"):
         main(["optimize", str(tmp_path / "m.onnx"), "-o", str(out)])
+
+
+def test_the_python_api_takes_one_options_object_or_its_fields_as_keywords(good, tmp_path):
+    from opfuse.pipeline import OptimizeOptions
+
+    options = OptimizeOptions(target="onnxruntime", output=tmp_path / "a.onnx", dims={"batch": 2})
+    _, by_options = opfuse.optimize(str(good), options=options)
+    _, by_keywords = opfuse.optimize(str(good), target="onnxruntime", output=tmp_path / "b.onnx", dims={"batch": 2})
+    assert by_options.to_dict()["summary"] == by_keywords.to_dict()["summary"]
+    assert by_options.verification.ok and by_options.target == "onnxruntime"
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    _, replaced = opfuse.optimize(str(good), options=options, target="onnx", output=None)  # keywords replace fields
+    assert replaced.target == "onnx" and options.target == "onnxruntime"  # (the options object is frozen)
+    with pytest.raises(TypeError):
+        opfuse.optimize(str(good), targets="onnx")  # a misspelt keyword is an error, as before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.target = "onnx"

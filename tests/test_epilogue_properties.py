@@ -5,11 +5,18 @@ residual sources (graph input, a Relu, a second conv, a broadcasting shape, a st
 negative branch), random activations including every Clip form, and sometimes an extra
 consumer or a graph output in the middle. The test decides independently which ops must
 be absorbed and checks the fused graph has exactly those fused, and the same outputs.
+
+The activations are not opfuse's table: they are the ONNX specification's activation
+functions (each read from onnx.defs, its float attributes drawn at random), kept when ONNX
+Runtime's FusedConv runs them, a set written down here from ONNX Runtime's own sources
+(``fused_conv.cc`` maps the ``activation`` attribute to MLAS's activation kinds: Relu,
+LeakyRelu, Tanh, Sigmoid, Clip, HardSigmoid; HardSwish measured on onnxruntime 1.32).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper
@@ -18,14 +25,30 @@ import opfuse
 from graphs import assert_same, model, tensor, vinfo
 
 F32MAX = float(np.finfo(np.float32).max)
+OPSET = 18
+# the ONNX specification's activation functions of one float input
+ONNX_ACTIVATIONS = ("Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu", "Celu",
+                    "Softplus", "Softsign", "Mish", "ThresholdedRelu")
+# what ONNX Runtime's FusedConv runs (the module docstring says where this comes from)
+FUSED_CONV_RUNS = {"Relu", "LeakyRelu", "Tanh", "Sigmoid", "Clip", "HardSigmoid", "HardSwish"}
 
-# name -> (node factory(input, output, name) -> (nodes, inits), kind, bounds constant?)
-def _act(op, **attrs):
-    return lambda i, o, n: ([helper.make_node(op, [i], [o], name=n, **attrs)], [])
+
+def _float_attributes(op: str) -> list[str]:
+    """The float attributes onnx's schema declares for ``op`` (alpha, beta...)."""
+    schema = onnx.defs.get_schema(op, OPSET)
+    return sorted(name for name, a in schema.attributes.items() if a.type == onnx.defs.OpSchema.AttrType.FLOAT)
+
+
+# name -> (node factory(input, output, name, rng) -> (nodes, inits), kind, bounds constant?)
+def _act(op):
+    def make(i, o, n, rng):
+        attrs = {a: float(rng.uniform(0.05, 0.6)) for a in _float_attributes(op)}
+        return [helper.make_node(op, [i], [o], name=n, **attrs)], []
+    return make
 
 
 def _clip(lo=None, hi=None, graph_input_lo=False):
-    def make(i, o, n):
+    def make(i, o, n, rng):
         inits, inputs = [], [i]
         if lo is not None or graph_input_lo:
             inputs.append(f"{n}.lo")
@@ -41,17 +64,21 @@ def _clip(lo=None, hi=None, graph_input_lo=False):
 
 
 ACTS = {
-    "relu": (_act("Relu"), "Relu", True),
-    "leaky": (_act("LeakyRelu", alpha=0.1), "LeakyRelu", True),
-    "sigmoid": (_act("Sigmoid"), "Sigmoid", True),
-    "tanh": (_act("Tanh"), "Tanh", True),
-    "hardsigmoid": (_act("HardSigmoid", alpha=0.3, beta=0.6), "HardSigmoid", True),
+    **{op.lower(): (_act(op), op, True) for op in ONNX_ACTIVATIONS if op in FUSED_CONV_RUNS},
     "clip06": (_clip(0.0, 6.0), "Clip", True),
     "clip-lo": (_clip(lo=-0.5), "Clip", True),
     "clip-hi": (_clip(hi=1.5), "Clip", True),
     "clip-none": (_clip(), "Clip", True),
     "clip-runtime-bound": (_clip(graph_input_lo=True), "Clip", False),
 }
+
+
+def test_the_alphabet_is_onnx_and_holds_every_activation_fused_conv_runs():
+    for op in ONNX_ACTIVATIONS:
+        schema = onnx.defs.get_schema(op, OPSET)
+        assert schema.since_version <= OPSET and len(schema.inputs) == 1, op
+    assert {kind for _, kind, _ in ACTS.values()} == FUSED_CONV_RUNS
+    assert "hardswish" in ACTS
 
 
 def merges(first: str, then: str) -> bool:
@@ -108,7 +135,7 @@ def build(spec):
         chain.append("v1")
     for i, act in enumerate(spec["acts"]):
         out = f"v{len(chain)}"
-        made, act_inits = ACTS[act][0](chain[-1], out, f"act{i}")
+        made, act_inits = ACTS[act][0](chain[-1], out, f"act{i}", np.random.default_rng(spec["seed"] + i))
         nodes += made
         inits += act_inits
         if act == "clip-runtime-bound":
@@ -122,7 +149,7 @@ def build(spec):
     at = spec["output_at"]
     if at is not None and at < len(chain) - 1:
         outputs.append(chain[at])
-    return (model(nodes, inputs, [vinfo(o, None) for o in outputs], inits),
+    return (model(nodes, inputs, [vinfo(o, None) for o in outputs], inits, opset=OPSET),
             chain, absorbed_by)
 
 

@@ -180,6 +180,7 @@ OWN_RULES = {
     ("passes/equalize.py", "_NOT_HANDLED"): "reasons for ops the pass does not look through",
     ("passes/fold_arithmetic.py", frozenset({"Add", "Sub", "Mul", "Div", "Neg"})): "the consumers whose algebra it folds",
     ("passes/layout_chain.py", "AXIS_MAPS"): "the layout ops whose axis algebra it implements, one function each",
+    ("passes/fuse_patterns.py", "_PLUMBING"): "ops a rule writes around the op it fuses, which a record looks past",
     ("quantization/presets.py", "CPU_OPS"): "what a preset quantises (a policy)",
     ("quantization/bias_correction.py", frozenset({"Conv", "Gemm"})): "the layers its correction supports",
     ("quantization/qdq.py", frozenset({"Conv", "Gemm"})): "the layers that get a zero bias to correct",

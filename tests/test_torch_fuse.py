@@ -323,7 +323,7 @@ def test_conv_add_relu_residual(add, relu):
         assert not report.refusals
 
 
-def test_conv_add_with_a_broadcast_addend_falls_back_at_run_time():
+def test_conv_add_with_a_broadcast_addend_falls_back_at_run_time(monkeypatch):
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -335,6 +335,22 @@ def test_conv_add_with_a_broadcast_addend_falls_back_at_run_time():
     model = M().eval()
     x, bias = torch.randn(1, 3, 5, 5), torch.randn(1, 4, 1, 1)
     fused, report = check(model, x, bias)  # the shape guard routes around the kernel
+    if not KERNELS:
+        pytest.skip(f"oneDNN's fused kernels are not available ({kernels_available()}): nothing to fall back from")
+    assert len(report.applied("Conv+Add+Relu")) == 1, report.refusals
+    assert count(fused, ConvAddPointwise) == 1
+    routes = []  # which way each call of the fused conv goes: the plain conv, or oneDNN's kernel
+    for route, name in (("plain", "_plain"), ("kernel", "_kernel_weight")):
+        original = getattr(ConvAddPointwise, name)
+        monkeypatch.setattr(ConvAddPointwise, name,
+                            lambda self, t, _o=original, _r=route: routes.append(_r) or _o(self, t))
+    with torch.no_grad():
+        assert_close(model(x, bias), fused(x, bias))
+    assert routes == ["plain"]  # a [1, 4, 1, 1] addend is not the kernel's [1, 4, 5, 5]: it falls back
+    full = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        assert_close(model(x, full), fused(x, full))
+    assert routes == ["plain", "kernel"]  # the same module runs the kernel when the addend's shape fits
 
 
 def test_conv1d_add_is_refused_with_the_kernels_reason():

@@ -31,7 +31,6 @@ __all__ = [
     "Timing",
     "Measurement",
     "measure",
-    "runtime_op_counts",
     "profile_op_types",
 ]
 
@@ -51,7 +50,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from opfuse.runtime import RUNTIME_LEVELS, optimized_graph, session_options
+from opfuse.runtime import RUNTIME_LEVELS, session_options
 from opfuse.runtime import model_source as serialize
 from opfuse.verify import compare_outputs
 from opfuse.vocabulary import count_ops, first_line, is_op
@@ -143,13 +142,6 @@ class Measurement:
         """Median over rounds of ``name``'s time / ``reference``'s in the same round."""
         ratios = self.paired(name, reference)
         return statistics.median(ratios) if ratios else float("nan")
-
-
-def runtime_op_counts(model, level: str, threads: int = 2) -> Counter:
-    """Node counts (by ``domain.op_type``) after the runtime's optimiser at ``level``."""
-    if level == "disabled":
-        return _model_op_counts(model)
-    return _graph_op_counts(optimized_graph(model, level, threads))
 
 
 def _graph_op_counts(proto: onnx.ModelProto) -> Counter:

@@ -71,10 +71,6 @@ class BenchResult:
         o = self.options
         return self.builtin and o.builtin == "resnet50" and o.batch == 1 and o.image_size == 224
 
-    def baseline_ms(self) -> float | None:
-        row = self.row(BASELINE)
-        return row.timing.median if row is not None and row.timing is not None else None
-
     def to_dict(self) -> dict[str, Any]:
         opts = dataclasses.asdict(self.options)
         rows = []

@@ -35,7 +35,7 @@ __all__ = ["CancelTransposesPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import NameTable, Scope, find_constant, iter_scopes, node_label
+from opfuse.analyse import Constant, NameTable, Scope, find_constant, iter_scopes, node_label
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
@@ -87,7 +87,8 @@ def _reaches_transpose(value: ir.Value) -> bool:
             if op_kind(reader) is OpKind.ELEMWISE and use.idx == 0:
                 todo.append(reader.outputs[0])
             elif _broadcasts(reader) and all(
-                    v is value or v is None or is_op(v.producer(), "Transpose") or not isinstance(find_constant(v), str)
+                    v is value or v is None or is_op(v.producer(), "Transpose")
+                    or isinstance(find_constant(v), Constant)
                     for v in reader.inputs):
                 todo.append(reader.outputs[0])
     return False
@@ -189,8 +190,8 @@ class CancelTransposesPass(OpfusePass):
                 perm = found[1]
                 sources.append(("moved", found[0]))
                 continue
-            const = find_constant(value, "operand") if value is not None else "absent"
-            if isinstance(const, str):
+            const = find_constant(value, "operand")
+            if not isinstance(const, Constant):
                 return None
             sources.append(("constant", const))
         if perm is None:

@@ -73,7 +73,7 @@ from opfuse import algebra
 from opfuse.analyse import NameTable, Scope, describe, find_constant, iter_scopes, node_label
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
-from opfuse.report import FusionRecord
+from opfuse.report import FusionRecord, Reason
 from opfuse.vocabulary import integer_op, int_attr, is_op, str_attr
 
 LSTM_OPSET = 7  # the first opset whose LSTM this writes (its attributes have not changed since)
@@ -107,8 +107,8 @@ class DequantizeDynamicPass(OpfusePass):
                     continue
                 plan = RULES[node.op_type](node, scope)
                 pattern = _pattern(node)
-                if isinstance(plan, str):
-                    self.refuse(pattern, node, plan, scope=scope)
+                if isinstance(plan, Reason):
+                    self.refuse(pattern, node, plan.sentence, scope=scope)
                     continue
                 self._apply(scope, names, node, plan, pattern)
                 modified = True
@@ -191,56 +191,57 @@ def _remove_dead(scope: Scope, nodes: list[ir.Node]) -> list[ir.Node]:
     return removed
 
 
-# -- matching: each rule returns a Plan, or the reason it does not apply ----------------------
+# -- matching: each rule returns a Plan, or the Reason it does not apply ----------------------
 
-def _const(value: ir.Value | None, role: str) -> np.ndarray | str:
+def _const(value: ir.Value | None, role: str) -> np.ndarray | Reason:
     found = find_constant(value, role)
-    return found if isinstance(found, str) else found.array
+    return found if isinstance(found, Reason) else found.array
 
 
-def _only_reader(value: ir.Value, what: str) -> ir.Node | str:
+def _only_reader(value: ir.Value, what: str) -> ir.Node | Reason:
     """The one node that reads ``value``, or why the chain cannot vanish there."""
     if value.is_graph_output():
-        return f"{what} '{value.name}' is a graph output, so the chain must stay"
+        return Reason(f"{what} '{value.name}' is a graph output, so the chain must stay")
     readers = value.consumers()
     if len(readers) != 1 or len(value.uses()) != 1:
         shown = ", ".join(describe(r) for r in readers[:3])
-        return f"{what} '{value.name}' is read by {len(value.uses())} consumers ({shown}), not by one, so the chain stays"
+        return Reason(f"{what} '{value.name}' is read by {len(value.uses())} consumers ({shown}), not by one, "
+                      "so the chain stays")
     return readers[0]
 
 
-def _dynamic_source(xq: ir.Value | None, xz: ir.Value | None, xs: ir.Value | None = None) -> ir.Node | str:
+def _dynamic_source(xq: ir.Value | None, xz: ir.Value | None, xs: ir.Value | None = None) -> ir.Node | Reason:
     """The DynamicQuantizeLinear whose outputs are (xq, xs, xz), or why there is none."""
     source = xq.producer() if xq is not None else None
     if not is_op(source, "DynamicQuantizeLinear") or xq is not source.outputs[0]:
-        return (f"its activation comes from {describe(source)}, not from a DynamicQuantizeLinear: "
+        return Reason(f"its activation comes from {describe(source)}, not from a DynamicQuantizeLinear: "
                 "its scale is not the activation's own run-time one")
     if xz is not source.outputs[2]:
-        return "its activation zero point is not the DynamicQuantizeLinear's own"
+        return Reason("its activation zero point is not the DynamicQuantizeLinear's own")
     if xs is not None and xs is not source.outputs[1]:
-        return "its activation scale is not the DynamicQuantizeLinear's own"
+        return Reason("its activation scale is not the DynamicQuantizeLinear's own")
     return source
 
 
-def _weight_scale(value: ir.Value | None, xs: ir.Value, what: str) -> np.ndarray | str:
+def _weight_scale(value: ir.Value | None, xs: ir.Value, what: str) -> np.ndarray | Reason:
     """ws from ``value = Mul(xs, ws)`` with ws a constant."""
     mul = value.producer() if value is not None else None
     if not is_op(mul, "Mul") or len(mul.inputs) != 2:
-        return f"{what} is {describe(mul)}, not Mul(activation scale, weight scale)"
+        return Reason(f"{what} is {describe(mul)}, not Mul(activation scale, weight scale)")
     a, b = mul.inputs
     if a is xs or b is xs:
         return _const(b if a is xs else a, "weight scale")
-    return f"{what} {describe(mul)} does not multiply the DynamicQuantizeLinear's scale"
+    return Reason(f"{what} {describe(mul)} does not multiply the DynamicQuantizeLinear's scale")
 
 
-def _per_channel(array: np.ndarray, role: str, rank: int, axis: int, channels: int) -> np.ndarray | str:
+def _per_channel(array: np.ndarray, role: str, rank: int, axis: int, channels: int) -> np.ndarray | Reason:
     """``array`` as one value or ``channels`` values; as it broadcasts against a tensor of
     ``rank`` (right-aligned), they must lie on ``axis``."""
     if array.size == 1:
         return array.reshape(())
     dims = (1,) * (rank - array.ndim) + tuple(array.shape)
     if array.ndim > rank or dims[axis] != channels or array.size != channels:
-        return (f"its {role} has shape {list(array.shape)}, which is not one value or one per output channel "
+        return Reason(f"its {role} has shape {list(array.shape)}, which is not one value or one per output channel "
                 f"({channels}) on axis {axis} of the output")
     return array.reshape(-1)
 
@@ -253,18 +254,18 @@ def _integer_bias(value: ir.Value, xs: ir.Value, ws: np.ndarray, rank: int, chan
     floor = cast.inputs[0].producer() if is_op(cast, "Cast") else None
     div = floor.inputs[0].producer() if is_op(floor, "Floor") else None
     if not is_op(div, "Div"):
-        return (f"the int32 term added to its result comes from {describe(reshape)}, not from "
+        return Reason(f"the int32 term added to its result comes from {describe(reshape)}, not from "
                 "Reshape(Cast(Floor(Div(bias, scales))))")
     if int_attr(cast, "to", 0) != ir.DataType.INT32:
-        return f"the int32 bias's {describe(cast)} is not to int32"
+        return Reason(f"the int32 bias's {describe(cast)} is not to int32")
     scale = _weight_scale(div.inputs[1], xs, "the bias's divisor")
-    if isinstance(scale, str):
+    if isinstance(scale, Reason):
         return scale
     if scale.shape != ws.shape or not np.array_equal(scale, ws):
-        return "the bias is divided by another weight scale than the one its result is multiplied by"
+        return Reason("the bias is divided by another weight scale than the one its result is multiplied by")
     b, shape = _const(div.inputs[0], "bias"), _const(reshape.inputs[1], "bias shape")
     for found in (b, shape):
-        if isinstance(found, str):
+        if isinstance(found, Reason):
             return found
     dims = [int(d) for d in shape.reshape(-1)]
     try:
@@ -272,66 +273,66 @@ def _integer_bias(value: ir.Value, xs: ir.Value, ws: np.ndarray, rank: int, chan
     except ValueError:
         divided = None
     if divided is None or int(np.prod(divided)) != channels:
-        return (f"its bias {list(b.shape)} divided by the weight scale {list(ws.shape)} is not one value per "
+        return Reason(f"its bias {list(b.shape)} divided by the weight scale {list(ws.shape)} is not one value per "
                 "output channel")
     if 0 in dims or dims.count(-1) > 1 or b.size != channels:
-        return f"its bias of shape {list(b.shape)}, reshaped to {dims}, is not one value per output channel"
+        return Reason(f"its bias of shape {list(b.shape)}, reshaped to {dims}, is not one value per output channel")
     placed = _per_channel(b.reshape(dims), "bias (as reshaped)", rank, 1, channels)
-    if isinstance(placed, str):
+    if isinstance(placed, Reason):
         return placed
     return placed.astype(np.float32).reshape(channels), [reshape, cast, floor, div, div.inputs[1].producer()]
 
 
-def _match_integer(node: ir.Node, scope: Scope) -> Plan | str:
+def _match_integer(node: ir.Node, scope: Scope) -> Plan | Reason:
     """Rules 1 and 2: ConvInteger / MatMulInteger -> [int32 bias] -> Cast -> Mul(., Mul(xs, ws))."""
     conv = node.op_type == "ConvInteger"
     xq, wq_value, xz, wz_value = (list(node.inputs) + [None] * 4)[:4]
     source = _dynamic_source(xq, xz)
-    if isinstance(source, str):
+    if isinstance(source, Reason):
         return source
     xs = source.outputs[1]
     wq = _const(wq_value, "weight")
-    if isinstance(wq, str):
+    if isinstance(wq, Reason):
         return wq
     wz = np.zeros((), wq.dtype) if wz_value is None else _const(wz_value, "weight zero point")
-    if isinstance(wz, str):
+    if isinstance(wz, Reason):
         return wz
     if conv and wq.ndim < 3 or not conv and wq.ndim != 2:
-        return f"its weight has shape {list(wq.shape)}, not a {'Conv' if conv else 'MatMul [K, N]'} weight"
+        return Reason(f"its weight has shape {list(wq.shape)}, not a {'Conv' if conv else 'MatMul [K, N]'} weight")
     channels, rank = (wq.shape[0], wq.ndim) if conv else (wq.shape[1], 2)
     chain = [node]  # producers first here; reversed in the plan
     result = node.outputs[0]
     step = _only_reader(result, "its int32 result")
-    if isinstance(step, str):
+    if isinstance(step, Reason):
         return step
     added = None
     if is_op(step, "Add") and conv:  # the older quantiser's int32 bias
         added = step.inputs[1] if step.inputs[0] is result else step.inputs[0]
         chain.append(step)
         step = _only_reader(step.outputs[0], "its int32 sum with the bias")
-        if isinstance(step, str):
+        if isinstance(step, Reason):
             return step
     if not is_op(step, "Cast") or int_attr(step, "to", 0) != ir.DataType.FLOAT:
-        return f"its integer result goes to {describe(step)}, not to a Cast to float"
+        return Reason(f"its integer result goes to {describe(step)}, not to a Cast to float")
     chain.append(step)
     mul = _only_reader(step.outputs[0], "its result cast to float")
-    if isinstance(mul, str):
+    if isinstance(mul, Reason):
         return mul
     if not is_op(mul, "Mul"):
-        return f"its result cast to float goes to {describe(mul)}, not to a Mul by the scales"
+        return Reason(f"its result cast to float goes to {describe(mul)}, not to a Mul by the scales")
     scales = mul.inputs[1] if mul.inputs[0] is step.outputs[0] else mul.inputs[0]
     ws = _weight_scale(scales, xs, "the scale it is multiplied by")
-    if isinstance(ws, str):
+    if isinstance(ws, Reason):
         return ws
     ws_c = _per_channel(ws, "weight scale", rank, 1, channels)
     wz_c = _per_channel(wz, "weight zero point", 1, 0, channels)
     for found in (ws_c, wz_c):
-        if isinstance(found, str):
+        if isinstance(found, Reason):
             return found
     bias, extra = None, [scales.producer()]
     if added is not None:
         found = _integer_bias(added, xs, ws, rank, channels)
-        if isinstance(found, str):
+        if isinstance(found, Reason):
             return found
         bias, bias_nodes = found
         extra = [*extra, *(n for n in bias_nodes if n not in extra)]
@@ -346,26 +347,26 @@ def _match_integer(node: ir.Node, scope: Scope) -> Plan | str:
                 [mul, *chain[::-1], *extra], detail=detail)
 
 
-def _match_lstm(node: ir.Node, scope: Scope) -> Plan | str:
+def _match_lstm(node: ir.Node, scope: Scope) -> Plan | Reason:
     """Rule 3: DynamicQuantizeLSTM -> LSTM with W and R dequantised and transposed."""
     if scope.opset and scope.opset < LSTM_OPSET:
-        return f"the model's opset {scope.opset} has no LSTM (opset {LSTM_OPSET}+)"
+        return Reason(f"the model's opset {scope.opset} has no LSTM (opset {LSTM_OPSET}+)")
     ins = (list(node.inputs) + [None] * 12)[:12]
     arrays = {}
     for index, role in ((1, "W"), (2, "R"), (8, "W_scale"), (9, "W_zero_point"), (10, "R_scale"), (11, "R_zero_point")):
         found = _const(ins[index], role)
-        if isinstance(found, str):
+        if isinstance(found, Reason):
             return found
         arrays[role] = found
     hidden = int_attr(node, "hidden_size", 0)
     directions = 2 if str_attr(node, "direction", "forward") == "bidirectional" else 1
     w, r = arrays["W"], arrays["R"]
     if w.ndim != 3 or w.shape[0] != directions or w.shape[2] != 4 * hidden or r.shape != (directions, hidden, 4 * hidden):
-        return (f"its W {list(w.shape)} and R {list(r.shape)} are not [directions, rows, 4 * hidden] for "
+        return Reason(f"its W {list(w.shape)} and R {list(r.shape)} are not [directions, rows, 4 * hidden] for "
                 f"hidden_size {hidden} and {directions} direction(s)")
     for role in ("W_scale", "W_zero_point", "R_scale", "R_zero_point"):
         if arrays[role].shape not in ((directions,), (directions, 4 * hidden)):
-            return (f"its {role} has shape {list(arrays[role].shape)}, neither [directions] nor "
+            return Reason(f"its {role} has shape {list(arrays[role].shape)}, neither [directions] nor "
                     "[directions, 4 * hidden]")
     weights = [algebra.dequantize_lstm_weight(arrays[k], arrays[f"{k}_zero_point"], arrays[f"{k}_scale"]) for k in "WR"]
     per = "per column" if arrays["W_scale"].ndim == 2 else "per direction"
@@ -374,7 +375,7 @@ def _match_lstm(node: ir.Node, scope: Scope) -> Plan | str:
                 detail=f"W, R = transpose((Wq - wz) * ws) {per}, as LSTM's [directions, 4 * hidden, rows]")
 
 
-def _match_contrib_matmul(node: ir.Node, scope: Scope) -> Plan | str:
+def _match_contrib_matmul(node: ir.Node, scope: Scope) -> Plan | Reason:
     """Rule 4: DynamicQuantizeMatMul(A, B, b_scale, b_zp, bias) and MatMulIntegerToFloat(A, B,
     a_scale, b_scale, a_zp, b_zp, bias) -> MatMul (+ bias)."""
     if node.op_type == "DynamicQuantizeMatMul":
@@ -383,22 +384,22 @@ def _match_contrib_matmul(node: ir.Node, scope: Scope) -> Plan | str:
     else:
         xq, bq_value, xs, ws_value, xz, wz_value, bias_value = (list(node.inputs) + [None] * 7)[:7]
         source = _dynamic_source(xq, xz, xs)
-        if isinstance(source, str):
+        if isinstance(source, Reason):
             return source
         x, chain = source.inputs[0], [node]
     found = [_const(v, role) for v, role in ((bq_value, "weight"), (ws_value, "weight scale"))]
     found.append(np.zeros((), np.int8) if wz_value is None else _const(wz_value, "weight zero point"))
     found.append(None if bias_value is None else _const(bias_value, "bias"))
     for f in found:
-        if isinstance(f, str):
+        if isinstance(f, Reason):
             return f
     wq, ws, wz, bias = found
     if wq.ndim != 2:
-        return f"its weight has shape {list(wq.shape)}, not a MatMul [K, N]"
+        return Reason(f"its weight has shape {list(wq.shape)}, not a MatMul [K, N]")
     ws_c = _per_channel(ws, "weight scale", 1, 0, wq.shape[1])
     wz_c = _per_channel(wz, "weight zero point", 1, 0, wq.shape[1])
     for f in (ws_c, wz_c):
-        if isinstance(f, str):
+        if isinstance(f, Reason):
             return f
     weight = algebra.dequantize(wq, wz_c.reshape(1, -1) if wz_c.ndim else wz_c, ws_c.reshape(1, -1) if ws_c.ndim else ws_c)
     per = "per column" if ws_c.ndim else "per tensor"

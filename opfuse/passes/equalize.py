@@ -78,7 +78,7 @@ from opfuse.analyse import Constant, NameTable, Scope, describe, find_constant, 
 from opfuse.activations import clip_bounds
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
-from opfuse.report import FusionRecord
+from opfuse.report import FusionRecord, Reason
 from opfuse.vocabulary import ELEMENTWISE_KINDS, OpKind, int_attr, is_op, op_info, op_kind
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def _spread(ranges: np.ndarray) -> float:
 class _Layer:
     node: ir.Node
     weight: Constant
-    bias: Constant | None | str  # a reason when the bias is not a constant
+    bias: Constant | None | Reason  # why, when the bias is not a constant
     group: int
     incoming: _Pair | None = None  # the pair this conv is the second of
     outgoing: _Pair | None = None  # the pair this conv is the first of
@@ -222,15 +222,15 @@ class EqualizePass(OpfusePass):
         self._model, self._names = model, None
         modified = False
         for scope in list(iter_scopes(model)):
-            layers: dict[ir.Node, _Layer | str] = {}
+            layers: dict[ir.Node, _Layer | Reason] = {}
             pairs = []
             for node in list(scope.graph):
                 if not is_op(node, "Conv"):
                     continue
                 for path, second in list(_candidates(node, scope.graph)):
                     pair = _check(scope, layers, node, path, second, self.bounds)
-                    if isinstance(pair, str):
-                        self.refuse(_pattern(path), node, pair, anchor=second, scope=scope)
+                    if isinstance(pair, Reason):
+                        self.refuse(_pattern(path), node, pair.sentence, anchor=second, scope=scope)
                     else:
                         pairs.append(pair)
             for chain in _chains(pairs):
@@ -367,7 +367,7 @@ def _candidates(conv: ir.Node, graph: ir.Graph):
 
 
 def _check(scope: Scope, layers: dict, first: ir.Node, path: list[ir.Node], second: ir.Node,
-           bounds: bool = True) -> _Pair | str:
+           bounds: bool = True) -> _Pair | Reason:
     """The pair, or why it cannot be equalised (rules 1-3 of the module docstring; without
     ``bounds``, a Clip that would become Min/Max too)."""
     for node in path:  # the op between first: the most basic reason
@@ -377,26 +377,26 @@ def _check(scope: Scope, layers: dict, first: ir.Node, path: list[ir.Node], seco
     for owner, nxt in zip(chain, chain[1:]):
         problem = _sole_use_problem(owner, nxt)
         if problem:
-            return problem
+            return Reason(problem)
     a, b = (layers[n] if n in layers else layers.setdefault(n, _read_layer(n)) for n in (first, second))
     for layer in (a, b):
-        if isinstance(layer, str):
+        if isinstance(layer, Reason):
             return layer
-    if isinstance(a.bias, str):
+    if isinstance(a.bias, Reason):
         return a.bias
     channels, rank, dtype = a.weight.array.shape[0], a.weight.array.ndim, a.weight.array.dtype
     if b.weight.array.shape[1] * b.group != channels:
-        return (f"{describe(first)} has {channels} output channels but {describe(second)} "
+        return Reason(f"{describe(first)} has {channels} output channels but {describe(second)} "
                 f"reads {b.weight.array.shape[1] * b.group}")
     if b.weight.array.dtype != dtype:
-        return f"the weights of {describe(first)} and {describe(second)} differ in dtype"
+        return Reason(f"the weights of {describe(first)} and {describe(second)} differ in dtype")
     steps = []
     for node, value in zip(path, [first.outputs[0], *(n.outputs[0] for n in path)]):
         step = _read_step(node, value, scope.opset, channels, rank, dtype)
-        if isinstance(step, str):
+        if isinstance(step, Reason):
             return step
         if not bounds and step.action == "clip":
-            return (f"{describe(node)} would become per-channel Min/Max bounds, which ONNX Runtime's int8 "
+            return Reason(f"{describe(node)} would become per-channel Min/Max bounds, which ONNX Runtime's int8 "
                     "conv does not absorb as it absorbs the Clip (equalize-homogeneous; equalize takes the pair)")
         steps.append(step)
     return _Pair(a, b, steps, _pattern(path))
@@ -417,47 +417,48 @@ def _sole_use_problem(owner: ir.Node, nxt: ir.Node) -> str | None:
             f"would all see its rescaled channels; equalisation needs it to reach {describe(nxt)} alone")
 
 
-def _read_layer(node: ir.Node) -> _Layer | str:
+def _read_layer(node: ir.Node) -> _Layer | Reason:
     weight = find_constant(node.inputs[1] if len(node.inputs) > 1 else None, f"weight of {describe(node)}")
-    if isinstance(weight, str):
+    if isinstance(weight, Reason):
         return weight
     dtype = weight.array.dtype
     if dtype.name not in DTYPES:
-        return f"the weight of {describe(node)} is {dtype.name}; equalisation handles {' and '.join(DTYPES)}"
+        return Reason(f"the weight of {describe(node)} is {dtype.name}; equalisation handles {' and '.join(DTYPES)}")
     group = int_attr(node, "group", 1)
     if weight.array.ndim < 3 or group < 1 or weight.array.shape[0] % group:
-        return f"the weight of {describe(node)} has shape {list(weight.array.shape)}, which is not a Conv weight"
-    bias: Constant | None | str = None
+        return Reason(f"the weight of {describe(node)} has shape {list(weight.array.shape)}, which is not a Conv "
+                      "weight")
+    bias: Constant | None | Reason = None
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         bias = find_constant(node.inputs[2], f"bias of {describe(node)}")
-        if not isinstance(bias, str) and bias.array.size != weight.array.shape[0]:
-            bias = f"the bias of {describe(node)} has {bias.array.size} values, not one per output channel"
+        if isinstance(bias, Constant) and bias.array.size != weight.array.shape[0]:
+            bias = Reason(f"the bias of {describe(node)} has {bias.array.size} values, not one per output channel")
     return _Layer(node, weight, bias, group)
 
 
-def _read_step(node: ir.Node, x: ir.Value, opset: int, channels: int, rank: int, dtype) -> _Step | str:
+def _read_step(node: ir.Node, x: ir.Value, opset: int, channels: int, rank: int, dtype) -> _Step | Reason:
     op = node.op_type
     action = BETWEEN.get(op)
     if action is None:
         return _not_commuting(node)
     if action == "clip":
         bounds = _clip_bounds(node, opset, dtype)
-        if isinstance(bounds, str):
+        if isinstance(bounds, Reason):
             return bounds
         lo, hi = bounds
         if lo is None and hi is None:
             return _Step(node, "keep")  # no bound: the identity
         if opset < 8 and (hi is not None or lo != 0.0):
-            return (f"{describe(node)} must become Min/Max with per-channel bounds, which do not "
+            return Reason(f"{describe(node)} must become Min/Max with per-channel bounds, which do not "
                     "broadcast before opset 8; convert the model to opset 8 or later")
         return _Step(node, "clip", bounds=bounds)
     if action == "bound":
         if len(node.inputs) != 2:
-            return f"{describe(node)} has {len(node.inputs)} inputs; equalisation rescales a {op} of two"
+            return Reason(f"{describe(node)} has {len(node.inputs)} inputs; equalisation rescales a {op} of two")
         index = 1 if node.inputs[0] is x else 0
         found = find_constant(node.inputs[index], f"other operand of {describe(node)}")
-        if isinstance(found, str):
-            return f"{found}, and {op}(x/s, y) != {op}(x, y)/s unless y is a constant to rescale"
+        if isinstance(found, Reason):
+            return Reason(f"{found.sentence}, and {op}(x/s, y) != {op}(x, y)/s unless y is a constant to rescale")
         shape = found.array.shape
         try:
             per_channel = (1, channels) + (1,) * (rank - 2)  # one value per channel at most
@@ -465,25 +466,25 @@ def _read_step(node: ir.Node, x: ir.Value, opset: int, channels: int, rank: int,
         except ValueError:
             fits = False
         if not fits or found.array.dtype != dtype:
-            return (f"the constant of {describe(node)} ({found.array.dtype.name} {list(shape)}) does not "
+            return Reason(f"the constant of {describe(node)} ({found.array.dtype.name} {list(shape)}) does not "
                     f"broadcast as {dtype.name} along the {channels} channels")
         return _Step(node, "bound", constant=found, constant_index=index)
     return _Step(node, "keep")
 
 
-def _not_commuting(node: ir.Node) -> str:
+def _not_commuting(node: ir.Node) -> Reason:
     op = node.op_type
     form = "x/s, y" if op_kind(node) is OpKind.BROADCAST else "x/s"
     why = _NOT_HANDLED.get(op, f"{op}({form}) != {op}({form.replace('/s', '')})/s")
-    return (f"{describe(node)} sits between the convs and {why}; equalisation handles Relu, "
+    return Reason(f"{describe(node)} sits between the convs and {why}; equalisation handles Relu, "
             "LeakyRelu, PRelu, Clip, Abs, Neg and Min/Max with a constant there")
 
 
-def _clip_bounds(node: ir.Node, opset: int, dtype) -> tuple[float | None, float | None] | str:
+def _clip_bounds(node: ir.Node, opset: int, dtype) -> tuple[float | None, float | None] | Reason:
     """(lo, hi) of a Clip, None for a bound that is absent (or the dtype's own limit)."""
     bounds = clip_bounds(node, opset)
-    if isinstance(bounds, str):
-        return f"{bounds}; equalisation must divide each Clip bound by the channel's scale"
+    if isinstance(bounds, Reason):
+        return Reason(f"{bounds.sentence}; equalisation must divide each Clip bound by the channel's scale")
     limit = float(np.finfo(dtype).max)
     lo, hi = (None if abs(b) >= limit else b for b in bounds)
     return lo, hi

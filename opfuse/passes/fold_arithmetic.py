@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 from opfuse.analyse import describe, find_constant, trace_producer
 from opfuse.passes.folding import ChannelAffine, FoldPass, ProducerShape
+from opfuse.report import Reason
 from opfuse.vocabulary import FLOAT_DTYPES, OPS, WEIGHTED_OPS, is_op
 
 AXIS_NAMES = {0: "batch", 1: "channel"}
@@ -67,20 +68,20 @@ class FoldArithmeticPass(FoldPass):
         source, _ = trace_producer(other)
         return source is None or is_op(source, "Constant")
 
-    def affine(self, cand, out: ProducerShape) -> ChannelAffine | str:
+    def affine(self, cand, out: ProducerShape) -> ChannelAffine | Reason:
         node, side = cand.consumer, cand.side
         op = node.op_type
         if op == "Neg":
             return ChannelAffine(np.array([-1.0]), None, detail="negated")
         other = node.inputs[1 - side]
         const = find_constant(other, "other operand")
-        if isinstance(const, str):
+        if isinstance(const, Reason):
             return const
         c = const.array
         if str(c.dtype) not in FLOAT_DTYPES:
-            return f"its constant is {c.dtype}, not floating point"
+            return Reason(f"its constant is {c.dtype}, not floating point")
         per_channel = _per_channel(c, out, describe(cand.producer), through_layout=bool(cand.layout))
-        if isinstance(per_channel, str):
+        if isinstance(per_channel, Reason):
             return per_channel
         shown = _show(c)
         if op == "Add":
@@ -93,24 +94,24 @@ class FoldArithmeticPass(FoldPass):
             return ChannelAffine(-np.ones_like(per_channel), per_channel, detail=f"{shown} - y")
         # Div
         if side == 1:
-            return "the producer's output is the divisor (c / y is not affine in y)"
+            return Reason("the producer's output is the divisor (c / y is not affine in y)")
         if np.any(per_channel == 0):
-            return "its constant divisor has a zero entry"
+            return Reason("its constant divisor has a zero entry")
         return ChannelAffine(1.0 / per_channel, None, detail=f"/ {shown}")
 
 
-def _per_channel(c: np.ndarray, out: ProducerShape, producer: str, through_layout: bool = False) -> np.ndarray | str:
-    """The constant as float64 values per output channel, or why it is not one. ``out`` is
+def _per_channel(c: np.ndarray, out: ProducerShape, producer: str, through_layout: bool = False) -> np.ndarray | Reason:
+    """The constant as float64 values per output channel, or the :class:`Reason` it is not one. ``out`` is
     the consumer's view: after layout ops, the rank and channel axis they leave."""
     values = c.astype(np.float64)
     if values.ndim == 0 or values.size == 1:
         if out.rank is not None and values.ndim > out.rank:
-            return f"its constant has rank {values.ndim}, which would raise the output's rank"
+            return Reason(f"its constant has rank {values.ndim}, which would raise the output's rank")
         return values.reshape(1)
     if out.rank is None:
-        return f"the rank of {producer}'s output is unknown"
+        return Reason(f"the rank of {producer}'s output is unknown")
     if values.ndim > out.rank:
-        return (
+        return Reason(
             f"its constant has shape {list(c.shape)}, of higher rank than the "
             f"{out.rank}-D output, so it would change the output's shape"
         )
@@ -126,12 +127,12 @@ def _per_channel(c: np.ndarray, out: ProducerShape, producer: str, through_layou
                 f" (a rank-1 constant aligns with the last axis, not the channel axis; "
                 f"write it as [{out.channels}" + ", 1" * (out.rank - 2) + "])"
             )
-        return (
+        return Reason(
             f"its constant of shape {list(c.shape)} varies along the {what} axis {i} "
             f"of {'its input' if through_layout else 'the output'}, not only along the channel axis {axis}{hint}"
         )
     if aligned[axis] not in (1, out.channels):
-        return (
+        return Reason(
             f"its constant has {aligned[axis]} values along the channel axis, but "
             f"{producer} has {out.channels} output channels"
         )

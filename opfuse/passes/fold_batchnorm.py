@@ -33,6 +33,7 @@ import onnx_ir as ir
 from opfuse import algebra
 from opfuse.analyse import Scope, batchnorm_epsilon, describe, find_constant, trace_producer
 from opfuse.passes.folding import ChannelAffine, FoldPass, ProducerShape
+from opfuse.report import Reason
 
 
 class FoldBatchNormPass(FoldPass):
@@ -49,26 +50,26 @@ class FoldBatchNormPass(FoldPass):
             return f"its input comes from {where}, not from a layer with weights"
         return f"its input comes from {describe(source)}, which has no weights to fold into"
 
-    def affine(self, cand, out: ProducerShape) -> ChannelAffine | str:
+    def affine(self, cand, out: ProducerShape) -> ChannelAffine | Reason:
         node, opset = cand.consumer, cand.scope.opset
         problem = _mode_problem(node, opset)
         if problem:
-            return problem
+            return Reason(problem)
         if cand.info.op_type == "MatMul" and cand.producer_out.rank != 2:
-            return (
+            return Reason(
                 f"{describe(cand.producer)}'s output is not known to be 2-D, and "
                 "BatchNormalization normalises axis 1, not necessarily the MatMul's last axis"
             )
         if cand.layout and (out.rank is None or out.rank < 2 or out.channel_axis % out.rank != 1):
-            return "it normalises axis 1 of its input, which is not the axis of the output channels"
+            return Reason("it normalises axis 1 of its input, which is not the axis of the output channels")
         params = []
         for index, role in enumerate(("scale", "B", "mean", "var"), start=1):
             found = find_constant(node.inputs[index] if index < len(node.inputs) else None, role)
-            if isinstance(found, str):
+            if isinstance(found, Reason):
                 return found
             array = found.array.astype(np.float64)
             if array.size != out.channels:
-                return (
+                return Reason(
                     f"its {role} has shape {list(array.shape)}, but {describe(cand.producer)} "
                     f"has {out.channels} output channels"
                 )
@@ -76,7 +77,7 @@ class FoldBatchNormPass(FoldPass):
         gamma, beta, mean, var = params
         eps = batchnorm_epsilon(node)
         if not np.all(var + eps > 0):
-            return "its variance + epsilon is not positive for every channel"
+            return Reason("its variance + epsilon is not positive for every channel")
         scale, shift = algebra.batchnorm_affine(gamma, beta, mean, var, eps)
         return ChannelAffine(scale, shift, detail=f"epsilon={eps:g}")
 

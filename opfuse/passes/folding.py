@@ -60,7 +60,7 @@ from opfuse.analyse import (
 from opfuse.graph_edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.layout_chain import describe_chain, follow_channel, has_layout_op, trace_through_layout
-from opfuse.report import FusionRecord
+from opfuse.report import FusionRecord, Reason
 from opfuse.vocabulary import FLOAT_DTYPES, ONNX_DOMAINS, OPS, WEIGHTED_OPS, WeightSpec, float_attr
 
 # Transient metadata on values (never serialised; dropped by ``release``): on the values a
@@ -114,16 +114,16 @@ class Producer:
     def group(self, node: ir.Node) -> int:
         return self.spec.group_of(node)
 
-    def output(self, node: ir.Node, weight: np.ndarray) -> ProducerShape | str:
+    def output(self, node: ir.Node, weight: np.ndarray) -> ProducerShape | Reason:
         layout, group = self.layout(node), self.group(node)
         if layout in ("oihw", "iohw"):
             if weight.ndim < 3:
-                return f"the weight of {describe(node)} has rank {weight.ndim}, not 3 or more"
+                return Reason(f"the weight of {describe(node)} has rank {weight.ndim}, not 3 or more")
             if layout == "iohw" and weight.shape[0] % group:
-                return f"the weight of {describe(node)} does not split into {group} groups"
+                return Reason(f"the weight of {describe(node)} does not split into {group} groups")
             return ProducerShape(algebra.output_channels(weight.shape, layout, group), weight.ndim, 1)
         if weight.ndim != 2:
-            return f"the weight of {describe(node)} has rank {weight.ndim}, not 2"
+            return Reason(f"the weight of {describe(node)} has rank {weight.ndim}, not 2")
         if not self.spec.batched:  # Gemm: [M, N]
             return ProducerShape(algebra.output_channels(weight.shape, layout), 2, 1)
         # MatMul: y[..., n] = sum_k a[..., k] * w[k, n]; channels are the last axis.
@@ -180,8 +180,8 @@ class FoldPass(OpfusePass):
         """Reason to report when no input comes from a producer (None: not a candidate)."""
         return None
 
-    def affine(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | str:
-        """Read the consumer as a per-channel affine map, or say why it is not one."""
+    def affine(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | Reason:
+        """Read the consumer as a per-channel affine map, or the :class:`Reason` it is not one."""
         raise NotImplementedError
 
     # -- the pass ------------------------------------------------------------------------
@@ -243,26 +243,26 @@ class FoldPass(OpfusePass):
             if problem:
                 return problem
         weight = find_constant(_input(producer, info.weight_index), f"weight of {describe(producer)}")
-        if isinstance(weight, str):
-            return weight
+        if isinstance(weight, Reason):
+            return weight.sentence
         bias: Constant | None = None
         if info.bias_index is not None and _input(producer, info.bias_index) is not None:
             found = find_constant(_input(producer, info.bias_index), f"bias of {describe(producer)}")
-            if isinstance(found, str):
-                return found
+            if isinstance(found, Reason):
+                return found.sentence
             bias = found
         if str(weight.array.dtype) not in FLOAT_DTYPES:
             return f"the weight of {describe(producer)} is {weight.array.dtype}, not floating point"
         out = info.output(producer, weight.array)
-        if not isinstance(out, str) and out.rank is None and not self._shapes_inferred:
+        if isinstance(out, ProducerShape) and out.rank is None and not self._shapes_inferred:
             self._infer_shapes()  # only when a rank is needed and unknown
             out = info.output(producer, weight.array)
-        if isinstance(out, str):
-            return out
+        if isinstance(out, Reason):
+            return out.sentence
         cand.producer_out = out
         affine = self._read_consumer(cand, out) if cand.layout else self.affine(cand, out)
-        if isinstance(affine, str):
-            return affine
+        if isinstance(affine, Reason):
+            return affine.sentence
         if info.spec.bias is None and affine.shift is not None and cand.producer_out.rank != 2:
             return (
                 f"folding {describe(node)} gives {describe(producer)} a bias, which needs a Gemm, and its "
@@ -276,26 +276,27 @@ class FoldPass(OpfusePass):
                 )
         return self._rewrite(cand, weight, bias, affine, out)
 
-    def _read_consumer(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | str:
+    def _read_consumer(self, cand: _Candidate, out: ProducerShape) -> ChannelAffine | Reason:
         """The consumer's map through layout ops: along the axis they put the channels on, or,
         when they do not keep that axis whole, a map with one value (it commutes with any op
         that only moves elements)."""
         producer, node = cand.producer, cand.consumer
         if out.rank is None:
-            return f"the rank of {describe(producer)}'s output is unknown, so its channel axis cannot be followed"
+            return Reason(f"the rank of {describe(producer)}'s output is unknown, so its channel axis cannot be "
+                          "followed")
         view = follow_channel(cand.layout, out.rank, out.channel_axis % out.rank, out.channels,
                               cand.scope.opset, self._infer_shapes)
-        if isinstance(view, str):
-            reason = f"{view}, between {describe(producer)} and {describe(node)}"
+        if isinstance(view, Reason):
+            reason = Reason(f"{view.sentence}, between {describe(producer)} and {describe(node)}")
             fed = node.inputs[cand.side]
             if fed.shape is None:
                 return reason
             scalar = self.affine(cand, ProducerShape(1, len(fed.shape), 0))
-            return reason if isinstance(scalar, str) else scalar
+            return reason if isinstance(scalar, Reason) else scalar
         affine = self.affine(cand, ProducerShape(out.channels, view[0], view[1]))
-        if isinstance(affine, str):
-            affine += (f" ({describe_chain(cand.layout)} puts {describe(producer)}'s output channels "
-                       f"on axis {view[1]})")
+        if isinstance(affine, Reason):
+            return Reason(f"{affine.sentence} ({describe_chain(cand.layout)} puts {describe(producer)}'s output "
+                          f"channels on axis {view[1]})")
         return affine
 
     def _infer_shapes(self, symbolic: bool = False) -> None:
@@ -320,61 +321,37 @@ class FoldPass(OpfusePass):
         affine: ChannelAffine,
         out: ProducerShape,
     ) -> str | None:
-        producer, info, node = cand.producer, cand.info, cand.consumer
-        layout, group = info.layout(producer), info.group(producer)
-        scale = affine.scale
-        b = None if bias is None else bias.value.meta.get(FOLDED_BIAS, bias.array.astype(np.float64))
-        if info.op_type == "Gemm":
-            # y = alpha * (A.B + (beta / alpha) * C): alpha joins the scale (one pass over B)
-            alpha = float_attr(producer, "alpha", 1.0)
-            if alpha == 0.0:
-                return f"{describe(producer)} has alpha=0, so its weight does not matter"
-            if alpha != 1.0:
-                scale = np.full(out.channels, alpha) if scale is None else scale * alpha
-            if b is not None:
-                b = b * (float_attr(producer, "beta", 1.0) / alpha)
-                if b.ndim == 2 and b.shape[0] != 1:
-                    pass  # C per row ([M, 1] or [M, N]): the folded C stays [M, N]
-                elif b.size not in (1, out.channels):
-                    return f"the C input of {describe(producer)} has shape {list(b.shape)}"
-                else:
-                    b = b.reshape(-1)
-        dtype = weight.array.dtype
-        w_arr = None  # a pure shift leaves the weight as it is
-        if scale is not None:
-            # A weight an earlier fold produced is recomputed from its source with the
-            # product of the scales, so a chain of folds rounds once, not once per fold.
-            source, prior = weight.value.meta.get(FOLDED_WEIGHT, (weight.array, None))
-            total = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (out.channels,))
-            if prior is not None:
-                total = prior * total
-            w_arr, problem = algebra.fold_weight(source, total, layout, group)
-            if problem:
-                return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
-        b_arr = None
-        b_new = algebra.fold_bias(b, scale, affine.shift, out.channels)
-        if b_new is not None:
-            b_arr, problem = algebra.cast_back(b_new, dtype, "bias")
-            if problem:
-                return f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
+        """Fold ``affine`` into the producer: new tensors (:func:`_fold_tensors`), the producer
+        wired to them (:meth:`_install`), the consumer's output rerouted (:meth:`_reroute`),
+        the originals dropped when unused and the rewrite recorded (:meth:`_account`)."""
+        folded, problem = _fold_tensors(cand, weight, bias, affine, out)
+        if problem:
+            return problem
+        edit = self._install(cand, folded)
+        result = self._reroute(cand, edit)
+        self._account(cand, folded, edit, affine, result)
+        return None
 
-        scope = cand.scope
+    def _install(self, cand: _Candidate, folded: _FoldedTensors) -> _Edit:
+        """The folded tensors as private constants, read by the producer (or, for a MatMul
+        that gains a bias, by a new Gemm in its place)."""
+        producer, info, scope = cand.producer, cand.info, cand.scope
         old_w = _input(producer, info.weight_index)
         old_b = _input(producer, info.bias_index) if info.bias_index is not None else None
         new_w = old_w
-        if w_arr is not None:
-            new_w = self._new_constant(scope, producer, w_arr, f"{_base(old_w, producer)}_folded")
-            new_w.meta[FOLDED_WEIGHT] = (source, total)
+        if folded.weight is not None:
+            new_w = self._new_constant(scope, producer, folded.weight, f"{_base(old_w, producer)}_folded")
+            new_w.meta[FOLDED_WEIGHT] = (folded.source, folded.total)
             self._annotated.append(new_w)
         new_b = None
-        if b_arr is not None:
+        if folded.bias is not None:
             base = _base(old_b, producer) if old_b is not None else f"{producer.name or 'producer'}.bias"
-            new_b = self._new_constant(scope, producer, b_arr, f"{base}_folded")
-            new_b.meta[FOLDED_BIAS] = b_new
+            new_b = self._new_constant(scope, producer, folded.bias, f"{base}_folded")
+            new_b.meta[FOLDED_BIAS] = folded.exact_bias
             self._annotated.append(new_b)
 
         anchor = producer
-        removed = [node, *cand.through]
+        removed = [cand.consumer, *cand.through]
         if info.op_type == "MatMul" and new_b is not None:  # a bias: the MatMul becomes a Gemm
             anchor = ir.Node(
                 "",
@@ -396,7 +373,12 @@ class FoldPass(OpfusePass):
                 for attr in ("alpha", "beta"):
                     if attr in producer.attributes:
                         producer.attributes[attr] = ir.AttrFloat32(attr, 1.0)
+        return _Edit(anchor, removed, old_w, new_w, old_b, new_b)
 
+    def _reroute(self, cand: _Candidate, edit: _Edit) -> ir.Value:
+        """The consumer's output is now computed by the anchor (or by the last layout op),
+        under the consumer's name; the removed nodes leave the graph. Returns that value."""
+        producer, node, anchor = cand.producer, cand.consumer, edit.anchor
         result = anchor.outputs[0]
         if cand.layout:  # the layout ops stay; what they read and write now holds folded values
             if anchor is not producer:
@@ -410,19 +392,25 @@ class FoldPass(OpfusePass):
         if tail.shape is not None:
             result.shape = tail.shape
         tail.replace_all_uses_with(result, replace_graph_outputs=True)
-        former_inputs = [v for n in removed for v in n.inputs if v is not None]
-        scope.container.remove(removed, safe=True)
+        edit.former_inputs = [v for n in edit.removed for v in n.inputs if v is not None]
+        cand.scope.container.remove(edit.removed, safe=True)
         if tail_name:  # the result is the consumer's tensor, under its name
             result.name = tail_name
+        return result
 
+    def _account(self, cand: _Candidate, folded: _FoldedTensors, edit: _Edit, affine: ChannelAffine,
+                 result: ir.Value) -> None:
+        """Originals no longer read are dropped; a shared one stays and its copy's bytes are
+        counted (until its last user folds too); the rewrite is recorded."""
+        producer, node = cand.producer, cand.consumer
         extra, still_shared, dropped = 0, [], []
-        for old, new, array in ((old_w, new_w, w_arr), (old_b, new_b, b_arr)):
+        for old, new, array in ((edit.old_w, edit.new_w, folded.weight), (edit.old_b, edit.new_b, folded.bias)):
             if old is None or new is None or old is new:
                 continue
             if drop_if_unused(old, dropped) is False:
                 extra += int(array.nbytes)  # the original is shared: both copies stay
                 still_shared.append(old)
-        for value in former_inputs:
+        for value in edit.former_inputs:
             drop_if_unused(value, dropped)
         for value in dropped:  # an original that is gone costs the earlier copies nothing
             self._settle_shared(value)
@@ -436,16 +424,15 @@ class FoldPass(OpfusePass):
             FusionRecord(
                 pattern=f"{producer.op_type}+{node.op_type}",
                 node=node_label(producer),
-                removed=tuple(node_label(n) for n in removed),
-                produced=anchor.name or "",
-                graph=scope.label,
-                weight_bytes=int((0 if w_arr is None else w_arr.nbytes) + (0 if b_arr is None else b_arr.nbytes)),
+                removed=tuple(node_label(n) for n in edit.removed),
+                produced=edit.anchor.name or "",
+                graph=cand.scope.label,
+                weight_bytes=int(sum(a.nbytes for a in (folded.weight, folded.bias) if a is not None)),
                 extra_bytes=extra,
                 detail=affine.detail + (f" through {describe_chain(cand.layout)}" if cand.layout else ""),
                 output=result.name or "",
             )
         )
-        return None
 
     def _settle_shared(self, original: ir.Value) -> None:
         """The last user of a shared original folded too: earlier copies cost nothing now."""
@@ -454,6 +441,74 @@ class FoldPass(OpfusePass):
 
     def _new_constant(self, scope: Scope, before: ir.Node, array: np.ndarray, base: str) -> ir.Value:
         return add_constant(scope, self._names, before, array, base)
+
+
+@dataclasses.dataclass
+class _FoldedTensors:
+    """The arrays a fold writes: None where that tensor stays as it is."""
+
+    weight: np.ndarray | None = None  # in the weight's dtype
+    source: np.ndarray | None = None  # what ``weight`` was computed from (an earlier fold's source)
+    total: np.ndarray | None = None  # the product of the scales applied to ``source``
+    bias: np.ndarray | None = None  # in the weight's dtype
+    exact_bias: np.ndarray | None = None  # float64, before the cast
+
+
+@dataclasses.dataclass
+class _Edit:
+    """The graph edit of one fold: the node that computes the result, what goes, and the
+    weight and bias before and after."""
+
+    anchor: ir.Node
+    removed: list[ir.Node]
+    old_w: ir.Value | None
+    new_w: ir.Value | None
+    old_b: ir.Value | None
+    new_b: ir.Value | None
+    former_inputs: list[ir.Value] = dataclasses.field(default_factory=list)
+
+
+def _fold_tensors(
+    cand: _Candidate, weight: Constant, bias: Constant | None, affine: ChannelAffine, out: ProducerShape
+) -> tuple[_FoldedTensors, str | None]:
+    """The folded weight and bias (float64 algebra, one rounding per chain of folds), or the
+    sentence saying why they cannot be written (legality rule 5, and Gemm's alpha and C)."""
+    producer, info, node = cand.producer, cand.info, cand.consumer
+    layout, group = info.layout(producer), info.group(producer)
+    folded = _FoldedTensors()
+    scale = affine.scale
+    b = None if bias is None else bias.value.meta.get(FOLDED_BIAS, bias.array.astype(np.float64))
+    if info.op_type == "Gemm":
+        # y = alpha * (A.B + (beta / alpha) * C): alpha joins the scale (one pass over B)
+        alpha = float_attr(producer, "alpha", 1.0)
+        if alpha == 0.0:
+            return folded, f"{describe(producer)} has alpha=0, so its weight does not matter"
+        if alpha != 1.0:
+            scale = np.full(out.channels, alpha) if scale is None else scale * alpha
+        if b is not None:
+            b = b * (float_attr(producer, "beta", 1.0) / alpha)
+            if b.ndim == 2 and b.shape[0] != 1:
+                pass  # C per row ([M, 1] or [M, N]): the folded C stays [M, N]
+            elif b.size not in (1, out.channels):
+                return folded, f"the C input of {describe(producer)} has shape {list(b.shape)}"
+            else:
+                b = b.reshape(-1)
+    if scale is not None:  # (a pure shift leaves the weight as it is)
+        # A weight an earlier fold produced is recomputed from its source with the
+        # product of the scales, so a chain of folds rounds once, not once per fold.
+        folded.source, prior = weight.value.meta.get(FOLDED_WEIGHT, (weight.array, None))
+        folded.total = np.broadcast_to(np.asarray(scale, np.float64).reshape(-1), (out.channels,))
+        if prior is not None:
+            folded.total = prior * folded.total
+        folded.weight, problem = algebra.fold_weight(folded.source, folded.total, layout, group)
+        if problem:
+            return folded, f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
+    folded.exact_bias = algebra.fold_bias(b, scale, affine.shift, out.channels)
+    if folded.exact_bias is not None:
+        folded.bias, problem = algebra.cast_back(folded.exact_bias, weight.array.dtype, "bias")
+        if problem:
+            return folded, f"{problem}, so folding {describe(node)} into {describe(producer)} would break it"
+    return folded, None
 
 
 def _input(node: ir.Node, index: int | None) -> ir.Value | None:

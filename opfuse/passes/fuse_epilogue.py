@@ -53,6 +53,7 @@ import onnx_ir as ir
 
 from opfuse.activations import Activation, merge_activations, read_activation
 from opfuse.analyse import (
+    Constant,
     NameTable,
     Scope,
     describe,
@@ -378,8 +379,8 @@ def _shape_text(shape) -> str:
 def _out_channels(conv: ir.Node) -> int | None:
     """Output channels from the constant weight, else from the inferred output shape."""
     weight = conv.inputs[1] if len(conv.inputs) > 1 else None
-    found = find_constant(weight) if weight is not None else "absent"
-    if not isinstance(found, str):
+    found = find_constant(weight)
+    if isinstance(found, Constant):
         return int(found.array.shape[0])
     shape = conv.outputs[0].shape
     return shape[1] if shape is not None and len(shape) > 1 and isinstance(shape[1], int) else None

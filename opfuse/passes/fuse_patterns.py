@@ -51,7 +51,7 @@ import os
 import onnx_ir as ir
 from onnx_ir import convenience
 from onnxscript.optimizer import basic_constant_propagation
-from onnxscript.rewriter._basics import MatchingTracer, MatchStatus
+from onnxscript.rewriter.pattern import MatchingTracer, MatchStatus
 from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display a verbose rule asks for)
 
 from opfuse.analyse import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label

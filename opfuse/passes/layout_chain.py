@@ -43,6 +43,7 @@ import onnx_ir as ir
 
 from opfuse import algebra
 from opfuse.analyse import describe, find_constant
+from opfuse.report import Reason
 from opfuse.vocabulary import ONNX_DOMAINS, int_attr
 
 ChannelAxis = tuple[int, int]  # (rank, channel axis) of a tensor along the chain
@@ -50,7 +51,7 @@ ChannelAxis = tuple[int, int]  # (rank, channel axis) of a tensor along the chai
 
 def _constant_ints(node: ir.Node, index: int, attribute: str | None, opset: int, since: int):
     """An int list from an attribute (before opset ``since``) or a constant input; None when
-    absent; a reason when it is not a constant."""
+    absent; the :class:`Reason` when it is not a constant."""
     if attribute is not None and (opset and opset < since or attribute in node.attributes):
         attr = node.attributes.get(attribute)
         return None if attr is None else [int(v) for v in attr.value]
@@ -58,7 +59,7 @@ def _constant_ints(node: ir.Node, index: int, attribute: str | None, opset: int,
     if value is None:
         return None
     found = find_constant(value, f"{attribute or 'input'} of {describe(node)}")
-    if isinstance(found, str):
+    if isinstance(found, Reason):
         return found
     return [int(v) for v in found.array.reshape(-1)]
 
@@ -88,31 +89,32 @@ def _transpose(node, rank, axis, channels, ctx):
     perm = node.attributes.get("perm")
     order = [int(p) for p in perm.value] if perm is not None else list(range(rank))[::-1]
     if sorted(p % rank for p in order) != list(range(rank)):
-        return f"{describe(node)} has perm {order}, not a permutation of {rank} axes"
+        return Reason(f"{describe(node)} has perm {order}, not a permutation of {rank} axes")
     return rank, algebra.permuted_axis(order, axis)
 
 
 def _squeeze(node, rank, axis, channels, ctx):
     axes = _constant_ints(node, 1, "axes", ctx.opset, 13)
-    if isinstance(axes, str):
+    if isinstance(axes, Reason):
         return axes
     if axes is None:  # the dims of size 1, which needs a static shape
         dims = ctx.dims(node.inputs[0])
         if dims is None or any(d is None or isinstance(d, str) for d in dims):
-            return f"{describe(node)} has no axes and its input's shape is not static, so which axes go is unknown"
+            return Reason(f"{describe(node)} has no axes and its input's shape is not static, so which axes go "
+                          "is unknown")
         axes = [i for i, d in enumerate(dims) if d == 1]
     landed = algebra.squeezed_axis(axes, rank, axis)
     if landed is None:
-        return f"{describe(node)} squeezes the channel axis {axis}"
+        return Reason(f"{describe(node)} squeezes the channel axis {axis}")
     return rank - len(set(a % rank for a in axes)), landed
 
 
 def _unsqueeze(node, rank, axis, channels, ctx):
     axes = _constant_ints(node, 1, "axes", ctx.opset, 13)
-    if isinstance(axes, str):
+    if isinstance(axes, Reason):
         return axes
     if not axes:
-        return f"{describe(node)} has no axes"
+        return Reason(f"{describe(node)} has no axes")
     return rank + len(axes), algebra.unsqueezed_axis(axes, rank, axis)
 
 
@@ -123,10 +125,10 @@ def _slice(node, rank, axis, channels, ctx):
     else:
         starts, ends, axes, steps = (_constant_ints(node, i, None, ctx.opset, 0) for i in (1, 2, 3, 4))
     for found in (starts, ends, axes, steps):
-        if isinstance(found, str):
+        if isinstance(found, Reason):
             return found
     if starts is None or ends is None:
-        return f"{describe(node)} has no starts or ends"
+        return Reason(f"{describe(node)} has no starts or ends")
     axes = list(range(len(starts))) if axes is None else axes
     steps = [1] * len(starts) if steps is None else steps
     for a, start, end, step in zip(axes, starts, ends, steps):
@@ -134,7 +136,7 @@ def _slice(node, rank, axis, channels, ctx):
             continue
         start, end = (v + channels if v < 0 else v for v in (start, end))
         if step != 1 or max(start, 0) != 0 or end < channels:
-            return (f"{describe(node)} slices the channel axis {axis} "
+            return Reason(f"{describe(node)} slices the channel axis {axis} "
                     f"(start {start}, end {end}, step {step}), keeping only some channels")
     return rank, axis
 
@@ -146,7 +148,7 @@ def _shown(dims) -> str:
 def _reshaped(node, in_dims, out_dims, axis):
     landed = algebra.reshaped_axis(in_dims, out_dims, axis)
     if landed is None:
-        return (f"{describe(node)} reshapes {_shown(in_dims)} to {_shown(out_dims)}: opfuse cannot prove "
+        return Reason(f"{describe(node)} reshapes {_shown(in_dims)} to {_shown(out_dims)}: opfuse cannot prove "
                 f"the channel axis {axis} stays one whole axis (a symbolic or unknown dim would have "
                 "to equal another)")
     return len(out_dims), landed
@@ -155,12 +157,12 @@ def _reshaped(node, in_dims, out_dims, axis):
 def _reshape(node, rank, axis, channels, ctx):
     in_dims = ctx.dims(node.inputs[0])
     target = _constant_ints(node, 1, None, ctx.opset, 0)
-    if isinstance(target, str):
+    if isinstance(target, Reason):
         return _computed_reshape(node, rank, axis, channels, ctx, target)
     if target is None:
-        return f"{describe(node)} has no shape input"
+        return Reason(f"{describe(node)} has no shape input")
     if in_dims is None or len(in_dims) != rank:
-        return f"the input shape of {describe(node)} is unknown"
+        return Reason(f"the input shape of {describe(node)} is unknown")
     in_dims[axis] = channels  # (known from the weight even where inference lost it)
     allow_zero = int_attr(node, "allowzero", 0)
     out: list[algebra.Dim] = [in_dims[i] if t == 0 and not allow_zero and i < rank else t for i, t in enumerate(target)]
@@ -169,20 +171,20 @@ def _reshape(node, rank, axis, channels, ctx):
     return _reshaped(node, in_dims, out, axis)
 
 
-def _computed_reshape(node, rank, axis, channels, ctx, why: str):
+def _computed_reshape(node, rank, axis, channels, ctx, why: Reason):
     """A Reshape whose target is computed at run time: its output's inferred dims, static
     sizes only (module docstring, rule 5)."""
     out_dims = ctx.dims(node.outputs[0], symbolic=True)
     in_dims = ctx.dims(node.inputs[0])
     if out_dims is None or in_dims is None or len(in_dims) != rank:
-        return f"{why}, and shape inference does not give the dims it makes"
+        return Reason(f"{why.sentence}, and shape inference does not give the dims it makes")
     static = lambda dims: [d if isinstance(d, int) else None for d in dims]  # noqa: E731
     in_dims, out_dims = static(in_dims), static(out_dims)
     in_dims[axis] = channels  # (known from the weight)
     landed = algebra.reshaped_axis(in_dims, out_dims, axis)
     if landed is None:
-        return (f"{why}, and the static sizes inferred, {_shown(in_dims)} to {_shown(out_dims)}, do not prove "
-                f"the channel axis {axis} stays one whole axis")
+        return Reason(f"{why.sentence}, and the static sizes inferred, {_shown(in_dims)} to {_shown(out_dims)}, "
+                      f"do not prove the channel axis {axis} stays one whole axis")
     return len(out_dims), landed
 
 
@@ -191,18 +193,18 @@ def _flatten(node, rank, axis, channels, ctx):
     output axis of its group when every other dim of that group is a static 1."""
     in_dims = ctx.dims(node.inputs[0])
     if in_dims is None or len(in_dims) != rank:
-        return f"the input shape of {describe(node)} is unknown"
+        return Reason(f"the input shape of {describe(node)} is unknown")
     k = int_attr(node, "axis", 1)
     k = k + rank if k < 0 else k
     group = range(0, k) if axis < k else range(k, rank)
     others = [in_dims[i] for i in group if i != axis]
     if any(d != 1 for d in others):
-        return (f"{describe(node)} flattens {_shown(in_dims)} at axis {k}, merging the channel axis {axis} with "
+        return Reason(f"{describe(node)} flattens {_shown(in_dims)} at axis {k}, merging the channel axis {axis} with "
                 "other axes that are not known to be 1")
     return 2, 0 if axis < k else 1
 
 
-# layout op -> how it moves the channel axis: (node, rank, axis, channels, context) -> (rank, axis) | reason
+# layout op -> how it moves the channel axis: (node, rank, axis, channels, context) -> (rank, axis) | Reason
 AXIS_MAPS: dict[str, Callable] = {
     "Identity": lambda node, rank, axis, channels, ctx: (rank, axis),
     "Transpose": _transpose,
@@ -240,14 +242,14 @@ def describe_chain(chain: Sequence[ir.Node]) -> str:
 
 
 def follow_channel(chain: Sequence[ir.Node], rank: int, axis: int, channels: int, opset: int,
-                   ensure_shapes: Callable[[], None]) -> ChannelAxis | str:
+                   ensure_shapes: Callable[[], None]) -> ChannelAxis | Reason:
     """(rank, channel axis) of the chain's last output, given the producer's; or why the
     chain does not keep the channel axis whole. ``ensure_shapes`` infers shapes (once) when
     a Reshape, Flatten or Squeeze needs its input's dims and they are unknown."""
     ctx = _Context(opset, ensure_shapes)
     for node in chain:
         found = AXIS_MAPS[node.op_type](node, rank, axis, channels, ctx)
-        if isinstance(found, str):
+        if isinstance(found, Reason):
             return found
         rank, axis = found
     return rank, axis

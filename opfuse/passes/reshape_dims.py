@@ -33,7 +33,7 @@ __all__ = ["ReshapeDimsPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import NameTable, find_constant, infer_shapes, node_label
+from opfuse.analyse import Constant, NameTable, find_constant, infer_shapes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
 from opfuse.symbolic_shapes import infer_symbolic_shapes
@@ -114,7 +114,7 @@ def _piece(value: ir.Value | None) -> list | None:
     if value is None:
         return None
     found = find_constant(value)
-    if not isinstance(found, str):
+    if isinstance(found, Constant):
         array = found.array
         return [int(v) for v in array.reshape(-1)] if array.dtype == np.int64 and array.ndim <= 1 else None
     producer = value.producer()
@@ -123,8 +123,8 @@ def _piece(value: ir.Value | None) -> list | None:
         return inner if inner is not None and len(inner) == 1 else None
     if is_op(producer, "Gather") and int_attr(producer, "axis", 0) == 0:
         source = producer.inputs[0].producer() if producer.inputs[0] is not None else None
-        indices = find_constant(producer.inputs[1]) if len(producer.inputs) > 1 else "none"
-        if is_op(source, "Shape") and not isinstance(indices, str):
+        indices = find_constant(producer.inputs[1]) if len(producer.inputs) > 1 else None
+        if is_op(source, "Shape") and isinstance(indices, Constant):
             dims = _shape_dims(source)
             if dims is None:
                 return None

@@ -122,9 +122,9 @@ def opset_problem(context, op: str, since: int) -> str | None:
 def constant_array(value):
     """The numpy array of a constant (initializer not also a graph input, Constant node),
     else None."""
-    from opfuse.analyse import find_constant  # (heavy; see above)
+    from opfuse.analyse import Constant, find_constant  # (heavy; see above)
 
     if value is None:
         return None
     found = find_constant(value)
-    return None if isinstance(found, str) else found.array
+    return found.array if isinstance(found, Constant) else None

@@ -43,6 +43,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from opfuse.passes.patterns import constant_array, opset_problem
+from opfuse.report import Reason
 from opfuse.vocabulary import FLOAT_DTYPES, dtype_name
 
 _STASH_FLOAT = 1  # LayerNormalization's stash_type for float32 statistics
@@ -113,8 +114,8 @@ class LayerNormFusion(pattern.RewriteRuleClassBase):
         if eps is None or eps.size != 1:
             return result.fail("its epsilon is not a constant scalar", epsilon)
         ones = _fit(np.ones(1), list(x.shape)[first:] if x.shape is not None else None)
-        if isinstance(ones, str):
-            return result.fail(f"LayerNormalization needs a scale, and one of 1 {ones}")
+        if isinstance(ones, Reason):
+            return result.fail(f"LayerNormalization needs a scale, and one of 1 {ones.sentence}")
         self._scale = ones.astype(np.dtype(x.dtype.numpy()))
         self._axis, self._epsilon = first, float(eps.reshape(-1)[0])
         return result
@@ -154,9 +155,9 @@ class LayerNormAffine(pattern.RewriteRuleClassBase):
         fitted = {}
         for role, array in arrays.items():
             fit = _fit(array, normalized)
-            if isinstance(fit, str):
+            if isinstance(fit, Reason):
                 what = f"the constant it is {'multiplied by' if self.multiply else 'added to'}"
-                return result.fail(f"{what if role == 'constant' else 'its ' + role} {fit}", c)
+                return result.fail(f"{what if role == 'constant' else 'its ' + role} {fit.sentence}", c)
             fitted[role] = fit.astype(np.float64)
         dtype = np.dtype(x.dtype.numpy())
         s, b, k = fitted["scale"], fitted.get("bias", 0.0), fitted["constant"]
@@ -176,7 +177,7 @@ class LayerNormAffine(pattern.RewriteRuleClassBase):
         return op.LayerNormalization(*inputs, **self._attributes)
 
 
-def _fit(array: np.ndarray, normalized: list | None) -> np.ndarray | str:
+def _fit(array: np.ndarray, normalized: list | None) -> np.ndarray | Reason:
     """``array`` as a tensor of the normalised shape, or why it does not vary along it only."""
     shape = list(array.shape)
     while shape and shape[0] == 1 and (normalized is None or len(shape) > len(normalized)):
@@ -186,10 +187,10 @@ def _fit(array: np.ndarray, normalized: list | None) -> np.ndarray | str:
             return array.reshape(normalized)
         if array.size == 1:
             return np.full(normalized, array.reshape(-1)[0])
-        return f"has shape {list(array.shape)}, not the normalised shape {list(normalized)}"
+        return Reason(f"has shape {list(array.shape)}, not the normalised shape {list(normalized)}")
     if array.size != 1 and len(shape) == 1 and normalized is not None and len(normalized) == 1:
         return array.reshape(shape)  # [D] over a symbolic last axis: LayerNormalization checks D
-    return f"has shape {list(array.shape)} over normalised axes of unknown size"
+    return Reason(f"has shape {list(array.shape)} over normalised axes of unknown size")
 
 
 def stages(form: str, approximate: bool = False):

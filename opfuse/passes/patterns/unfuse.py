@@ -27,32 +27,33 @@ import onnx_ir as ir
 from onnx_ir.passes.common import InlinePass
 
 from opfuse.analyse import opset_of
+from opfuse.report import Reason
 
 UNFUSED_DOMAIN = "opfuse.unfused"
 
 
-def function_body(node: ir.Node, opset: int) -> onnx.FunctionProto | str:
-    """The schema's function body for ``node`` at ``opset``, or why there is none."""
+def function_body(node: ir.Node, opset: int) -> onnx.FunctionProto | Reason:
+    """The schema's function body for ``node`` at ``opset``, or the :class:`Reason` there is none."""
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, "")
     except onnx.defs.SchemaError:
-        return f"onnx has no schema for {node.op_type} at opset {opset}"
+        return Reason(f"onnx has no schema for {node.op_type} at opset {opset}")
     if schema.has_function and schema.since_version in schema.function_opset_versions:
         return schema.get_function_with_opset_version(schema.since_version)
     if not schema.has_context_dependent_function:
-        return f"{node.op_type}-{schema.since_version} has no function body in its ONNX schema to expand into"
+        return Reason(f"{node.op_type}-{schema.since_version} has no function body in its ONNX schema to expand into")
     proto = ir.serde.serialize_node(node)
     types = []
     for value in node.inputs:
         if value is None or value.type is None:
-            return f"the type of an input of {node.op_type} is unknown, and its function body depends on it"
+            return Reason(f"the type of an input of {node.op_type} is unknown, and its function body depends on it")
         t = onnx.TypeProto()
         t.tensor_type.elem_type = value.dtype.value
         types.append(t.SerializeToString())
     versions = schema.context_dependent_function_opset_versions
     version = max((v for v in versions if v <= opset), default=None)
     if version is None:
-        return f"{node.op_type}'s function body needs opset {min(versions)} or later"
+        return Reason(f"{node.op_type}'s function body needs opset {min(versions)} or later")
     body = schema.get_context_dependent_function_with_opset_version(version, proto.SerializeToString(), types)
     function = onnx.FunctionProto()
     function.ParseFromString(body)
@@ -69,8 +70,8 @@ def unfuse_ops(model: ir.Model, op_types, refuse, record) -> bool:
         if node.op_type not in wanted or node.domain not in ("", "ai.onnx"):
             continue
         body = function_body(node, opset)
-        if isinstance(body, str):
-            refuse(node, body)
+        if isinstance(body, Reason):
+            refuse(node, body.sentence)
             continue
         function = ir.serde.deserialize_function(body)
         function.domain, function.name = UNFUSED_DOMAIN, f"{node.op_type}_{len(calls)}"
