@@ -188,7 +188,6 @@ OWN_RULES = {
     ("quantization/sqnr.py", "CHANNEL_FIRST"): "ops measured per channel on axis 1",
     ("quantization/torch_ops.py", "_REDUCTIONS"): "the reductions its torch interpreter implements",
     ("inputs.py", "*"): "how generated inputs follow their consumers",
-    ("passes/fuse_patterns.py", "_PLUMBING"): "ops a rule writes around the op it fuses (a record names the op they surround)",
     ("leftovers.py", "PATTERN_PRIMITIVES"): "which pattern a primitive left over belongs to (for its note)",
     ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",
 }
