@@ -162,12 +162,18 @@ def _evaluated_text(value: ir.Value, evaluations: list[dict[int, np.ndarray]]) -
     return "it gives " + " and ".join(str(g.reshape(-1).tolist()) for g in got)
 
 
+def _reads_dims(node: ir.Node) -> bool:
+    """A node that reads only its input's dims (Shape, Size: the op table's metadata_only)."""
+    info = op_info(node)
+    return is_onnx(node) and info is not None and info.metadata_only
+
+
 def _bindings(graph: ir.Graph, tool) -> list[dict[str, int]]:
     """Two bindings of the symbols in the dims the graph's Shape and Size nodes read, each
     symbol to a different number in each (none 0 or 1, no two symbols equal in one)."""
     symbols = set()
     for node in graph:
-        if is_onnx(node) and node.op_type in ("Shape", "Size"):
+        if _reads_dims(node):
             data = tool.sympy_data_.get(node.outputs[0].name)
             for element in (data if isinstance(data, (list, tuple)) else [data]):
                 symbols |= {s.name for s in getattr(element, "free_symbols", ())}
@@ -198,7 +204,7 @@ def _evaluated(graph: ir.Graph, tool, opset: int, numbers: dict[str, int]) -> di
     for node in graph:
         if not is_onnx(node) or not any(v.name in tool.sympy_data_ for v in node.outputs):
             continue
-        if node.op_type in ("Shape", "Size"):
+        if _reads_dims(node):
             bound = _bound(tool.sympy_data_.get(node.outputs[0].name), numbers)
             if bound is not None:
                 out[id(node.outputs[0])] = bound
