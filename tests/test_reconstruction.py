@@ -22,7 +22,8 @@ from opfuse.quantization.presets import PRESETS
 from opfuse.quantization.qdq import Quantizer, prepare
 from opfuse.quantization.qdq_program import QdqProgram
 from opfuse.quantization.reconstruction import apply_reconstruction, reconstruct
-from opfuse.quantization.sqnr import OutputReference, _exposed
+from opfuse.quantization.layers import exposed
+from opfuse.quantization.sqnr import OutputReference
 from opfuse.runtime import create_session
 from test_quantize_accuracy import smooth
 
@@ -104,7 +105,7 @@ def test_the_torch_program_computes_what_onnx_runtime_computes_for_the_qdq_model
     assert len(blocks) >= 2 and not program.stopped
     assert {layer for b in blocks for layer in b.layers} == {"conv0", "dw", "se1", "se2", "pw", "conv2", "fc"}
     names = sorted({t for b in blocks for t in b.outputs})
-    session = create_session(_exposed(qdq, names), "disabled")
+    session = create_session(exposed(qdq, names), "disabled")
     scales = {k: torch.tensor(v, dtype=torch.float64) for k, v in program.scale_values.items()}
     weights = program.fixed_weights()
     for sample in calib[:3]:

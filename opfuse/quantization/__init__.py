@@ -5,12 +5,15 @@
 
 Files, in pipeline order: ``calibration.py`` (what ``--calibration`` reads),
 ``presets.py`` (cpu, per-tensor, qnn, as data), ``qdq.py`` (preparing the float model,
-ONNX Runtime's quantiser, reading the QDQ graph), ``ranges.py`` (each tensor's range by
+ONNX Runtime's quantiser), ``layers.py`` (the one index over a QDQ graph and its float model
+that every step reads), ``ranges.py`` (each tensor's range by
 its own round-trip error: ``--calibrate auto``), ``adaround.py`` (layer-wise weight
 rounding), ``bias_correction.py`` (empirical, per output channel), ``trials.py`` (one
 candidate model: QDQ, AdaRound, bias correction), ``search.py`` (the exact sensitivity
 ranking and the monotone mixed-precision search, with pluggable runner and keep action),
-``sqnr.py`` (per-layer and output SQNR), ``pipeline.py`` (the steps in order:
+``sqnr.py`` (per-layer and output SQNR), ``reconstruction.py`` with ``qdq_program.py`` (block
+reconstruction in torch) on the interpreter ``torch_ops.py``, ``torch_nn_ops.py`` and
+``torch_ops_common.py``, ``pipeline.py`` (the steps in order:
 :func:`quantize`), ``report.py`` (the quantisation table). Cross-layer
 equalisation is a rewrite like the folds: :mod:`opfuse.passes.equalize`.
 

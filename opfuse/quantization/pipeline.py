@@ -79,7 +79,8 @@ from opfuse.pipeline import optimize, run_passes
 from opfuse.quantization.bias_correction import compute_corrections, select_corrections
 from opfuse.quantization.calibration import CalibrationSource, check_runs, constant_across, load_calibration, split
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
-from opfuse.quantization.qdq import CALIBRATION_METHODS, Quantizer, prepare, qdq_layers, weight_storage
+from opfuse.quantization.layers import qdq_layers
+from opfuse.quantization.qdq import CALIBRATION_METHODS, Quantizer, prepare, weight_storage
 from opfuse.quantization.report import LayerRow, QuantReport, QuantVerification, ReconstructionFacts
 from opfuse.quantization.search import KEEP_ACTIONS, Judge, Runner, monotone_search
 from opfuse.quantization.sqnr import INFINITE, layer_costs, layer_pairs, measure, output_sqnr

@@ -12,7 +12,7 @@ as many QDQ models as the mixed-precision search asks for, each keeping a differ
 of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``, with 16-bit
 activations (tensor overrides).
 
-How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers`):
+How ONNX Runtime's QDQ graph relates to the float one (read by :class:`.layers.QdqLayers`):
 
 - every quantised node keeps its name and op; its float inputs come from
   DequantizeLinear nodes and its outputs go to QuantizeLinear nodes;
@@ -25,11 +25,10 @@ How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers
 
 from __future__ import annotations
 
-__all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS",
+__all__ = ["prepare", "Quantizer", "weight_storage", "WEIGHTED_OPS",
            "CALIBRATION_METHODS", "SampleReader", "qnn_types"]
 
 import contextlib
-import dataclasses
 import io
 import logging
 import pathlib
@@ -43,12 +42,13 @@ from onnx import numpy_helper
 from onnxruntime import quantization as ortq
 
 from opfuse.errors import BadInputError
+from opfuse.quantization.layers import QDQ_OPS, removed_activations
 from opfuse.quantization.presets import Preset
+from opfuse.quantization.ranges import search_ranges
 from opfuse.vocabulary import ONNX_DOMAINS, WEIGHTED_OPS, first_line
 
 logger = logging.getLogger(__name__)
 
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
 def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, list[str]]:
@@ -273,10 +273,7 @@ class Quantizer:
     def _search_ranges(self) -> None:
         """The auto cache: MinMax's ranges (a first quantisation writes them), each tensor's
         clipping range then chosen by its own round-trip error."""
-        # ranges imports sqnr, which imports this module: loaded on first use
-        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
-
-        from opfuse.quantization.ranges import search_ranges  # (the same cycle)
+        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data  # (only the auto cache)
 
         method = self.method
         self.method = "minmax"
@@ -353,7 +350,7 @@ def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx
     applied again, a copy of the float model's node. Q/DQ pairs nothing reads any more go.
     """
     producer = {o: n for n in model.graph.node for o in n.output}
-    removed = _removed_activations(model, float_model)
+    removed = removed_activations(model, float_model)
     float_inits = {i.name: i for i in float_model.graph.initializer}
     have = {i.name for i in model.graph.initializer}
     copies: dict[str, str] = {}
@@ -380,7 +377,6 @@ def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx
     _drop_unread_qdq(model)
 
 
-REMOVABLE_ACTIVATIONS = ("Relu", "Clip")  # what ONNX Runtime's QDQ quantiser folds into a Q's range
 
 
 def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.ModelProto) -> None:
@@ -394,7 +390,7 @@ def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.Model
     any main-graph node other than the QuantizeLinear still reading it, read a copy of the
     float model's activation instead.
     """
-    removed = _removed_activations(model, float_model)
+    removed = removed_activations(model, float_model)
     if not removed:
         return
     readers = [(n, i) for n in model.graph.node if n.op_type != "QuantizeLinear"
@@ -412,18 +408,6 @@ def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.Model
             copies[source] = _activation_copy(model, removed[source], source, float_inits, have, suffix="activated")
         node.input[index] = copies[source].output[0]
     _insert_after_inputs(model, list(copies.values()))
-
-
-def _removed_activations(model: onnx.ModelProto, float_model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
-    """Tensor of ``model`` -> the float model's Relu/Clip that ONNX Runtime's quantiser removed
-    after the layer computing it. The layer's output takes the activation's name, or, when
-    that is a graph output (which a DequantizeLinear then writes), a name of the quantiser's
-    own; either way it is the output of the node named as the layer was."""
-    float_producer = {o: n for n in float_model.graph.node for o in n.output}
-    present = {n.name for n in model.graph.node}
-    layer_of = {float_producer[a.input[0]].name: a for a in float_model.graph.node
-                if a.op_type in REMOVABLE_ACTIVATIONS and a.name not in present and a.input[0] in float_producer}
-    return {n.output[0]: layer_of[n.name] for n in model.graph.node if n.name in layer_of and n.output}
 
 
 def _subgraphs(graph: onnx.GraphProto):
@@ -476,82 +460,6 @@ def _drop_unread_qdq(model: onnx.ModelProto) -> None:
     kept = [i for i in model.graph.initializer if i.name in read]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
-
-
-# -- reading the QDQ graph -------------------------------------------------------------------
-
-@dataclasses.dataclass
-class QdqLayer:
-    """A quantised node of the QDQ model and where its values live in both models."""
-
-    name: str
-    op_type: str
-    inputs: list[tuple[str, str]]  # (float-model tensor, QDQ-model tensor) per activation input
-    outputs: list[tuple[str, str]]  # (float-model tensor, QDQ-model tensor the next layer sees)
-
-
-def qdq_layers(float_model: onnx.ModelProto, qdq: onnx.ModelProto, also: Iterable[str] = ()) -> list[QdqLayer]:
-    """Every non-Q/DQ node of ``qdq`` that reads or writes a quantised tensor (and the
-    nodes named in ``also``, the layers kept out of int8), in graph order.
-
-    A tensor is compared only where both models hold the same values: where the quantiser
-    removed an activation, the conv's output carries the activation's name but not its
-    values (the producers' op types differ), so only its DequantizeLinear output counts.
-    """
-    also = set(also)
-    float_producer = {o: n.op_type for n in float_model.graph.node for o in n.output}
-    float_values = _value_names(float_model)
-    producer = {o: n for n in qdq.graph.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in qdq.graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    initializers = {i.name for i in qdq.graph.initializer}
-
-    def same_values(name: str) -> bool:
-        made = producer.get(name)
-        return name in float_values and (made is None or float_producer.get(name, made.op_type) == made.op_type)
-
-    layers = []
-    for node in qdq.graph.node:
-        if node.op_type in QDQ_OPS or node.domain not in ONNX_DOMAINS:
-            continue
-        ins, outs, quantised = [], [], node.name in also
-        for name in node.input:
-            if not name or name in initializers:
-                continue
-            dq = producer.get(name)
-            if dq is not None and dq.op_type == "DequantizeLinear":
-                quantised = True
-                if dq.input[0] in initializers:
-                    continue  # a weight or bias
-                q = producer.get(dq.input[0])
-                source = q.input[0] if q is not None and q.op_type == "QuantizeLinear" else None
-                if source in float_values:
-                    ins.append((source, name))
-            elif same_values(name):
-                ins.append((name, name))
-        for name in node.output:
-            q = next((c for c in consumers.get(name, []) if c.op_type == "QuantizeLinear"), None)
-            dq = next((c for c in consumers.get(q.output[0], []) if c.op_type == "DequantizeLinear"), None) if q else None
-            if dq is not None:
-                quantised = True
-                # a graph output keeps its name on the DequantizeLinear ("y_QuantizeLinear_Input" -> Q -> DQ -> "y")
-                float_name = name if name in float_values else dq.output[0]
-                if float_name in float_values:
-                    outs.append((float_name, dq.output[0]))
-            elif same_values(name):
-                outs.append((name, name))
-        if quantised:
-            layers.append(QdqLayer(node.name, node.op_type, ins, outs))
-    return layers
-
-
-def _value_names(model: onnx.ModelProto) -> set[str]:
-    names = {i.name for i in model.graph.input}
-    for node in model.graph.node:
-        names.update(o for o in node.output if o)
-    return names
 
 
 def weight_storage(float_model: onnx.ModelProto, qdq: onnx.ModelProto) -> tuple[int, int]:
