@@ -26,7 +26,7 @@ How ONNX Runtime's QDQ graph relates to the float one (read by :class:`.layers.Q
 from __future__ import annotations
 
 __all__ = ["prepare", "Quantizer", "weight_storage", "WEIGHTED_OPS",
-           "CALIBRATION_METHODS", "SampleReader", "qnn_types"]
+           "CALIBRATION_METHODS", "SampleReader"]
 
 import contextlib
 import io
@@ -195,16 +195,6 @@ class SampleReader(ortq.CalibrationDataReader):
 
 
 # --calibrate: how activation ranges are read off the calibration data
-ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
-WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8}  # Preset.weight
-
-
-def qnn_types(preset: Preset) -> dict:
-    """``get_qnn_qdq_config``'s type arguments for a QNN ``preset``: its activation and weight
-    types, and per-channel weights symmetric (QNN's int8 per-channel form)."""
-    return dict(activation_type=ACTIVATION_TYPES[preset.activation], weight_type=WEIGHT_TYPES[preset.weight],
-                per_channel=preset.per_channel, weight_symmetric=True if preset.per_channel else None)
-
 CALIBRATION_METHODS = {
     "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
     "percentile": (ortq.CalibrationMethod.Percentile, {"CalibPercentile": 99.99}),  # clips the rarest 0.01%
@@ -291,25 +281,12 @@ class Quantizer:
         reader = SampleReader(self.samples) if not self.cache.exists() else None
         sixteen = keep if keep_as == "int16" else []
         excluded = keep if keep_as == "float" else []
-        if preset.qnn:
-            from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (QNN helpers load only for this preset)
-
-            overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(sixteen)}
-            if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
-                overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
-                                  for name in self._layernorm_constants()})
-            method, extra = CALIBRATION_METHODS[self.method]
-            config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
-                                        calibrate_method=method, init_overrides=overrides or None,
-                                        **qnn_types(preset))
-            return dict(
-                calibration_data_reader=reader, quant_format=config.quant_format,
-                activation_type=config.activation_type, weight_type=config.weight_type,
-                op_types_to_quantize=config.op_types_to_quantize,
-                nodes_to_exclude=[*(config.nodes_to_exclude or []), *excluded],
-                per_channel=config.per_channel, calibrate_method=config.calibrate_method,
-                extra_options={**config.extra_options, **extra},
-            )
+        method, extra = CALIBRATION_METHODS[self.method]
+        device = preset.device()
+        if device is not None:  # the device's own conventions (for qnn: get_qnn_qdq_config)
+            return device.quantizer_config(self.float_path, self.float_model, preset, reader=reader,
+                                           sample_reader=SampleReader(self.samples), method=method, extra=extra,
+                                           sixteen=self._outputs_of(sixteen), excluded=excluded)
         return dict(
             calibration_data_reader=reader,
             quant_format=ortq.QuantFormat.QDQ,
@@ -323,15 +300,6 @@ class Quantizer:
                            **({"TensorQuantOverrides": {t: [{"quant_type": ortq.QuantType.QUInt16}]
                                                         for t in self._outputs_of(sixteen)}} if sixteen else {})},
         )
-
-    def _layernorm_constants(self) -> list[str]:
-        """LayerNormalization's scale and bias initializers: with ``per_channel``, ONNX Runtime's
-        quantiser gives them per-channel scales, whose DequantizeLinear QNN's HTP refuses ("Failed
-        to add node"; ViT and BERT then split into 5 partitions). ``get_qnn_qdq_config`` gives
-        MatMul's weights per-tensor overrides for the same reason, not LayerNormalization's."""
-        inits = {i.name for i in self.float_model.graph.initializer}
-        return sorted({name for n in self.float_model.graph.node if n.op_type == "LayerNormalization"
-                       for name in n.input[1:3] if name in inits})
 
     def _outputs_of(self, names: list[str]) -> list[str]:
         wanted = set(names)

@@ -90,9 +90,10 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from opfuse.quantization.options import RECONSTRUCTION_ITERATIONS
 from opfuse.quantization.qdq_program import Block, FloatProgram, QdqProgram
 
-ITERATIONS = 300
+ITERATIONS = RECONSTRUCTION_ITERATIONS  # the default of QuantizeOptions.reconstruction_iterations
 PER_STEP = 4  # samples per Adam step
 SAMPLES = 48  # tuning samples used at most
 LEARNING_RATE = 3e-3  # V
@@ -145,7 +146,7 @@ def apply_reconstruction(qdq: onnx.ModelProto, result: Reconstruction) -> None:
             tensor.CopyFrom(numpy_helper.from_array(result.values[tensor.name], tensor.name))
 
 
-def estimated_seconds(float_model: onnx.ModelProto, sample) -> tuple[float | None, str]:
+def estimated_seconds(float_model: onnx.ModelProto, sample, iterations: int = ITERATIONS) -> tuple[float | None, str]:
     """What :func:`reconstruct` will take, counted rather than timed (so that the answer does
     not depend on the machine's load): per step and sample, the float model's
     multiply-accumulates at :data:`MACS_PER_SECOND` plus :data:`SECONDS_PER_NODE` a node.
@@ -158,7 +159,7 @@ def estimated_seconds(float_model: onnx.ModelProto, sample) -> tuple[float | Non
     with torch.no_grad():
         macs = reference.multiply_accumulates(sample)
     per_pass = macs / MACS_PER_SECOND + len(reference.functions) * SECONDS_PER_NODE
-    return per_pass * PER_STEP * ITERATIONS, ""
+    return per_pass * PER_STEP * iterations, ""
 
 
 def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples, *, seed: int = 0,
