@@ -79,6 +79,8 @@ class QuantizeOptions:
     @classmethod
     def of(cls, options: QuantizeOptions | None, keywords: dict) -> QuantizeOptions:
         """``options`` with ``keywords`` replacing its fields (an unknown keyword: TypeError)."""
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"quantize() takes its options as a QuantizeOptions or as keywords, not {options!r}")
         unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"quantize() got an unexpected keyword argument {unknown[0]!r}")

@@ -339,7 +339,8 @@ def _static_from_samples(work: ir.Model, samples, dims):
 
     given = resolve_dims(work, dims)
     read = {k: v for k, v in dims_from_samples(work, samples).items() if k not in given}
-    sources = [f"--dim ({', '.join(given)})"] * bool(given) + [f"the calibration samples' shapes ({', '.join(read)})"] * bool(read)
+    sources = ([f"--dim ({', '.join(given)})"] * bool(given)
+               + [f"the calibration samples' shapes ({', '.join(read)})"] * bool(read))
     work, static = make_static(work, {**read, **given}, source="; ".join(sources) or "nothing")
     return work, static
 

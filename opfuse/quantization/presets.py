@@ -27,10 +27,10 @@ run in float between a DequantizeLinear and a QuantizeLinear: a few more kernels
 block, measured in the int8 rows of ``opfuse bench``.
 ``qnn-a16`` calibrates with MinMax when ``--calibrate`` is ``auto``: auto's per-tensor search
 judges a range by its 8-bit round trip (:mod:`.ranges`), which is not what a 16-bit tensor
-loses. ``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float. Per-channel weights need
-DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants opset 11 or later
-(:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly layer in
-int8 weights with 16-bit activations instead of leaving it in float.
+loses. ``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float.
+Per-channel weights need DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants
+opset 11 or later (:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly
+layer in int8 weights with 16-bit activations instead of leaving it in float.
 
 ``per-tensor`` also equalises the conv pairs first (:mod:`opfuse.passes.equalize`) and rounds
 each layer with AdaRound (:mod:`.adaround`, which chooses the layer's weight scale too) in place

@@ -155,7 +155,8 @@ class AdaRoundTrial:
             rounded = _copy(trial.qdq)
             apply_rounding(rounded, rounding)
             with_db = maker.judge(rounded)
-            facts.adaround, facts.adaround_sqnr_db, facts.rounding = with_db > without_db, (without_db, with_db), rounding
+            facts.adaround, facts.adaround_sqnr_db = with_db > without_db, (without_db, with_db)
+            facts.rounding = rounding
             trial.judged = with_db if facts.adaround else without_db
         if facts.adaround:
             apply_rounding(trial.qdq, rounding)
