@@ -358,19 +358,19 @@ def _bench(args) -> int:
 
 
 def _quantize(args) -> int:
-    from opfuse.quantization.pipeline import quantize  # onnx, ONNX Runtime's quantiser: per command
+    from opfuse.quantization.pipeline import QuantizeOptions, quantize  # onnx, ONNX Runtime's quantiser: per command
 
     start = time.perf_counter()
-    _, report = quantize(
-        args.input, args.calibration, preset=args.preset, equalize=args.equalize, min_sqnr=args.min_sqnr,
-        bias_correction=not args.no_bias_correction, adaround=args.adaround, reconstruct={"on": True, "off": False}.get(args.reconstruct, "auto"),
-        calibrate=args.calibrate,
-        holdout=args.holdout,
-        max_steps=args.max_steps,
+    options = QuantizeOptions(
+        preset=args.preset, equalize=args.equalize, min_sqnr=args.min_sqnr,
+        bias_correction=not args.no_bias_correction, adaround=args.adaround,
+        reconstruct={"on": True, "off": False}.get(args.reconstruct, "auto"), calibrate=args.calibrate,
+        holdout=args.holdout, max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
         dims=dict(args.dim), constant_inputs=_constant_inputs(args.constant_input),
         require_npu=args.require_npu, htp_options=dict(args.htp), context=args.context,
     )
+    _, report = quantize(args.input, args.calibration, options)
     return _print_result(args, report, print_quant_report, time.perf_counter() - start)
 
 

@@ -1,4 +1,10 @@
-"""pytest fixtures. The helpers for building and running graphs are in ``graphs.py``."""
+"""pytest fixtures. The helpers for building and running graphs are in ``graphs.py``.
+
+``quantize``'s default (``reconstruct="auto"``) runs block reconstruction, which takes seconds
+on the graphs built here and minutes on the built-in models: a test of another step asks for
+``reconstruct=False`` (``--reconstruct off``) in its own call, and the tests of reconstruction
+set ``reconstruction_budget_s`` and ``reconstruction_iterations`` where they need to.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +22,3 @@ def tmp_model(tmp_path):
         return path
 
     return save
-
-
-@pytest.fixture(autouse=True)
-def _no_reconstruction_by_default(monkeypatch):
-    """``quantize``'s default (``reconstruct="auto"``) runs block reconstruction, which takes
-    seconds even on the graphs built here and minutes on the built-in models: tests of other
-    steps run without it (a budget of 0 s), and tests of it ask for it or set the budget."""
-    from opfuse.quantization import pipeline
-
-    monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 0)

@@ -501,7 +501,19 @@ def test_profile_summary_is_the_median_per_op_type_over_runs():
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_end_to_end_on_a_tiny_builtin(tmp_path, capsys):
+@pytest.fixture
+def int8_rows_without_reconstruction(monkeypatch):
+    """The bench's int8 rows quantise with opfuse.quantize's defaults, block reconstruction
+    included (minutes on a built-in model); these tests of the rows ask for it off."""
+    import functools
+
+    import opfuse.bench.int8
+    from opfuse.quantization.pipeline import quantize
+
+    monkeypatch.setattr(opfuse.bench.int8, "quantize", functools.partial(quantize, reconstruct=False))
+
+
+def test_bench_end_to_end_on_a_tiny_builtin(tmp_path, capsys, int8_rows_without_reconstruction):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", "--model", "resnet18", "--image-size", "64", "--reps", "2", "--quick",
                "--runtime-levels", "all", "--hardware", "npu-chapter,npu-small",
@@ -569,7 +581,7 @@ def test_bench_a_model_file_with_a_symbolic_batch(tmp_model, capsys):
     assert rows["none"]["traffic"]["per_node"][0]["activation_read"] == 2 * 768  # batch bound to 2
 
 
-def test_bench_int8_rows_for_a_model_file(tmp_model, capsys):
+def test_bench_int8_rows_for_a_model_file(tmp_model, capsys, int8_rows_without_reconstruction):
     path = tmp_model(conv_bn_relu_symbolic())
     rc = main(["bench", str(path), "--int8", "--reps", "2", "--quick", "--runtime-levels", "none",
                "--configs", "conv-bn", "--json", "-"])

@@ -277,11 +277,12 @@ def test_quantize_drops_the_bound_input_from_samples_that_carry_its_value(tmp_pa
     source, out, data = tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "calib.npz"
     onnx.save(sr_model(), source)
     _calibration(data, [16000] * 6)
-    assert main(["quantize", str(source), "-o", str(out), "--calibration", str(data),
+    assert main(["quantize", "--reconstruct", "off", str(source), "-o", str(out), "--calibration", str(data),
                  "--constant-input", "sr=16000", "-q"]) == 0
     written = onnx.load(out)
     assert [i.name for i in written.graph.input] == ["x"] and "If" not in [n.op_type for n in written.graph.node]
-    assert main(["quantize", str(source), "-o", str(tmp_path / "r.onnx"), "--calibration", "random:6",
+    assert main(["quantize", "--reconstruct", "off", str(source), "-o", str(tmp_path / "r.onnx"), "--calibration",
+                 "random:6",
                  "--constant-input", "sr=8000", "-q"]) == 0  # random:N draws no sr
 
 
@@ -289,7 +290,7 @@ def test_quantize_refuses_a_sample_with_another_value_of_the_bound_input(tmp_pat
     source, out, data = tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "calib.npz"
     onnx.save(sr_model(), source)
     _calibration(data, [16000, 16000, 8000, 16000, 16000, 16000])
-    assert main(["quantize", str(source), "-o", str(out), "--calibration", str(data),
+    assert main(["quantize", "--reconstruct", "off", str(source), "-o", str(out), "--calibration", str(data),
                  "--constant-input", "sr=16000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sample 2 has sr=8000, but --constant-input binds it to 16000" in err[0], err
@@ -341,12 +342,12 @@ def test_on_the_htp_the_if_falls_back_until_sr_is_bound():
 @needs_htp
 def test_quantize_names_the_value_every_calibration_sample_has():
     samples = [{"x": x_feed(i), "sr": np.array(16000, np.int64)} for i in range(4)]
-    _, report = quantize(sr_model(), samples, preset="qnn", holdout=1)
+    _, report = quantize(sr_model(), samples, preset="qnn", holdout=1, reconstruct=False)
     fixes = {f.fix for f in report.device.placement.fallbacks}
     assert fixes and all("--constant-input sr=16000 (the value every calibration sample has)" in f for f in fixes)
     on_cpu = len(report.device.placement.cpu)  # the verification's figure says it is not the NPU's alone
     assert on_cpu and f"with {on_cpu} node(s) on ONNX Runtime's CPU" in report.verification.runtime
     _, report = quantize(sr_model(), samples, preset="qnn", holdout=1, constant_inputs={"sr": 16000},
-                         require_npu=True)
+                         require_npu=True, reconstruct=False)
     assert report.device.placement.all_on_npu and report.device.strict
     assert report.verification.runtime.startswith("QNN HTP backend") and "CPU" not in report.verification.runtime

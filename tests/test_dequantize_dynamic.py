@@ -283,7 +283,7 @@ def test_quantize_dequantises_first_quantises_and_reports_the_distance_to_the_sh
 
     shipped = _dynamic(tmp_path, _float_model())
     samples = [_x(10 + i) for i in range(12)]
-    q, report = quantize(shipped, samples, holdout=4)
+    q, report = quantize(shipped, samples, holdout=4, reconstruct=False)
     assert report.quantize_linear > 0 and not report.nothing_quantised
     assert not [n for n in q.graph if (row := integer_op(n)) is not None and row.dynamic]
     note = next(n for n in report.notes if n.startswith("the model shipped dynamic int8"))
@@ -317,7 +317,8 @@ def test_on_qnn_the_shipped_model_splits_and_the_dequantised_quantised_one_runs_
     assert refused["DynamicQuantizeLSTM"].startswith("Operators of type `DynamicQuantizeLSTM` are not supported by QNN EP")
     older = {f.op_type for f in open_session(_older_quantiser_conv(False)).placement.fallbacks}
     assert older == {"DynamicQuantizeLinear", "ConvInteger"}
-    q, report = quantize(shipped, [_x(20 + i) for i in range(8)], preset="qnn", holdout=2, require_npu=True)
+    q, report = quantize(shipped, [_x(20 + i) for i in range(8)], preset="qnn", holdout=2, require_npu=True,
+                         reconstruct=False)
     assert report.device.placement.all_on_npu and report.device.strict
     assert "LSTM" in {n.op_type for n in q.graph} and report.quantize_linear > 0
     assert any(n.startswith("the model shipped dynamic int8 (1 ConvInteger") for n in report.notes)
@@ -334,7 +335,7 @@ def test_quantize_says_so_when_none_of_the_dynamic_int8_is_in_a_form_it_dequanti
     acc = next(n.output[0] for n in shipped.graph.node if n.op_type == "ConvInteger")
     shipped.graph.node.append(helper.make_node("Cast", [acc], ["spy"], to=TensorProto.FLOAT, name="spy"))
     shipped.graph.output.append(vinfo("spy", [1, 4, 2, 6]))
-    q, report = quantize(shipped, [_x(30 + i) for i in range(8)], holdout=2)
+    q, report = quantize(shipped, [_x(30 + i) for i in range(8)], holdout=2, reconstruct=False)
     assert ("the model shipped dynamic int8 (1 ConvInteger), and none of it is in a form opfuse dequantises "
             "(the fusion log's refusals say why): it is quantised as it is") in report.notes
     assert report.shipped_sqnr_db is None and any(n.op_type == "ConvInteger" for n in q.graph)

@@ -184,7 +184,7 @@ OWN_RULES = {
     ("quantization/presets.py", "CPU_OPS"): "what a preset quantises (a policy)",
     ("quantization/bias_correction.py", frozenset({"Conv", "Gemm"})): "the layers its correction supports",
     ("quantization/qdq.py", frozenset({"Conv", "Gemm"})): "the layers that get a zero bias to correct",
-    ("quantization/qdq.py", frozenset({"Relu", "Clip"})): "ops ONNX Runtime's quantiser folds into a range",
+    ("quantization/layers.py", frozenset({"Relu", "Clip"})): "ops ONNX Runtime's quantiser folds into a range",
     ("quantization/sqnr.py", "CHANNEL_FIRST"): "ops measured per channel on axis 1",
     ("quantization/torch_ops.py", "_REDUCTIONS"): "the reductions its torch interpreter implements",
     ("inputs.py", "*"): "how generated inputs follow their consumers",

@@ -193,15 +193,14 @@ def test_reconstruction_on_the_qnn_preset_searches_the_scales_and_is_judged_on_t
     m = conv_then("Relu", size=6)
     r = np.random.default_rng(4)
     samples = [{"x": r.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
-    import opfuse.quantization.pipeline as pipeline
+    from opfuse.quantization.presets import QNN_FIT_FACTOR
 
-    monkeypatch.setattr(reconstruction, "estimated_seconds", lambda *a: (200.0, ""))
+    monkeypatch.setattr(reconstruction, "estimated_seconds", lambda *a, **k: (200.0, ""))
     q, report = quantize(m, samples, preset="qnn", holdout=2)  # by default: over the budget once multiplied
-    assert report.reconstruction is None and any(f"it would take about {200 * pipeline.QNN_FIT_FACTOR / 60:.0f} min"
+    assert report.reconstruction is None and any(f"it would take about {200 * QNN_FIT_FACTOR / 60:.0f} min"
                                                  in n for n in report.notes)
     assert report.calibration == "auto"  # no search to leave the clipping to
-    monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 200 * pipeline.QNN_FIT_FACTOR)
-    q, report = quantize(m, samples, preset="qnn", holdout=2)
+    q, report = quantize(m, samples, preset="qnn", holdout=2, reconstruction_budget_s=200 * QNN_FIT_FACTOR)
     # the search judges each scale by its block's output: it starts from MinMax, not auto's clipping
     assert report.calibration == "minmax" and any("starts from MinMax ranges" in n for n in report.notes)
     facts = report.reconstruction
@@ -239,7 +238,7 @@ def _on_the_htp(model, presets, tmp_path, shape=(1, 3, 6, 6)):
     samples = [{model.graph.input[0].name: r.normal(0, 1, shape).astype(np.float32)} for _ in range(8)]
     for preset in presets:
         _, report = quantize(model, samples, preset=preset, holdout=2, require_npu=True,
-                             output=tmp_path / f"{preset}.onnx")
+                             output=tmp_path / f"{preset}.onnx", reconstruct=False)
         assert report.device.placement.all_on_npu and report.device.strict
         yield preset, onnx.load(tmp_path / f"{preset}.onnx"), report
 

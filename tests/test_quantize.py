@@ -65,8 +65,8 @@ def test_npz_with_a_sample_axis_and_a_directory_give_the_same_model(tmp_path):
     (tmp_path / "dir").mkdir()
     for i, s in enumerate(data):
         np.savez(tmp_path / "dir" / f"{i:03d}.npz", **s)
-    a, ra = opfuse.quantize(small_net(), npz(tmp_path / "c.npz", data))
-    b, rb = opfuse.quantize(small_net(), str(tmp_path / "dir"))
+    a, ra = opfuse.quantize(small_net(), npz(tmp_path / "c.npz", data), reconstruct=False)
+    b, rb = opfuse.quantize(small_net(), str(tmp_path / "dir"), reconstruct=False)
     pa, pb = onnx.ModelProto(), onnx.ModelProto()
     from onnx_ir import serde
 
@@ -92,7 +92,8 @@ def test_bad_calibration_data_is_one_line_exit_2_nothing_written(tmp_path, capsy
     src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
     onnx.save(small_net(), src)
     np.savez(tmp_path / "bad.npz", **bad)
-    code = main(["quantize", str(src), "-o", str(out), "--calibration", str(tmp_path / "bad.npz"), "-q"])
+    code = main(["quantize", "--reconstruct", "off", str(src), "-o", str(out), "--calibration",
+                 str(tmp_path / "bad.npz"), "-q"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "m.onnx"]
@@ -103,14 +104,15 @@ def test_missing_or_unreadable_calibration_file(tmp_path, capsys):
     onnx.save(small_net(), src)
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     for data, message in ((tmp_path / "nope.npz", "no such calibration"), (tmp_path / "junk.npz", "not a readable")):
-        assert main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration", str(data)]) == 2
+        assert main(["quantize", "--reconstruct", "off", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration",
+                     str(data)]) == 2
         assert message in capsys.readouterr().err
     with pytest.raises(BadInputError, match="one mapping"):
-        opfuse.quantize(small_net(), samples(1)[0])
+        opfuse.quantize(small_net(), samples(1)[0], reconstruct=False)
 
 
 def test_random_calibration_warns_it_is_for_smoke_tests():
-    _, report = opfuse.quantize(small_net(), "random:6")
+    _, report = opfuse.quantize(small_net(), "random:6", reconstruct=False)
     assert any("smoke test only" in n for n in report.notes)
     assert report.calibration_samples + report.verification.samples == 6
 
@@ -150,7 +152,7 @@ def test_paddles_question_mark_dims_are_each_their_own():
 # -- the pipeline ------------------------------------------------------------------------------
 
 def test_folds_first_then_quantises_every_weight_once():
-    q, report = opfuse.quantize(small_net(), samples())
+    q, report = opfuse.quantize(small_net(), samples(), reconstruct=False)
     proto = opfuse.quantize.__globals__["ir"].serde.serialize_model(q)
     assert "BatchNormalization" not in ops(proto)
     assert len(report.fusion.applied("Conv+BatchNormalization")) == 3
@@ -165,7 +167,7 @@ def test_folds_first_then_quantises_every_weight_once():
 
 def test_opset_upgrade_for_per_channel_weights():
     """Paddle's models are opset 11/12; per-channel DequantizeLinear needs axis (opset 13)."""
-    q, report = opfuse.quantize(small_net(opset=11), samples())
+    q, report = opfuse.quantize(small_net(opset=11), samples(), reconstruct=False)
     proto = opfuse.quantize.__globals__["ir"].serde.serialize_model(q)
     assert next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) >= 13
     axes = [a.i for n in proto.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute if a.name == "axis"]
@@ -173,7 +175,7 @@ def test_opset_upgrade_for_per_channel_weights():
     assert any("opset upgraded 11 -> 13" in n for n in report.notes)
     onnx.checker.check_model(proto)
     create_session(proto, "all").run(None, samples(1)[0])
-    _, per_tensor = opfuse.quantize(small_net(opset=11), samples(), preset="per-tensor")
+    _, per_tensor = opfuse.quantize(small_net(opset=11), samples(), preset="per-tensor", reconstruct=False)
     assert not any("opset upgraded" in n for n in per_tensor.notes)
 
 
@@ -184,12 +186,12 @@ def strict_json(path):
 def test_mixed_precision_keeps_the_worst_layer_in_float(tmp_path):
     net = small_net(outlier_conv=1)
     _, plain = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False, equalize=False,
-                               adaround=False)  # (the preset's equalisation and AdaRound would mend the outlier)
+                               adaround=False, reconstruct=False)  # (equalisation and AdaRound would mend the outlier)
     worst = plain.costliest(1)[0]
     assert worst.name == "conv1", [(r.name, r.own_sqnr_db) for r in plain.costliest(3)]
     target = plain.verification.sqnr_db + 6
     q, report = opfuse.quantize(net, samples(), preset="per-tensor", bias_correction=False, min_sqnr=target,
-                                equalize=False, adaround=False, report_path=tmp_path / "r.json")
+                                equalize=False, adaround=False, report_path=tmp_path / "r.json", reconstruct=False)
     kept = report.kept()
     assert kept and kept[0].name == "conv1" and kept[0].precision == "float"
     assert "keeping it alone raised the tuning output SQNR" in kept[0].reason
@@ -223,8 +225,8 @@ def test_bias_correction_lowers_the_mean_error():
         errors = [session.run(None, s)[0] - ref for s, ref in zip(data, reference)]
         return float(np.abs(np.mean(errors, axis=(0, 1, 3, 4))).mean())
 
-    plain, _ = opfuse.quantize(net, data, preset="per-tensor", bias_correction=False)
-    corrected, report = opfuse.quantize(net, data, preset="per-tensor")
+    plain, _ = opfuse.quantize(net, data, preset="per-tensor", bias_correction=False, reconstruct=False)
+    corrected, report = opfuse.quantize(net, data, preset="per-tensor", reconstruct=False)
     assert report.bias_corrected == 1
     before, after = report.bias_sqnr_db
     assert after > before
@@ -232,7 +234,7 @@ def test_bias_correction_lowers_the_mean_error():
 
 
 def test_equalize_runs_before_quantising_and_is_exact_in_float():
-    _, report = opfuse.quantize(small_net(), samples(), preset="per-tensor", equalize=True)
+    _, report = opfuse.quantize(small_net(), samples(), preset="per-tensor", equalize=True, reconstruct=False)
     assert "equalize" in report.fusion.passes
     assert report.fusion.verification.ok  # the folded and equalised float model, checked as any rewrite
 
@@ -246,7 +248,7 @@ def test_metric_drives_the_search_and_is_reported():
         same = [np.argmax(session.run(None, s)[0]) == np.argmax(reference.run(None, s)[0]) for s in data]
         return float(np.mean(same))
 
-    _, report = opfuse.quantize(net, data, preset="per-tensor", metric=agreement, min_metric=1.0)
+    _, report = opfuse.quantize(net, data, preset="per-tensor", metric=agreement, min_metric=1.0, reconstruct=False)
     assert report.verification.metric == 1.0 and report.verification.ok
     assert report.search[-1].metric == 1.0
 
@@ -256,7 +258,8 @@ def test_metric_drives_the_search_and_is_reported():
 def test_below_min_sqnr_exits_1_writes_only_the_report(tmp_path, capsys):
     src, out, rep = tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "r.json"
     onnx.save(small_net(outlier_conv=1), src)
-    code = main(["quantize", str(src), "-o", str(out), "--calibration", npz(tmp_path / "c.npz", samples()),
+    code = main(["quantize", "--reconstruct", "off", str(src), "-o", str(out), "--calibration",
+                 npz(tmp_path / "c.npz", samples()),
                  "--preset", "per-tensor", "--min-sqnr", "150", "--max-steps", "1", "--report", str(rep)])
     err = capsys.readouterr().err
     assert code == 1 and not out.exists()
@@ -265,14 +268,16 @@ def test_below_min_sqnr_exits_1_writes_only_the_report(tmp_path, capsys):
     data = json.loads(rep.read_text())
     assert data["verification"]["ok"] is False and data["layers"]
     with pytest.raises(VerificationError):
-        opfuse.quantize(small_net(outlier_conv=1), samples(), preset="per-tensor", min_sqnr=150, max_steps=0)
+        opfuse.quantize(small_net(outlier_conv=1), samples(), preset="per-tensor", min_sqnr=150, max_steps=0,
+                        reconstruct=False)
 
 
 @pytest.mark.parametrize("preset", ["cpu", "per-tensor", "qnn"])
 def test_cli_writes_a_model_onnx_runtime_runs(tmp_path, capsys, preset):
     src, out, rep = tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "r.json"
     onnx.save(small_net(), src)
-    code = main(["quantize", str(src), "-o", str(out), "--calibration", npz(tmp_path / "c.npz", samples()),
+    code = main(["quantize", "--reconstruct", "off", str(src), "-o", str(out), "--calibration",
+                 npz(tmp_path / "c.npz", samples()),
                  "--preset", preset, "--report", str(rep)])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -299,7 +304,8 @@ def test_the_per_tensor_preset_equalises_and_rounds_by_adaround_unless_told_not_
     for label, flags in (("default", []), ("without", ["--no-equalize", "--no-adaround"])):
         rep = tmp_path / f"{label}.json"
         code = main(["quantize", str(src), "-o", str(tmp_path / f"{label}.onnx"), "--calibration", calib,
-                     "--preset", "per-tensor", "--report", str(rep), *flags])
+                     "--preset", "per-tensor", "--report", str(rep), *flags,
+                     *(["--reconstruct", "off"] if flags else [])])  # (by default AdaRound: no reconstruction)
         assert code == 0, capsys.readouterr().err
         runs[label] = json.loads(rep.read_text())
     default, without = runs["default"], runs["without"]
@@ -320,7 +326,7 @@ def test_calibration_auto_chooses_each_tensors_range_and_beats_one_method_for_al
     sqnr = {}
     for method in ("auto", "minmax", "percentile"):
         _, report = opfuse.quantize(small_net(), data, holdout=4, calibrate=method, adaround=False,
-                                    bias_correction=False)
+                                    bias_correction=False, reconstruct=False)
         assert report.calibration == method
         sqnr[method] = report.verification.sqnr_db
         if method == "auto":
@@ -329,7 +335,7 @@ def test_calibration_auto_chooses_each_tensors_range_and_beats_one_method_for_al
             assert not report.range_kinds
     assert sqnr["auto"] > max(sqnr["minmax"], sqnr["percentile"]) + 0.5, sqnr
     with pytest.raises(BadInputError, match="unknown calibration method"):
-        opfuse.quantize(small_net(), data, calibrate="median")
+        opfuse.quantize(small_net(), data, calibrate="median", reconstruct=False)
 
 
 def test_a_model_computing_inside_if_branches_says_nothing_was_quantised_and_keeps_stderr_quiet(tmp_path, capfd):
@@ -350,7 +356,8 @@ def test_a_model_computing_inside_if_branches_says_nothing_was_quantised_and_kee
     data = [{"x": r.normal(size=(1, 3, 8, 8)).astype(np.float32), "z": r.normal(size=(1, 4, 8, 8)).astype(np.float32),
              "flag": np.array(True)} for _ in range(6)]
     np.savez(tmp_path / "c.npz", **{k: np.stack([d[k] for d in data]) for k in data[0]})
-    assert main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration", str(tmp_path / "c.npz"),
+    assert main(["quantize", "--reconstruct", "off", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration",
+                 str(tmp_path / "c.npz"),
                  "--report", str(tmp_path / "r.json")]) == 0
     out, err = capfd.readouterr()
     assert "nothing was quantised" in out and "If and Loop bodies" in out
@@ -378,7 +385,7 @@ def test_a_branch_reading_a_relu_the_quantiser_removed_still_reads_its_output(tm
     net = model(nodes, [vinfo("x", [1, 3, 6, 6]), vinfo("flag", [], TensorProto.BOOL)],
                 [vinfo("y", [1, 4, 6, 6]), vinfo("z", [1, 4, 6, 6])], inits)
     data = [{"x": r.normal(size=(1, 3, 6, 6)).astype(np.float32), "flag": np.array(True)} for _ in range(8)]
-    q, report = opfuse.quantize(net, data, holdout=2)
+    q, report = opfuse.quantize(net, data, holdout=2, reconstruct=False)
     assert report.quantize_linear > 0
     assert report.verification.sqnr_db > 25, report.verification.outputs
     import onnx_ir as ir
@@ -431,7 +438,8 @@ def test_a_named_dimension_has_one_size_per_sample(tmp_path, capsys):
     (tmp_path / "d").mkdir()
     for i in range(4):
         np.savez(tmp_path / "d" / f"{i}.npz", a=np.ones((1, 6), np.float32), b=np.ones((1, 6 if i != 2 else 5), np.float32))
-    assert main(["quantize", str(src), "-o", str(out), "--calibration", str(tmp_path / "d")]) == 2
+    assert main(["quantize", "--reconstruct", "off", str(src), "-o", str(out), "--calibration",
+                 str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sample 2" in err[0] and "dimension 'n' is 6" in err[0], err
     assert not out.exists()
@@ -445,7 +453,8 @@ def test_a_sample_the_model_cannot_run_on_is_named_before_any_work(tmp_path, cap
     (tmp_path / "d").mkdir()
     for i, d in enumerate(data):
         np.savez(tmp_path / "d" / f"{i}.npz", **d)
-    assert main(["quantize", str(src), "-o", str(out), "--calibration", str(tmp_path / "d")]) == 2
+    assert main(["quantize", "--reconstruct", "off", str(src), "-o", str(out), "--calibration",
+                 str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "calibration sample 3: ONNX Runtime cannot run the model" in err[0], err
     assert not out.exists()
@@ -457,7 +466,7 @@ def test_a_missing_output_directory_is_refused_before_any_work(tmp_path, capsys)
     data = npz(tmp_path / "c.npz", samples(4))
     for args in (["-o", str(tmp_path / "no" / "q.onnx")],
                  ["-o", str(tmp_path / "q.onnx"), "--report", str(tmp_path / "no" / "r.json")]):
-        assert main(["quantize", str(src), "--calibration", data, *args]) == 2
+        assert main(["quantize", "--reconstruct", "off", str(src), "--calibration", data, *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "directory does not exist" in err[0], err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "m.onnx"]
@@ -488,10 +497,10 @@ def test_reports_are_strict_json():
 def test_a_low_output_sqnr_without_a_target_suggests_min_sqnr(monkeypatch):
     import opfuse.quantization.pipeline as qp
 
-    _, fine = opfuse.quantize(small_net(), samples())
+    _, fine = opfuse.quantize(small_net(), samples(), reconstruct=False)
     assert not any("--min-sqnr" in n for n in fine.notes)
     monkeypatch.setattr(qp, "LOW_SQNR_DB", 1000)  # every result counts as low
-    _, low = opfuse.quantize(small_net(), samples())
+    _, low = opfuse.quantize(small_net(), samples(), reconstruct=False)
     assert any("is low" in n and "--min-sqnr" in n for n in low.notes)
-    _, targeted = opfuse.quantize(small_net(), samples(), min_sqnr=5)  # the user chose a target
+    _, targeted = opfuse.quantize(small_net(), samples(), min_sqnr=5, reconstruct=False)  # the user chose a target
     assert not any("is low" in n for n in targeted.notes)

@@ -200,7 +200,7 @@ def test_the_search_never_accepts_a_step_that_lowers_the_measured_sqnr(tmp_path)
     net = small_net(outlier_conv=1)
     with pytest.raises(VerificationError) as failed:
         opfuse.quantize(net, samples(20), preset="per-tensor", min_sqnr=90, max_steps=4, adaround=False,
-                        equalize=False, report_path=tmp_path / "r.json")
+                        equalize=False, report_path=tmp_path / "r.json", reconstruct=False)
     report = failed.value.report
     assert report.ranking and all(r.kept_before >= 0 for r in report.ranking)
     assert report.tuning_samples + report.check_samples == report.calibration_samples
@@ -252,7 +252,8 @@ def test_the_keep_action_and_the_runner_are_pluggable():
         return [session.run(None, s) for s in feeds]
 
     with pytest.raises(VerificationError) as failed:
-        opfuse.quantize(net, data, preset="qnn", min_sqnr=90, max_steps=2, runner=runner, adaround=False)
+        opfuse.quantize(net, data, preset="qnn", min_sqnr=90, max_steps=2, runner=runner, adaround=False,
+                        reconstruct=False)
     report = failed.value.report
     assert report.search_stopped.startswith("it took its 2 steps (max_steps); with ")
     assert "the search stopped: it took its 2 steps" in str(failed.value)
@@ -277,7 +278,8 @@ def test_a_held_out_sqnr_under_3_db_without_a_target_exits_1_with_the_report(tmp
     src, calib = tmp_path / "m.onnx", tmp_path / "c.npz"
     onnx.save(cancelling_net(), src)
     np.savez(calib, x=rng(1).normal(0, 1, (8, 1, 3, 8, 8)).astype(np.float32))
-    rc = main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration", str(calib),
+    rc = main(["quantize", "--reconstruct", "off", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration",
+               str(calib),
                "--report", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert rc == 1 and not (tmp_path / "q.onnx").exists() and (tmp_path / "r.json").exists()
@@ -317,7 +319,7 @@ def test_a_model_quantised_before_by_ort_is_not_a_cycle_any_more(kept):
     and the model runs; where it is dequantised first, no such tensor is left to clash."""
     net = dynamic_int8_net(kept)
     data = [{"x": x} for x in rng(2).normal(0, 1, (12, 4, 8)).astype(np.float32)]
-    q, report = opfuse.quantize(net, data, adaround=False)
+    q, report = opfuse.quantize(net, data, adaround=False, reconstruct=False)
     assert any("Graph is not a DAG" in n and "renamed" in n for n in report.notes) == kept
     assert any(n.startswith("the model shipped dynamic int8 (1 MatMulInteger)") for n in report.notes)
     import onnx_ir as ir
@@ -340,10 +342,11 @@ def test_nothing_quantised_is_said_in_those_words_not_as_200_db(tmp_path, capsys
     src, calib = tmp_path / "m.onnx", tmp_path / "c.npz"
     onnx.save(net, src)
     np.savez(calib, x=r.normal(0, 1, (8, 4, 8)).astype(np.float32))
-    assert main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration", str(calib), "-q"]) == 0
+    assert main(["quantize", "--reconstruct", "off", str(src), "-o", str(tmp_path / "q.onnx"), "--calibration",
+                 str(calib), "-q"]) == 0
     out = capsys.readouterr().out
     assert "nothing was quantised" in out and "200" not in out
-    _, report = opfuse.quantize(net, str(calib))
+    _, report = opfuse.quantize(net, str(calib), reconstruct=False)
     data = report.to_dict()
     assert data["summary"]["output_sqnr_db"] is None and data["summary"]["nothing_quantised"]
     assert data["verification"]["sqnr_db"] is None and data["verification"]["outputs_equal_float"]

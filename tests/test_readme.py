@@ -6,8 +6,10 @@ with a symbolic batch (:func:`opfuse.models.build`), ``calib.npz`` 32 samples of
 the layout ``--calibration`` reads, and every other file a fresh path under ``tmp_path``. The
 examples in :data:`ON_A_SMALL_GRAPH` run on a two-conv graph instead (Conv+BN+Relu+Conv+BN,
 8 channels, 16x16), each with its reason: what they fit takes minutes on ResNet-18.
-The commands run in process (``opfuse.cli.main``), so the suite's default of no block
-reconstruction applies to them as to every other quantize test. Each must exit 0, and each
+The commands run in process (``opfuse.cli.main``); a quantize example that does not name
+``--reconstruct`` runs with ``--reconstruct off`` appended, as every quantize test of another
+step asks (block reconstruction takes minutes on ResNet-18; ``tests/test_reconstruction.py``
+runs the default path end to end on a small graph). Each must exit 0, and each
 ``-o`` file must exist and be a valid model. Examples that cannot run here are in
 :data:`PARSED_ONLY`, each with its reason: argparse must accept them, which is all the README
 can promise without running them.
@@ -97,6 +99,8 @@ def _substituted(command: str, files: dict, tmp_path: pathlib.Path) -> tuple[lis
             if i > 0 and words[i - 1] in ("-o", "--output"):
                 outputs.append(pathlib.Path(word))
         args.append(word)
+    if args[0] == "quantize" and "--reconstruct" not in args:
+        args += ["--reconstruct", "off"]  # (module docstring)
     return args, outputs
 
 

@@ -22,7 +22,8 @@ from opfuse.quantization.presets import PRESETS
 from opfuse.quantization.qdq import Quantizer, prepare
 from opfuse.quantization.qdq_program import QdqProgram
 from opfuse.quantization.reconstruction import apply_reconstruction, reconstruct
-from opfuse.quantization.sqnr import OutputReference, _exposed
+from opfuse.quantization.layers import exposed
+from opfuse.quantization.sqnr import OutputReference
 from opfuse.runtime import create_session
 from test_quantize_accuracy import smooth
 
@@ -104,7 +105,7 @@ def test_the_torch_program_computes_what_onnx_runtime_computes_for_the_qdq_model
     assert len(blocks) >= 2 and not program.stopped
     assert {layer for b in blocks for layer in b.layers} == {"conv0", "dw", "se1", "se2", "pw", "conv2", "fc"}
     names = sorted({t for b in blocks for t in b.outputs})
-    session = create_session(_exposed(qdq, names), "disabled")
+    session = create_session(exposed(qdq, names), "disabled")
     scales = {k: torch.tensor(v, dtype=torch.float64) for k, v in program.scale_values.items()}
     weights = program.fixed_weights()
     for sample in calib[:3]:
@@ -259,19 +260,19 @@ def test_reconstruct_without_torch_is_one_line_exit_2(tmp_path, capsys, monkeypa
     assert not (tmp_path / "q.onnx").exists()
 
 
-def test_by_default_it_runs_within_its_budget_and_says_why_not_beyond(monkeypatch):
+def test_by_default_it_runs_within_its_budget_and_says_why_not_beyond():
     """``reconstruct="auto"``: run when the estimated time fits the budget, otherwise a note
     with the estimate and how to run it anyway; not where AdaRound rounds the weights (the
     per-tensor preset's default), which the note says."""
-    from opfuse.quantization import pipeline
-
     calib = data(12, 1)
-    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor", adaround=False)
+    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor", adaround=False,
+                                reconstruction_budget_s=0)
     assert report.reconstruction is None
     assert any("block reconstruction did not run: it would take about" in n and "--reconstruct on" in n
                for n in report.notes)
-    monkeypatch.setattr(pipeline, "RECONSTRUCTION_BUDGET_S", 3600)
-    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor", adaround=False)
+    assert {"step": "reconstruction", "ran": False, "reason": report.notes[-1]} in report.steps
+    _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor", adaround=False,
+                                reconstruction_budget_s=3600, reconstruction_iterations=60)
     assert report.reconstruction is not None and report.reconstruction.layers == 7
     assert not any("block reconstruction did not run" in n for n in report.notes)
     _, report = opfuse.quantize(residual_net(seed=2), calib, preset="per-tensor")
@@ -279,4 +280,28 @@ def test_by_default_it_runs_within_its_budget_and_says_why_not_beyond(monkeypatc
     assert any("block reconstruction did not run: AdaRound rounds the weights" in n for n in report.notes)
 
 
+def test_the_default_path_runs_block_reconstruction_end_to_end():
+    """``opfuse.quantize(model, samples)`` with nothing else (reconstruct="auto", the cpu preset,
+    the default budget and iterations) on a small graph: the steps run in the preset's order,
+    block reconstruction among them, and the result is judged on the held-out samples, which
+    no step saw: its SQNR recomputed here from the written model with ONNX Runtime."""
+    calib = data(16, 1)
+    q, report = opfuse.quantize(residual_net(seed=2), calib)
+    assert [s["step"] for s in report.steps] == ["ranges", "bias-correction", "mixed-precision", "reconstruction"]
+    assert all(s["ran"] for s in report.steps), report.steps
+    facts = report.reconstruction
+    assert facts is not None and facts.layers == 7 and facts.blocks
+    before, after = facts.sqnr_db
+    assert facts.kept == (after > before)
+    from onnx_ir import serde
+
+    proto = serde.serialize_model(q)
+    held = calib[-report.verification.samples:]
+    ref, got = create_session(residual_net(seed=2), "disabled"), create_session(proto, "all")
+    f = [ref.run(None, s)[0].astype(np.float64) for s in held]
+    g = [got.run(None, s)[0].astype(np.float64) for s in held]
+    signal = sum(float((a ** 2).sum()) for a in f)
+    noise = sum(float(((a - b) ** 2).sum()) for a, b in zip(f, g))
+    assert abs(report.verification.sqnr_db - 10 * np.log10(signal / noise)) < 1e-2
+    assert report.verification.ok
 

@@ -11,7 +11,9 @@ ONNX Runtime as a plugin execution provider. This package owns:
   knows for each reason;
 - :mod:`.runner` - running samples on the HTP (outputs, SQNR against float and against
   ONNX Runtime's CPU QDQ);
-- :mod:`.context` - the compiled model as an EPContext ONNX (``--context FILE``).
+- :mod:`.compile` - the compile step and the EPContext model (``--context FILE``);
+- :mod:`.conventions` - how ONNX Runtime's quantiser is configured for the HTP;
+- :mod:`.device` - the interface both pipelines reach the HTP through (``Target.device``).
 
 The target as data (what QNN runs as one op, what must be unfused) is
 :mod:`opfuse.targets.qnn`.

@@ -90,7 +90,7 @@ def quantize_like_qnn_flow(model: onnx.ModelProto, samples=None, *, overrides=No
             onnx.save(model, src)
             types = {}
             if preset is not None:
-                from opfuse.quantization.qdq import qnn_types  # (the quantiser: heavy, on use)
+                from opfuse.qnn.conventions import qnn_types  # (the quantiser: heavy, on use)
 
                 types = qnn_types(preset)  # as opfuse's Quantizer passes them
             config = get_qnn_qdq_config(src, Reader(), init_overrides=overrides, **types)

@@ -67,7 +67,7 @@ from onnx import numpy_helper
 
 from opfuse.activations import clamp_of, read_activation
 from opfuse.analyse import opset_of
-from opfuse.quantization.sqnr import QdqIndex, _exposed
+from opfuse.quantization.layers import QdqLayers, exposed
 from opfuse.quantization.weight_ranges import choose_factors, layer_error
 from opfuse.runtime import create_session
 from opfuse.vocabulary import ONNX_DOMAINS, weight_spec
@@ -131,107 +131,113 @@ class _Site:
     to_own: object  # [groups, out/group, K] -> the weight's own layout
 
 
-def _sites(float_model: onnx.ModelProto, qdq: onnx.ModelProto, skipped: dict[str, str]) -> list[_Site]:
-    index = QdqIndex(float_model, qdq)
-    inits, float_inits, producer, float_nodes = index.inits, index.float_inits, index.producer, index.float_nodes
-    const = index.const
-    readers: dict[str, int] = {}
-    for node in qdq.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    clamps = _clamps(float_model)
-
+def weight_sites(layers: QdqLayers, skipped: dict[str, str]) -> list[_Site]:
+    """The layers whose int8 weight AdaRound (and the block reconstruction) can learn, read from
+    the index; each layer it cannot handle named in ``skipped`` with the reason."""
+    clamps = _clamps(layers.float_model)
     sites = []
-    for node in qdq.graph.node:
+    for node in layers.qdq.graph.node:
         spec = weight_spec(node) if node.domain in ONNX_DOMAINS else None
-        original = float_nodes.get(node.name)
+        original = layers.float_nodes.get(node.name)
         if spec is None or original is None or len(node.input) <= spec.weight:
             continue
-        dq = producer.get(node.input[spec.weight])
-        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+        dq = layers.producer.get(node.input[spec.weight])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in layers.inits:
             continue  # not an int8 weight (kept in float, or an activation)
-        layout = spec.layout[::-1] if spec.transposed_by and _attr(node, spec.transposed_by, 0) else spec.layout
-        float_w = float_inits.get(original.input[spec.weight])
-        if layout not in ("oihw", "kn", "nk") or float_w is None:
-            skipped[node.name] = f"{node.op_type} weight layout {layout} is not handled" if float_w is not None \
-                else "its float weight is not an initializer"
+        why = _unhandled(layers, node, original, spec, dq)
+        if why:
+            skipped[node.name] = why
             continue
-        if spec.weight != 1 or not original.input[0] or original.input[0] in float_inits:
-            skipped[node.name] = "its activation input is not the first input"
+        site = _weight_site(layers, node, original, spec, dq, clamps.get(original.name))
+        if isinstance(site, str):
+            skipped[node.name] = site
             continue
-        if readers.get(node.input[spec.weight], 0) != 1 or dq.input[1] not in inits:
-            skipped[node.name] = "its quantised weight is shared with another layer"
-            continue
-        if node.op_type == "Conv" and node.attribute and any(
-                a.name == "auto_pad" and a.s not in (b"NOTSET", b"VALID") for a in node.attribute):
-            skipped[node.name] = "auto_pad SAME is not handled"
-            continue
-        trans_a = bool(_attr(original, "transA", 0)) if node.op_type == "Gemm" else False
-        q = const(dq.input[0])
-        scale = const(dq.input[1]).astype(np.float64)
-        zero = const(dq.input[2]).astype(np.float64) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
-        axis = _attr(dq, "axis", 1)
-        w = numpy_helper.to_array(float_w).astype(np.float64)
-        if w.shape != q.shape or (node.op_type != "Conv" and w.ndim != 2):
-            skipped[node.name] = "its weight is not a 2-D matrix" if w.ndim != 2 else "weight shapes differ"
-            continue
-        per_channel = scale.size > 1
-        if per_channel:
-            shape = [1] * w.ndim
-            shape[axis % w.ndim] = -1
-            scale, zero = scale.reshape(shape), zero.reshape(shape)
-        scale, zero = np.broadcast_to(scale, w.shape), np.broadcast_to(zero, w.shape)
-        info = np.iinfo(q.dtype)
-        conv = None
-        if node.op_type == "Conv":
-            group = _attr(original, "group", 1)
-            out = w.shape[0]
-            spatial = w.ndim - 2
-            conv = {"kernel": w.shape[2:], "group": group,
-                    "strides": _ints(original, "strides", [1] * spatial),
-                    "dilations": _ints(original, "dilations", [1] * spatial),
-                    "pads": _ints(original, "pads", [0] * (2 * spatial))}
-
-            def to_groups(a, group=group, out=out):
-                return a.reshape(group, out // group, -1)
-
-            def to_own(a, shape=w.shape):
-                return a.reshape(shape)
-        elif layout == "kn":
-            def to_groups(a):
-                return a.T[None]
-
-            def to_own(a):
-                return a[0].T
-        else:  # nk
-            def to_groups(a):
-                return a[None]
-
-            def to_own(a):
-                return a[0]
-        x_scale = None
-        dq_x = producer.get(node.input[0])
-        q_x = producer.get(dq_x.input[0]) if dq_x is not None and dq_x.op_type == "DequantizeLinear" else None
-        if q_x is not None and q_x.op_type == "QuantizeLinear":
-            xs = const(q_x.input[1])
-            if xs is None or xs.size != 1:
-                skipped[node.name] = "its input is not quantised per tensor"
-                continue
-            x_scale = float(xs.reshape(()))
-        groups = to_groups(w)
-        bias = np.zeros(groups.shape[:2] + (1,))
-        bias_initializers = None
-        b_name = original.input[spec.bias] if spec.bias is not None and len(original.input) > spec.bias else ""
-        if b_name in float_inits:
-            bias = numpy_helper.to_array(float_inits[b_name]).astype(np.float64).reshape(groups.shape[:2] + (1,))
-            dq_b = producer.get(node.input[spec.bias]) if len(node.input) > spec.bias else None
-            if dq_b is not None and dq_b.op_type == "DequantizeLinear" and dq_b.input[0] in inits \
-                    and dq_b.input[1] in inits and readers.get(node.input[spec.bias], 0) == 1:
-                bias_initializers = (dq_b.input[0], dq_b.input[1])
-        sites.append(_Site(node.name, node.input[0], original.output[0], clamps.get(original.name), bias, x_scale,
-                           conv, trans_a, groups, to_groups(scale), to_groups(zero), (int(info.min), int(info.max)),
-                           per_channel, dq.input[0], dq.input[1], bias_initializers, q.dtype, to_groups, to_own))
+        sites.append(site)
     return sites
+
+
+def _layout(node: onnx.NodeProto, spec) -> str:
+    return spec.layout[::-1] if spec.transposed_by and _attr(node, spec.transposed_by, 0) else spec.layout
+
+
+def _unhandled(layers: QdqLayers, node, original, spec, dq) -> str:
+    """Why AdaRound cannot take this layer ("": it can)."""
+    float_w = layers.float_inits.get(original.input[spec.weight])
+    layout = _layout(node, spec)
+    if layout not in ("oihw", "kn", "nk") or float_w is None:
+        return f"{node.op_type} weight layout {layout} is not handled" if float_w is not None \
+            else "its float weight is not an initializer"
+    if spec.weight != 1 or not original.input[0] or original.input[0] in layers.float_inits:
+        return "its activation input is not the first input"
+    if layers.readers(node.input[spec.weight]) != 1 or dq.input[1] not in layers.inits:
+        return "its quantised weight is shared with another layer"
+    if node.op_type == "Conv" and node.attribute and any(
+            a.name == "auto_pad" and a.s not in (b"NOTSET", b"VALID") for a in node.attribute):
+        return "auto_pad SAME is not handled"
+    return ""
+
+
+def _weight_site(layers: QdqLayers, node, original, spec, dq, clamp) -> _Site | str:
+    """The site of a layer :func:`_unhandled` passed, or why its weight or input does not fit."""
+    const = layers.const
+    trans_a = bool(_attr(original, "transA", 0)) if node.op_type == "Gemm" else False
+    q = const(dq.input[0])
+    scale = const(dq.input[1]).astype(np.float64)
+    zero = const(dq.input[2]).astype(np.float64) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
+    axis = _attr(dq, "axis", 1)
+    w = numpy_helper.to_array(layers.float_inits[original.input[spec.weight]]).astype(np.float64)
+    if w.shape != q.shape or (node.op_type != "Conv" and w.ndim != 2):
+        return "its weight is not a 2-D matrix" if w.ndim != 2 else "weight shapes differ"
+    per_channel = scale.size > 1
+    if per_channel:
+        shape = [1] * w.ndim
+        shape[axis % w.ndim] = -1
+        scale, zero = scale.reshape(shape), zero.reshape(shape)
+    scale, zero = np.broadcast_to(scale, w.shape), np.broadcast_to(zero, w.shape)
+    info = np.iinfo(q.dtype)
+    conv, to_groups, to_own = _group_maps(node, original, w, _layout(node, spec))
+    x_scale = None
+    q_x = layers.input_quantizer(node)
+    if q_x is not None:
+        xs = const(q_x.input[1])
+        if xs is None or xs.size != 1:
+            return "its input is not quantised per tensor"
+        x_scale = float(xs.reshape(()))
+    groups = to_groups(w)
+    bias, bias_initializers = _bias(layers, node, original, spec, groups.shape[:2] + (1,))
+    return _Site(node.name, node.input[0], original.output[0], clamp, bias, x_scale, conv, trans_a, groups,
+                 to_groups(scale), to_groups(zero), (int(info.min), int(info.max)), per_channel, dq.input[0],
+                 dq.input[1], bias_initializers, q.dtype, to_groups, to_own)
+
+
+def _group_maps(node, original, w: np.ndarray, layout: str):
+    """(the Conv's attributes or None, own layout -> [groups, out/group, K], and back)."""
+    if node.op_type == "Conv":
+        group = _attr(original, "group", 1)
+        out = w.shape[0]
+        spatial = w.ndim - 2
+        conv = {"kernel": w.shape[2:], "group": group,
+                "strides": _ints(original, "strides", [1] * spatial),
+                "dilations": _ints(original, "dilations", [1] * spatial),
+                "pads": _ints(original, "pads", [0] * (2 * spatial))}
+        return conv, (lambda a: a.reshape(group, out // group, -1)), (lambda a, shape=w.shape: a.reshape(shape))
+    if layout == "kn":
+        return None, (lambda a: a.T[None]), (lambda a: a[0].T)
+    return None, (lambda a: a[None]), (lambda a: a[0])  # nk
+
+
+def _bias(layers: QdqLayers, node, original, spec, shape) -> tuple[np.ndarray, tuple[str, str] | None]:
+    """(the float bias as ``shape``, zeros without one; its int32 initializer and scale, when
+    this layer alone reads them)."""
+    b_name = original.input[spec.bias] if spec.bias is not None and len(original.input) > spec.bias else ""
+    if b_name not in layers.float_inits:
+        return np.zeros(shape), None
+    bias = numpy_helper.to_array(layers.float_inits[b_name]).astype(np.float64).reshape(shape)
+    dq_b = layers.producer.get(node.input[spec.bias]) if len(node.input) > spec.bias else None
+    if dq_b is not None and dq_b.op_type == "DequantizeLinear" and dq_b.input[0] in layers.inits \
+            and dq_b.input[1] in layers.inits and layers.readers(node.input[spec.bias]) == 1:
+        return bias, (dq_b.input[0], dq_b.input[1])
+    return bias, None
 
 
 def _clamps(float_model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
@@ -307,7 +313,7 @@ class _Data:
 def _layer_data(site: _Site, work: onnx.ModelProto, float_session, samples, rng) -> _Data:
     """The layer's input in the QDQ model ``work`` and its float target, at a fixed random
     subset of positions per sample; the last :data:`CHECK_SHARE` of the samples are the check."""
-    session = create_session(_exposed(work, [site.x]), "disabled")
+    session = create_session(exposed(work, [site.x]), "disabled")
     per_sample = -(-POSITIONS // len(samples))
     xs, ts = [], []
     for sample in samples:
@@ -372,7 +378,7 @@ def _optimise(site: _Site, scale: np.ndarray, data: _Data, nearest: np.ndarray, 
     return np.where(free, base + (h >= 0.5), nearest)
 
 
-def _values(site: _Site, index: QdqIndex, integers: np.ndarray, factors: np.ndarray) -> dict[str, np.ndarray]:
+def _values(site: _Site, index: QdqLayers, integers: np.ndarray, factors: np.ndarray) -> dict[str, np.ndarray]:
     """The initializers that write ``integers`` at the weight scale times ``factors``."""
     out = {site.initializer: site.to_own(np.clip(integers + site.zero, *site.levels)).astype(site.dtype)}
     if np.all(factors == 1.0):
@@ -400,11 +406,11 @@ def adaround_layers(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples,
     earlier result is applied as it was found)."""
     cache = {} if cache is None else cache
     skipped: dict[str, str] = {}
-    sites = _sites(float_model, qdq, skipped)
+    sites = weight_sites(QdqLayers(float_model, qdq), skipped)
     samples = [dict(s) for s in list(samples)[:SAMPLES]]
     work = onnx.ModelProto()
     work.CopyFrom(qdq)
-    index = QdqIndex(float_model, work)
+    index = QdqLayers(float_model, work)
     keys = {s.name: (s.name, s.x_scale, s.scale.tobytes(), s.zero.tobytes()) for s in sites}
     float_session = None
     rng = np.random.default_rng(0)
@@ -412,7 +418,7 @@ def adaround_layers(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples,
     for site in sites:
         if keys[site.name] not in cache:
             if float_session is None:
-                float_session = create_session(_exposed(float_model, [s.y for s in sites]), "disabled")
+                float_session = create_session(exposed(float_model, [s.y for s in sites]), "disabled")
             cache[keys[site.name]] = _one_layer(site, work, index, float_session, samples, rng)
         values, result = cache[keys[site.name]]
         results.append(result)
@@ -422,7 +428,7 @@ def adaround_layers(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples,
     return Rounding(weights, results, skipped)
 
 
-def _one_layer(site: _Site, work: onnx.ModelProto, index: QdqIndex, float_session, samples, rng):
+def _one_layer(site: _Site, work: onnx.ModelProto, index: QdqLayers, float_session, samples, rng):
     data = _layer_data(site, work, float_session, samples, rng)
     x, t, b = data.check
     nearest = _integers(site.float_weight, site.scale, site.zero, site.levels)

@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.quantization.sqnr import QdqIndex, _exposed
+from opfuse.quantization.layers import QdqLayers, exposed
 from opfuse.runtime import create_session
 
 CORRECTABLE = ("Conv", "Gemm")
@@ -67,39 +67,21 @@ class _Site:
     float_bias: np.ndarray
 
 
-def _sites(float_model: onnx.ModelProto, qdq: onnx.ModelProto, skipped: dict[str, str]) -> list[_Site]:
-    index = QdqIndex(float_model, qdq)
-    inits, float_inits, producer, float_nodes = index.inits, index.float_inits, index.producer, index.float_nodes
-    const = index.const
-
-    def dequantised(name):
-        dq = producer.get(name)
-        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
-            return None
-        q = const(dq.input[0]).astype(np.float64)
-        scale = const(dq.input[1]).astype(np.float64)
-        zero = const(dq.input[2]).astype(np.float64) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
-        axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-        if scale.ndim == 1 and scale.size > 1:
-            shape = [1] * q.ndim
-            shape[axis] = -1
-            scale, zero = scale.reshape(shape), zero.reshape(shape)
-        return (q - zero) * scale, dq
-
+def _sites(layers: QdqLayers, skipped: dict[str, str]) -> list[_Site]:
+    const, inits, float_inits = layers.const, layers.inits, layers.float_inits
     sites = []
-    for node in qdq.graph.node:
+    for node in layers.qdq.graph.node:
         if node.op_type not in CORRECTABLE:
             continue
-        float_node = float_nodes.get(node.name)
+        float_node = layers.float_nodes.get(node.name)
         if float_node is None or float_node.input[0] in float_inits:
             continue
         if len(node.input) < 3 or not node.input[2]:
             skipped[node.name] = "no bias to correct"
             continue
-        dq_x = producer.get(node.input[0])
-        q_x = producer.get(dq_x.input[0]) if dq_x is not None and dq_x.op_type == "DequantizeLinear" else None
-        w, b = dequantised(node.input[1]), dequantised(node.input[2])
-        if q_x is None or q_x.op_type != "QuantizeLinear" or w is None or b is None:
+        q_x = layers.input_quantizer(node)
+        w, b = layers.dequantised(node.input[1]), layers.dequantised(node.input[2])
+        if q_x is None or w is None or b is None:
             skipped[node.name] = "its input, weight or bias is not quantised"
             continue
         x_scale, x_zero = const(q_x.input[1]), const(q_x.input[2]) if len(q_x.input) > 2 else None
@@ -133,11 +115,11 @@ def _fake_quant(x: np.ndarray, scale: float, zero: int, dtype: np.dtype) -> np.n
 def compute_corrections(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples) -> BiasCorrection:
     """Per-channel mean errors of every correctable layer, from the calibration samples."""
     skipped: dict[str, str] = {}
-    sites = _sites(float_model, qdq, skipped)
+    sites = _sites(QdqLayers(float_model, qdq), skipped)
     if not sites:
         return BiasCorrection({}, skipped)
     names = sorted({s.x for s in sites})
-    session = create_session(_exposed(float_model, names), "disabled")
+    session = create_session(exposed(float_model, names), "disabled")
     mean_x: dict[str, np.ndarray] = {}
     mean_xq: dict[str, np.ndarray] = {}
     count = 0

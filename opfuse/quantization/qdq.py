@@ -12,7 +12,7 @@ as many QDQ models as the mixed-precision search asks for, each keeping a differ
 of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``, with 16-bit
 activations (tensor overrides).
 
-How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers`):
+How ONNX Runtime's QDQ graph relates to the float one (read by :class:`.layers.QdqLayers`):
 
 - every quantised node keeps its name and op; its float inputs come from
   DequantizeLinear nodes and its outputs go to QuantizeLinear nodes;
@@ -25,11 +25,10 @@ How ONNX Runtime's QDQ graph relates to the float one (read by :func:`qdq_layers
 
 from __future__ import annotations
 
-__all__ = ["prepare", "Quantizer", "QdqLayer", "qdq_layers", "weight_storage", "WEIGHTED_OPS",
-           "CALIBRATION_METHODS", "SampleReader", "qnn_types"]
+__all__ = ["prepare", "Quantizer", "weight_storage", "WEIGHTED_OPS",
+           "CALIBRATION_METHODS", "SampleReader"]
 
 import contextlib
-import dataclasses
 import io
 import logging
 import pathlib
@@ -43,12 +42,13 @@ from onnx import numpy_helper
 from onnxruntime import quantization as ortq
 
 from opfuse.errors import BadInputError
+from opfuse.quantization.layers import QDQ_OPS, removed_activations
 from opfuse.quantization.presets import Preset
+from opfuse.quantization.ranges import search_ranges
 from opfuse.vocabulary import ONNX_DOMAINS, WEIGHTED_OPS, first_line
 
 logger = logging.getLogger(__name__)
 
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
 def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, list[str]]:
@@ -195,16 +195,6 @@ class SampleReader(ortq.CalibrationDataReader):
 
 
 # --calibrate: how activation ranges are read off the calibration data
-ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
-WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8}  # Preset.weight
-
-
-def qnn_types(preset: Preset) -> dict:
-    """``get_qnn_qdq_config``'s type arguments for a QNN ``preset``: its activation and weight
-    types, and per-channel weights symmetric (QNN's int8 per-channel form)."""
-    return dict(activation_type=ACTIVATION_TYPES[preset.activation], weight_type=WEIGHT_TYPES[preset.weight],
-                per_channel=preset.per_channel, weight_symmetric=True if preset.per_channel else None)
-
 CALIBRATION_METHODS = {
     "minmax": (ortq.CalibrationMethod.MinMax, {}),  # the full range seen: one outlier widens every step
     "percentile": (ortq.CalibrationMethod.Percentile, {"CalibPercentile": 99.99}),  # clips the rarest 0.01%
@@ -273,10 +263,7 @@ class Quantizer:
     def _search_ranges(self) -> None:
         """The auto cache: MinMax's ranges (a first quantisation writes them), each tensor's
         clipping range then chosen by its own round-trip error."""
-        # ranges imports sqnr, which imports this module: loaded on first use
-        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
-
-        from opfuse.quantization.ranges import search_ranges  # (the same cycle)
+        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data  # (only the auto cache)
 
         method = self.method
         self.method = "minmax"
@@ -294,25 +281,12 @@ class Quantizer:
         reader = SampleReader(self.samples) if not self.cache.exists() else None
         sixteen = keep if keep_as == "int16" else []
         excluded = keep if keep_as == "float" else []
-        if preset.qnn:
-            from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (QNN helpers load only for this preset)
-
-            overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(sixteen)}
-            if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
-                overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
-                                  for name in self._layernorm_constants()})
-            method, extra = CALIBRATION_METHODS[self.method]
-            config = get_qnn_qdq_config(str(self.float_path), reader or SampleReader(self.samples),
-                                        calibrate_method=method, init_overrides=overrides or None,
-                                        **qnn_types(preset))
-            return dict(
-                calibration_data_reader=reader, quant_format=config.quant_format,
-                activation_type=config.activation_type, weight_type=config.weight_type,
-                op_types_to_quantize=config.op_types_to_quantize,
-                nodes_to_exclude=[*(config.nodes_to_exclude or []), *excluded],
-                per_channel=config.per_channel, calibrate_method=config.calibrate_method,
-                extra_options={**config.extra_options, **extra},
-            )
+        method, extra = CALIBRATION_METHODS[self.method]
+        device = preset.device()
+        if device is not None:  # the device's own conventions (for qnn: get_qnn_qdq_config)
+            return device.quantizer_config(self.float_path, self.float_model, preset, reader=reader,
+                                           sample_reader=SampleReader(self.samples), method=method, extra=extra,
+                                           sixteen=self._outputs_of(sixteen), excluded=excluded)
         return dict(
             calibration_data_reader=reader,
             quant_format=ortq.QuantFormat.QDQ,
@@ -326,15 +300,6 @@ class Quantizer:
                            **({"TensorQuantOverrides": {t: [{"quant_type": ortq.QuantType.QUInt16}]
                                                         for t in self._outputs_of(sixteen)}} if sixteen else {})},
         )
-
-    def _layernorm_constants(self) -> list[str]:
-        """LayerNormalization's scale and bias initializers: with ``per_channel``, ONNX Runtime's
-        quantiser gives them per-channel scales, whose DequantizeLinear QNN's HTP refuses ("Failed
-        to add node"; ViT and BERT then split into 5 partitions). ``get_qnn_qdq_config`` gives
-        MatMul's weights per-tensor overrides for the same reason, not LayerNormalization's."""
-        inits = {i.name for i in self.float_model.graph.initializer}
-        return sorted({name for n in self.float_model.graph.node if n.op_type == "LayerNormalization"
-                       for name in n.input[1:3] if name in inits})
 
     def _outputs_of(self, names: list[str]) -> list[str]:
         wanted = set(names)
@@ -353,7 +318,7 @@ def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx
     applied again, a copy of the float model's node. Q/DQ pairs nothing reads any more go.
     """
     producer = {o: n for n in model.graph.node for o in n.output}
-    removed = _removed_activations(model, float_model)
+    removed = removed_activations(model, float_model)
     float_inits = {i.name: i for i in float_model.graph.initializer}
     have = {i.name for i in model.graph.initializer}
     copies: dict[str, str] = {}
@@ -380,7 +345,6 @@ def _read_float_inputs(model: onnx.ModelProto, keep: set[str], float_model: onnx
     _drop_unread_qdq(model)
 
 
-REMOVABLE_ACTIVATIONS = ("Relu", "Clip")  # what ONNX Runtime's QDQ quantiser folds into a Q's range
 
 
 def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.ModelProto) -> None:
@@ -394,7 +358,7 @@ def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.Model
     any main-graph node other than the QuantizeLinear still reading it, read a copy of the
     float model's activation instead.
     """
-    removed = _removed_activations(model, float_model)
+    removed = removed_activations(model, float_model)
     if not removed:
         return
     readers = [(n, i) for n in model.graph.node if n.op_type != "QuantizeLinear"
@@ -412,18 +376,6 @@ def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.Model
             copies[source] = _activation_copy(model, removed[source], source, float_inits, have, suffix="activated")
         node.input[index] = copies[source].output[0]
     _insert_after_inputs(model, list(copies.values()))
-
-
-def _removed_activations(model: onnx.ModelProto, float_model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
-    """Tensor of ``model`` -> the float model's Relu/Clip that ONNX Runtime's quantiser removed
-    after the layer computing it. The layer's output takes the activation's name, or, when
-    that is a graph output (which a DequantizeLinear then writes), a name of the quantiser's
-    own; either way it is the output of the node named as the layer was."""
-    float_producer = {o: n for n in float_model.graph.node for o in n.output}
-    present = {n.name for n in model.graph.node}
-    layer_of = {float_producer[a.input[0]].name: a for a in float_model.graph.node
-                if a.op_type in REMOVABLE_ACTIVATIONS and a.name not in present and a.input[0] in float_producer}
-    return {n.output[0]: layer_of[n.name] for n in model.graph.node if n.name in layer_of and n.output}
 
 
 def _subgraphs(graph: onnx.GraphProto):
@@ -476,82 +428,6 @@ def _drop_unread_qdq(model: onnx.ModelProto) -> None:
     kept = [i for i in model.graph.initializer if i.name in read]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
-
-
-# -- reading the QDQ graph -------------------------------------------------------------------
-
-@dataclasses.dataclass
-class QdqLayer:
-    """A quantised node of the QDQ model and where its values live in both models."""
-
-    name: str
-    op_type: str
-    inputs: list[tuple[str, str]]  # (float-model tensor, QDQ-model tensor) per activation input
-    outputs: list[tuple[str, str]]  # (float-model tensor, QDQ-model tensor the next layer sees)
-
-
-def qdq_layers(float_model: onnx.ModelProto, qdq: onnx.ModelProto, also: Iterable[str] = ()) -> list[QdqLayer]:
-    """Every non-Q/DQ node of ``qdq`` that reads or writes a quantised tensor (and the
-    nodes named in ``also``, the layers kept out of int8), in graph order.
-
-    A tensor is compared only where both models hold the same values: where the quantiser
-    removed an activation, the conv's output carries the activation's name but not its
-    values (the producers' op types differ), so only its DequantizeLinear output counts.
-    """
-    also = set(also)
-    float_producer = {o: n.op_type for n in float_model.graph.node for o in n.output}
-    float_values = _value_names(float_model)
-    producer = {o: n for n in qdq.graph.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in qdq.graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    initializers = {i.name for i in qdq.graph.initializer}
-
-    def same_values(name: str) -> bool:
-        made = producer.get(name)
-        return name in float_values and (made is None or float_producer.get(name, made.op_type) == made.op_type)
-
-    layers = []
-    for node in qdq.graph.node:
-        if node.op_type in QDQ_OPS or node.domain not in ONNX_DOMAINS:
-            continue
-        ins, outs, quantised = [], [], node.name in also
-        for name in node.input:
-            if not name or name in initializers:
-                continue
-            dq = producer.get(name)
-            if dq is not None and dq.op_type == "DequantizeLinear":
-                quantised = True
-                if dq.input[0] in initializers:
-                    continue  # a weight or bias
-                q = producer.get(dq.input[0])
-                source = q.input[0] if q is not None and q.op_type == "QuantizeLinear" else None
-                if source in float_values:
-                    ins.append((source, name))
-            elif same_values(name):
-                ins.append((name, name))
-        for name in node.output:
-            q = next((c for c in consumers.get(name, []) if c.op_type == "QuantizeLinear"), None)
-            dq = next((c for c in consumers.get(q.output[0], []) if c.op_type == "DequantizeLinear"), None) if q else None
-            if dq is not None:
-                quantised = True
-                # a graph output keeps its name on the DequantizeLinear ("y_QuantizeLinear_Input" -> Q -> DQ -> "y")
-                float_name = name if name in float_values else dq.output[0]
-                if float_name in float_values:
-                    outs.append((float_name, dq.output[0]))
-            elif same_values(name):
-                outs.append((name, name))
-        if quantised:
-            layers.append(QdqLayer(node.name, node.op_type, ins, outs))
-    return layers
-
-
-def _value_names(model: onnx.ModelProto) -> set[str]:
-    names = {i.name for i in model.graph.input}
-    for node in model.graph.node:
-        names.update(o for o in node.output if o)
-    return names
 
 
 def weight_storage(float_model: onnx.ModelProto, qdq: onnx.ModelProto) -> tuple[int, int]:

@@ -8,7 +8,7 @@ ONNX Runtime wrote it, fake-quantised, and the float model it was made from.
   DequantizeLinear that reads it passes that value on; a per-tensor scale is a learnable
   key, shared by the quantisers on both sides of an op that only moves values (the op
   table's INJECTIVE kind: Reshape, Transpose...) that ONNX Runtime gave one scale;
-- a learnable layer's weight DequantizeLinear (:func:`.adaround._sites`) reads the weight
+- a learnable layer's weight DequantizeLinear (:func:`.adaround.weight_sites`) reads the weight
   the caller passes; any other constant DequantizeLinear is its dequantised value;
 - the int32 bias of a layer whose input scale is learned is re-quantised to
   ``s_x * s_w`` as it will be written (straight through the rounding);
@@ -41,9 +41,9 @@ from onnx import helper, numpy_helper
 
 from opfuse.algebra import dequantize
 from opfuse.analyse import opset_of
-from opfuse.quantization.adaround import _sites
-from opfuse.quantization.qdq import _removed_activations
-from opfuse.quantization.sqnr import CHANNEL_FIRST, _exposed
+from opfuse.quantization.adaround import weight_sites
+from opfuse.quantization.layers import QdqLayers, exposed
+from opfuse.quantization.sqnr import CHANNEL_FIRST
 from opfuse.quantization.torch_ops import Unsupported, node_function
 from opfuse.runtime import create_session
 from opfuse.vocabulary import OpKind, op_kind, weight_spec
@@ -71,10 +71,11 @@ class QdqProgram:
         self.producer = {o: n for n in qdq.graph.node for o in n.output}
         self.shared: dict = {}  # initializer values as torch tensors, loaded once
         float_names = {o for n in float_model.graph.node for o in n.output} | {i.name for i in float_model.graph.input}
-        self.sites = {s.name: s for s in _sites(float_model, qdq, {})}
+        layers = QdqLayers(float_model, qdq)
+        self.sites = {s.name: s for s in weight_sites(layers, {})}
         self.site_of_weight = {s.initializer: s for s in self.sites.values()}
         self.activations = {}  # tensor -> (function, constant inputs) of the Relu/Clip the quantiser removed
-        for tensor, act in _removed_activations(qdq, float_model).items():
+        for tensor, act in layers.removed_activations().items():
             try:
                 self.activations[tensor] = (node_function(act, _opset(float_model)),
                                             [_constant(float_model, name) for name in act.input[1:]])
@@ -130,7 +131,12 @@ class QdqProgram:
             q: sorted(n for n in {node.input[1]} | {r.input[1] for r in readers.get(node.output[0], [])
                                                     if r.op_type == "DequantizeLinear"} if n in self.inits)
             for _, node in self.steps for q in [node.name] if q in self.scale_key}
-        self.bias_of = {}  # layer -> (bias input index, its input's scale key, weight scale)
+        self.bias_of = self._bias_scales()  # layer -> (bias input index, its input's scale key, weight scale)
+
+    def _bias_scales(self) -> dict:
+        """Layer -> (its bias input's index, its input's scale key, its weight scale as a float64
+        tensor): what a learned input scale rewrites in the int32 bias."""
+        bias_of = {}
         nodes = {n.name: n for _, n in self.steps}
         for site in self.sites.values():
             node = nodes.get(site.name)
@@ -143,8 +149,9 @@ class QdqProgram:
             if index is not None and key is not None:
                 w_dq = self.producer[node.input[1]]
 
-                self.bias_of[site.name] = (index, key, torch.from_numpy(
+                bias_of[site.name] = (index, key, torch.from_numpy(
                     numpy_helper.to_array(self.inits[w_dq.input[1]]).astype(np.float64)))
+        return bias_of
 
     def _source_node_input(self, name: str) -> str:
         """The QuantizeLinear output a DequantizeLinear output ``name`` reads ("" if none)."""
@@ -388,7 +395,7 @@ class FloatProgram:
         where torch cannot)."""
 
         if self.unsupported:
-            session = create_session(_exposed(self.model, names), "disabled")
+            session = create_session(exposed(self.model, names), "disabled")
             return [{n: torch.from_numpy(np.asarray(v)) for n, v in zip(names, session.run(names, s))}
                     for s in samples]
         with torch.no_grad():

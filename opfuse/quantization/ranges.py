@@ -43,7 +43,8 @@ import numpy as np
 import onnx
 from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
 
-from opfuse.quantization.sqnr import _exposed, sqnr_db
+from opfuse.quantization.layers import exposed
+from opfuse.quantization.sqnr import sqnr_db
 from opfuse.runtime import create_session
 
 BINS = 4096
@@ -84,7 +85,7 @@ def _histograms(model: onnx.ModelProto, samples: Iterable[Mapping[str, np.ndarra
                 extremes: Mapping[str, tuple[float, float]]) -> dict[str, np.ndarray]:
     """A histogram of :data:`BINS` bins over each tensor's (lo, hi), over every sample."""
     names = sorted(extremes)
-    session = create_session(_exposed(model, names), "disabled")
+    session = create_session(exposed(model, names), "disabled")
     counts = {n: np.zeros(BINS, np.float64) for n in names}
     for sample in samples:
         for name, value in zip(names, session.run(names, dict(sample))):

@@ -56,7 +56,7 @@ Legality and limits (each refusal is recorded with its reason):
 - the graph is interpreted in torch (:mod:`.qdq_program`, :mod:`.torch_ops`); it is
   reconstructed up to the first node the interpreter does not know, the rest stays as
   ONNX Runtime quantised it;
-- a weight is learned where AdaRound would learn one (:func:`.adaround._sites`: Conv, Gemm,
+- a weight is learned where AdaRound would learn one (:func:`.adaround.weight_sites`: Conv, Gemm,
   MatMul with a constant weight read by that layer alone); other int8 constants stay;
 - an activation scale is learned where it is per tensor; a QuantizeLinear after an op that
   only moves values (Reshape, Transpose...) shares its input's learned scale, as ONNX
@@ -90,9 +90,10 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from opfuse.quantization.options import RECONSTRUCTION_ITERATIONS
 from opfuse.quantization.qdq_program import Block, FloatProgram, QdqProgram
 
-ITERATIONS = 300
+ITERATIONS = RECONSTRUCTION_ITERATIONS  # the default of QuantizeOptions.reconstruction_iterations
 PER_STEP = 4  # samples per Adam step
 SAMPLES = 48  # tuning samples used at most
 LEARNING_RATE = 3e-3  # V
@@ -145,7 +146,7 @@ def apply_reconstruction(qdq: onnx.ModelProto, result: Reconstruction) -> None:
             tensor.CopyFrom(numpy_helper.from_array(result.values[tensor.name], tensor.name))
 
 
-def estimated_seconds(float_model: onnx.ModelProto, sample) -> tuple[float | None, str]:
+def estimated_seconds(float_model: onnx.ModelProto, sample, iterations: int = ITERATIONS) -> tuple[float | None, str]:
     """What :func:`reconstruct` will take, counted rather than timed (so that the answer does
     not depend on the machine's load): per step and sample, the float model's
     multiply-accumulates at :data:`MACS_PER_SECOND` plus :data:`SECONDS_PER_NODE` a node.
@@ -158,7 +159,7 @@ def estimated_seconds(float_model: onnx.ModelProto, sample) -> tuple[float | Non
     with torch.no_grad():
         macs = reference.multiply_accumulates(sample)
     per_pass = macs / MACS_PER_SECOND + len(reference.functions) * SECONDS_PER_NODE
-    return per_pass * PER_STEP * ITERATIONS, ""
+    return per_pass * PER_STEP * iterations, ""
 
 
 def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples, *, seed: int = 0,
@@ -215,17 +216,24 @@ class _State:
         return {k: torch.exp(v) for k, v in {**self.scales, **(live or {})}.items()}
 
 
+def _soft_weights(sites) -> tuple[dict, dict, dict, dict]:
+    """Per site: AdaRound's variable V such that the soft weight starts at the float weight, and
+    the floor, step and zero point it is rounded on."""
+    variables, floors, steps, zeros = {}, {}, {}, {}
+    for site in sites:
+        w, s = torch.tensor(site.float_weight), torch.tensor(site.scale)
+        floors[site.name], steps[site.name], zeros[site.name] = torch.floor(w / s), s, torch.tensor(site.zero)
+        rest = torch.clamp(w / s - floors[site.name], 1e-4, 1 - 1e-4)
+        variables[site.name] = (-torch.log((ZETA - GAMMA) / (rest - GAMMA) - 1)).requires_grad_(True)
+    return variables, floors, steps, zeros
+
+
 def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterations, generator,
                scale_fit: str) -> BlockResult:
     program = state.program
     sites = [program.sites[n] for n in block.layers]
     keys = sorted({program.scale_key[q] for q in block.quantizers if q in program.scale_key})
-    variables, floors, steps, zeros = {}, {}, {}, {}
-    for site in sites:  # V such that the soft weight starts at the float weight
-        w, s = torch.tensor(site.float_weight), torch.tensor(site.scale)
-        floors[site.name], steps[site.name], zeros[site.name] = torch.floor(w / s), s, torch.tensor(site.zero)
-        rest = torch.clamp(w / s - floors[site.name], 1e-4, 1 - 1e-4)
-        variables[site.name] = (-torch.log((ZETA - GAMMA) / (rest - GAMMA) - 1)).requires_grad_(True)
+    variables, floors, steps, zeros = _soft_weights(sites)
     log_scales = {k: state.scales[k].detach().clone().requires_grad_(True) for k in keys}
 
     def integers(site, h):

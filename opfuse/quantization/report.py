@@ -128,6 +128,7 @@ class QuantReport:
     adaround_sqnr_db: tuple[float, float] | None = None  # tuning output SQNR without -> with
     adaround_errors: list[dict] = dataclasses.field(default_factory=list)  # per layer: nearest vs AdaRound
     reconstruction: ReconstructionFacts | None = None
+    steps: list[dict] = dataclasses.field(default_factory=list)  # each step's outcome: step, ran, reason
     bias_corrected: int = 0
     bias_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     bias_sqnr_db: tuple[float, float] | None = None  # calibration output SQNR without -> with
@@ -193,6 +194,7 @@ class QuantReport:
             "tuning_samples": self.tuning_samples,
             "check_samples": self.check_samples,
             "notes": list(self.notes),
+            "steps": [dict(s) for s in self.steps],
             "layers": [dataclasses.asdict(r) for r in self.layers],
             "search": [dataclasses.asdict(s) for s in self.search],
             "ranking": [dataclasses.asdict(r) for r in self.ranking],

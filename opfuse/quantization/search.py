@@ -47,7 +47,8 @@ import numpy as np
 import onnx
 
 from opfuse.quantization.calibration import Sample, run_sample
-from opfuse.quantization.qdq import WEIGHTED_OPS, qdq_layers
+from opfuse.quantization.layers import qdq_layers
+from opfuse.quantization.qdq import WEIGHTED_OPS
 from opfuse.quantization.report import QuantReport, RankedCandidate, SearchStep
 from opfuse.quantization.sqnr import outputs_db
 from opfuse.runtime import create_session

@@ -21,17 +21,16 @@ out of int8.
 
 from __future__ import annotations
 
-__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs", "layer_pairs", "QdqIndex"]
+__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs", "layer_pairs"]
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from opfuse.quantization.calibration import run_sample
-from opfuse.quantization.qdq import QdqLayer
+from opfuse.quantization.layers import QdqLayer, exposed
 from opfuse.runtime import create_session
 
 INFINITE = 200.0  # dB shown for an exact match
@@ -103,17 +102,6 @@ class Accumulator:
         return sqnr_db(sum(self.signal[n] for n in names), sum(self.noise[n] for n in names))
 
 
-def _exposed(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    present = {o.name for o in out.graph.output}
-    for name in dict.fromkeys(names):
-        if name not in present:
-            out.graph.output.append(helper.make_empty_tensor_value_info(name))
-            present.add(name)
-    return out
-
-
 def measure(
     float_model: onnx.ModelProto,
     qdq_model: onnx.ModelProto,
@@ -127,8 +115,8 @@ def measure(
     axis])) over ``samples`` (numbered from ``first_index`` in messages)."""
     float_names = sorted({p[0] for p in pairs.values()})
     qdq_names = sorted({p[1] for p in pairs.values()})
-    ref = create_session(_exposed(float_model, float_names), "disabled")
-    got = create_session(_exposed(qdq_model, qdq_names), qdq_level)
+    ref = create_session(exposed(float_model, float_names), "disabled")
+    got = create_session(exposed(qdq_model, qdq_names), qdq_level)
     acc = Accumulator()
     for index, sample in enumerate(samples, first_index):
         f = dict(zip(float_names, run_sample(ref, float_names, dict(sample), index)))
@@ -216,18 +204,3 @@ def layer_pairs(layers: list[QdqLayer]) -> dict[str, tuple[str, str, int]]:
 
 CHANNEL_FIRST = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "Resize",
                  "BatchNormalization", "InstanceNormalization")
-
-
-class QdqIndex:
-    """A float model and the QDQ model made from it, indexed for reading a layer's
-    quantisation back (AdaRound and bias correction)."""
-
-    def __init__(self, float_model: onnx.ModelProto, qdq: onnx.ModelProto):
-        self.inits = {i.name: i for i in qdq.graph.initializer}
-        self.float_inits = {i.name: i for i in float_model.graph.initializer}
-        self.producer = {o: n for n in qdq.graph.node for o in n.output}
-        self.float_nodes = {n.name: n for n in float_model.graph.node if n.name}
-
-    def const(self, name: str) -> np.ndarray | None:
-        """The QDQ model's initializer ``name`` as an array (None: not an initializer)."""
-        return onnx.numpy_helper.to_array(self.inits[name]) if name in self.inits else None

@@ -4,7 +4,7 @@ SpaceToDepth, with their helpers (the sliding window, SAME padding, pooled lengt
 
 Each builder reads a node's attributes through torch_ops' reader and returns the function of
 its inputs, as described there; the registry ``_OPS`` and the public interface are in torch_ops.
-The helpers from torch_ops are imported last, so that either module may be imported first.
+The helpers they share with torch_ops are in :mod:`.torch_ops_common`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from opfuse.quantization.torch_ops_common import Function, Unsupported, _Attributes, _floats, _ints, _item, _optional
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -386,10 +388,3 @@ def _resize(a: _Attributes) -> Function:
                 x = _resample(x, d, out, scale, mode, coordinates, nearest)
         return x
     return run
-
-
-# torch_ops imports the builders above to fill its table; its helpers are imported last, when
-# the builders are defined, so that either module may be imported first
-from opfuse.quantization.torch_ops import (  # noqa: E402
-    Function, Unsupported, _Attributes, _floats, _ints, _item, _optional,
-)

@@ -31,23 +31,21 @@ __all__ = ["Unsupported", "node_function"]
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NoReturn
 
 import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
+from opfuse.quantization.torch_nn_ops import (
+    _average_pool, _batch_norm, _conv, _conv_transpose, _depth_to_space, _einsum, _gemm, _global_pool,
+    _instance_norm, _layer_norm, _max_pool, _pad, _resize, _space_to_depth,
+)
+from opfuse.quantization.torch_ops_common import (  # noqa: F401 - Unsupported: the interface
+    Function, Unsupported, _Attributes, _ints, _item, _optional, _output_name,
+)
 from opfuse.vocabulary import MS_DOMAIN, ONNX_DOMAINS
-
-Function = Callable[[list], Any]  # what a builder returns: one output, or a list of them (Split)
-
-
-class Unsupported(Exception):
-    """The node cannot be interpreted here; ``str(e)`` is one short reason, e.g.
-    "Resize mode 'cubic' is not interpreted"."""
-
 
 def node_function(node: onnx.NodeProto, opset: int) -> Callable[[list], list]:
     """A function of the node's inputs (a list as long as ``node.input``: torch tensors,
@@ -78,62 +76,7 @@ def node_function(node: onnx.NodeProto, opset: int) -> Callable[[list], list]:
     return run
 
 
-class _Attributes:
-    """A node's attributes as Python values (strings decoded), remembering which were read."""
-
-    def __init__(self, node: onnx.NodeProto, opset: int):
-        self.op = node.op_type
-        self.opset = opset
-        self.node = node
-        self._values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        self._read: set[str] = set()
-
-    def __call__(self, name: str, default=None):
-        self._read.add(name)
-        value = self._values.get(name, default)
-        return value.decode() if isinstance(value, bytes) else value
-
-    def choice(self, name: str, default, allowed):
-        value = self(name, default)
-        if value not in allowed:
-            self.refuse(f"{name} {value!r}")
-        return value
-
-    def ignore(self, *names: str) -> None:
-        """Attributes that change nothing at inference (Dropout's seed, BatchNorm's momentum)."""
-        self._read.update(names)
-
-    def refuse(self, what: str) -> NoReturn:
-        raise Unsupported(f"{self.op} {what} is not interpreted")
-
-    def unread(self) -> list[str]:
-        return sorted(set(self._values) - self._read)
-
-
-def _output_name(op: str, opset: int, index: int) -> str:
-    try:
-        return onnx.defs.get_schema(op, opset, "").outputs[index].name
-    except (onnx.defs.SchemaError, IndexError):
-        return str(index)
-
-
 # -- reading inputs and attributes -----------------------------------------------------------
-
-def _optional(xs: list, index: int):
-    return xs[index] if index < len(xs) else None
-
-
-def _ints(t: torch.Tensor | None) -> list[int] | None:
-    return None if t is None else [int(v) for v in t.reshape(-1).tolist()]
-
-
-def _floats(t: torch.Tensor | None) -> list[float] | None:
-    return None if t is None else [float(v) for v in t.reshape(-1).tolist()]
-
-
-def _item(t: torch.Tensor | None, default):
-    return default if t is None else t.reshape(-1)[0].item()
-
 
 def _ints_attr_or_input(a: _Attributes, name: str, since: int, index: int) -> Callable[[list], list[int] | None]:
     """Ints that are attribute ``name`` before opset ``since`` and input ``index`` from it."""
@@ -472,16 +415,6 @@ def _constant_of_shape(a: _Attributes) -> Function:
 
 def _range(start, limit, delta):
     return torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype)
-
-
-
-
-# -- the neural-network builders: defined in torch_nn_ops, which imports the helpers above ---------
-
-from opfuse.quantization.torch_nn_ops import (  # noqa: E402
-    _average_pool, _batch_norm, _conv, _conv_transpose, _depth_to_space, _einsum, _gemm, _global_pool,
-    _instance_norm, _layer_norm, _max_pool, _pad, _resize, _space_to_depth,
-)
 
 
 # -- the table -------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ to ONNX Runtime's CPU QDQ can raise the CPU's SQNR and lower the NPU's (silero_v
 
 from __future__ import annotations
 
-__all__ = ["TrialMaker", "MethodFacts"]
+__all__ = ["TrialMaker", "MethodFacts", "Trial", "CandidateStep", "AdaRoundTrial", "BiasCorrectionTrial"]
 
 import dataclasses
+from typing import Protocol
 
 import onnx
 
@@ -62,7 +63,7 @@ class TrialMaker:
     """QDQ models of one float model on the tuning samples, as the module docstring says."""
 
     def __init__(self, quantizer: Quantizer, float_model: onnx.ModelProto, samples, *, adaround: bool = True,
-                 bias_correction: bool = True, runner=None):
+                 bias_correction: bool = True, runner=None, runner_name: str = ""):
         self.quantizer = quantizer
         self.float_model = float_model
         self.samples = list(samples)
@@ -72,6 +73,8 @@ class TrialMaker:
         self.facts: dict[str, MethodFacts] = {}
         self._rounding_cache: dict = {}
         self.runner = runner  # (model, samples) -> outputs per sample, for the guards; None: the CPU
+        self.runner_name = runner_name  # where the runner runs, as the notes say it ("HTP")
+        self.steps: list[CandidateStep] = [*[AdaRoundTrial()] * adaround, *[BiasCorrectionTrial()] * bias_correction]
 
     def judge(self, model: onnx.ModelProto) -> float:
         """The tuning output SQNR of ``model`` as the guards measure it (module docstring)."""
@@ -80,40 +83,103 @@ class TrialMaker:
         return outputs_db(self.reference.names, self.reference.values, self.runner(model, self.samples))
 
     def make(self, keep=(), keep_as: str | None = None) -> onnx.ModelProto:
-        """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16")."""
+        """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16"), refined by
+        each candidate step in order (AdaRound, then bias correction)."""
         method = self.quantizer.method
         qdq = self.quantizer.quantize(list(keep), keep_as=keep_as)
         if not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node):
             return qdq  # nothing was quantised: no rounding to choose, no bias to correct, nothing to judge
         first = method not in self.facts
-        facts = self.facts.setdefault(method, MethodFacts())
-        judged = None  # the guard's figure for qdq as it now stands (each judge may compile on the HTP)
-        if self.use_adaround and (first or facts.adaround):
-            rounding = adaround_layers(self.float_model, qdq, self.samples, self._rounding_cache)
-            if first:
-                without_db = self.judge(qdq)
-                rounded = _copy(qdq)
-                apply_rounding(rounded, rounding)
-                with_db = self.judge(rounded)
-                facts.adaround, facts.adaround_sqnr_db, facts.rounding = with_db > without_db, (without_db, with_db), rounding
-                judged = with_db if facts.adaround else without_db
-            if facts.adaround:
-                apply_rounding(qdq, rounding)
-        if self.use_bias_correction:
-            if first:
-                without_db = judged if judged is not None else self.judge(qdq)
-                subset = self.reference.head(CHOICE_SAMPLES)
-                corrected, correction = select_corrections(
-                    qdq, compute_corrections(self.float_model, qdq, self.samples), subset.sqnr)
-                with_db = self.judge(corrected)
-                facts.bias_sqnr_db = (without_db, with_db)
-                facts.bias_skipped = dict(correction.skipped)
-                if with_db > without_db:
-                    facts.correction, facts.bias_layers = correction, len(correction.layers)
-                    qdq = corrected
-            elif facts.correction is not None:
-                apply_corrections(qdq, facts.correction)
-        return qdq
+        trial = Trial(qdq, first, self.facts.setdefault(method, MethodFacts()))
+        for step in self.steps:
+            step.refine(self, trial)
+        return trial.qdq
+
+    def record_facts(self, report) -> None:
+        """The calibration method's first-trial decisions (AdaRound, bias correction, ranges) in
+        ``report`` (a :class:`~.report.QuantReport`), with a note where a step was not kept."""
+        facts = self.facts.get(self.quantizer.method)
+        if self.quantizer.range_choices:
+            kinds: dict[str, int] = {}
+            for choice in self.quantizer.range_choices:
+                kinds[choice.kind] = kinds.get(choice.kind, 0) + 1
+            report.range_kinds = kinds
+        if facts is None:
+            return
+        where = f" on the {self.runner_name}" if self.runner is not None and self.runner_name else ""
+        if facts.adaround_sqnr_db is not None:
+            report.adaround_sqnr_db = facts.adaround_sqnr_db
+            results = facts.rounding.results if facts.rounding else []
+            report.adaround_layers = sum(r.kept for r in results) if facts.adaround else 0
+            report.adaround_errors = [{"layer": r.layer, "nearest": r.nearest_error, "adaround": r.adaround_error,
+                                       "kept": r.kept and facts.adaround} for r in results]
+            if not facts.adaround:
+                before, after = facts.adaround_sqnr_db
+                report.notes.append(f"AdaRound did not raise the tuning output SQNR{where} ({before:.1f} -> "
+                                    f"{after:.1f} dB), so the weights stay rounded to nearest")
+        if facts.bias_sqnr_db is not None:
+            report.bias_sqnr_db, report.bias_skipped = facts.bias_sqnr_db, facts.bias_skipped
+            report.bias_corrected = facts.bias_layers
+            if facts.correction is None:
+                without_db, with_db = facts.bias_sqnr_db
+                report.notes.append(f"bias correction did not raise the tuning output SQNR{where} "
+                                    f"({without_db:.1f} -> {with_db:.1f} dB), so it was not applied")
+
+
+@dataclasses.dataclass
+class Trial:
+    """One candidate as the candidate steps refine it."""
+
+    qdq: onnx.ModelProto
+    first: bool  # the first trial of its calibration method: the steps decide whether they stay
+    facts: MethodFacts  # what that first trial decided
+    judged: float | None = None  # the guard's figure for qdq as it now stands (each judge may compile on the HTP)
+
+
+class CandidateStep(Protocol):
+    """A step applied to every candidate the search makes (the module docstring's 2 and 3)."""
+
+    def refine(self, maker: TrialMaker, trial: Trial) -> None: ...
+
+
+class AdaRoundTrial:
+    """AdaRound in a candidate: decided on the first trial, cached by layer afterwards."""
+
+    def refine(self, maker: TrialMaker, trial: Trial) -> None:
+        facts = trial.facts
+        if not (trial.first or facts.adaround):
+            return
+        rounding = adaround_layers(maker.float_model, trial.qdq, maker.samples, maker._rounding_cache)
+        if trial.first:
+            without_db = maker.judge(trial.qdq)
+            rounded = _copy(trial.qdq)
+            apply_rounding(rounded, rounding)
+            with_db = maker.judge(rounded)
+            facts.adaround, facts.adaround_sqnr_db = with_db > without_db, (without_db, with_db)
+            facts.rounding = rounding
+            trial.judged = with_db if facts.adaround else without_db
+        if facts.adaround:
+            apply_rounding(trial.qdq, rounding)
+
+
+class BiasCorrectionTrial:
+    """Bias correction in a candidate: chosen layer by layer on the first trial, then reapplied."""
+
+    def refine(self, maker: TrialMaker, trial: Trial) -> None:
+        facts = trial.facts
+        if trial.first:
+            without_db = trial.judged if trial.judged is not None else maker.judge(trial.qdq)
+            subset = maker.reference.head(CHOICE_SAMPLES)
+            corrected, correction = select_corrections(
+                trial.qdq, compute_corrections(maker.float_model, trial.qdq, maker.samples), subset.sqnr)
+            with_db = maker.judge(corrected)
+            facts.bias_sqnr_db = (without_db, with_db)
+            facts.bias_skipped = dict(correction.skipped)
+            if with_db > without_db:
+                facts.correction, facts.bias_layers = correction, len(correction.layers)
+                trial.qdq = corrected
+        elif facts.correction is not None:
+            apply_corrections(trial.qdq, facts.correction)
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
