@@ -39,10 +39,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from opfuse.ablation import CONFIGS, apply_config
+from opfuse.bench.ablation import CONFIGS, apply_config
 from opfuse.bench.measure import Variant, measure
 from opfuse.runtime import optimized_graph
-from opfuse.targets.traffic import analyse_traffic
+from opfuse.cost.traffic import analyse_traffic
 from opfuse.models import build
 from opfuse.verify import make_inputs
 

@@ -56,12 +56,12 @@ import onnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from opfuse.qnn.backend import HtpCompileError, HtpOptions, open_session  # noqa: E402
-from opfuse.qnn.probe import quantize_like_qnn_flow  # noqa: E402
-from opfuse.qnn.runner import htp_accuracy  # noqa: E402
+from opfuse.targets.qnn.backend import HtpCompileError, HtpOptions, open_session  # noqa: E402
+from opfuse.targets.qnn.probe import quantize_like_qnn_flow  # noqa: E402
+from opfuse.targets.qnn.runner import htp_accuracy  # noqa: E402
 from opfuse.quantization.presets import PRESETS  # noqa: E402
-from opfuse.quantization.qdq import CALIBRATION_METHODS  # noqa: E402
-from opfuse.static_shapes import make_static_proto  # noqa: E402
+from opfuse.quantization.qdq.quantizer import CALIBRATION_METHODS  # noqa: E402
+from opfuse.prepare.static_shapes import make_static_proto  # noqa: E402
 
 BUILTIN = ("resnet18", "resnet50", "mobilenetv2", "vgg")
 TRANSFORMERS = ("bert", "vit")
@@ -307,7 +307,7 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
     if constants:  # both flows take the model without the input (opfuse binds it itself, below)
         import onnx_ir as ir
 
-        from opfuse.constant_inputs import bind_inputs, resolve_constant_inputs
+        from opfuse.prepare.constant_inputs import bind_inputs, resolve_constant_inputs
 
         bound = ir.serde.deserialize_model(proto)
         bind_inputs(bound, resolve_constant_inputs(bound, constants))
@@ -325,7 +325,7 @@ def run_model(label, path, traits, args, seed: int = 0) -> dict:
         calib, held = samples[:args.calibration], samples[args.calibration:]
     import onnx_ir as ir
 
-    from opfuse.static_shapes import dims_from_samples
+    from opfuse.prepare.static_shapes import dims_from_samples
 
     shape_dims = dims_from_samples(ir.serde.deserialize_model(proto), samples)
     fixed, _ = make_static_proto(proto, shape_dims)

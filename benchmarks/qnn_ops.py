@@ -4,7 +4,7 @@
     python benchmarks/qnn_ops.py --json out.json --cases gelu-20,erf-gelu
 
 Each case is a one-op or one-pattern graph with static shapes and tiny tensors, built here
-(onnx.helper). :func:`opfuse.qnn.probe.probe` compiles it on the HTP backend as float and
+(onnx.helper). :func:`opfuse.targets.qnn.probe.probe` compiles it on the HTP backend as float and
 as ONNX Runtime's QNN flow quantises it (``get_qnn_qdq_config``), and the table gives, per
 form, "QNN" when every node went to QNN, else each CPU node with QNN's reason. About a
 second a case. Needs ``opfuse[qnn]``.
@@ -20,7 +20,7 @@ import time
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.qnn.probe import probe
+from opfuse.targets.qnn.probe import probe
 
 MS = "com.microsoft"
 F = TensorProto.FLOAT

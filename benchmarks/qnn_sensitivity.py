@@ -28,10 +28,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import qnn  # noqa: E402
 
-from opfuse.qnn.runner import HtpRunner  # noqa: E402
+from opfuse.targets.qnn.runner import HtpRunner  # noqa: E402
 from opfuse.quantization.presets import PRESETS  # noqa: E402
-from opfuse.quantization.qdq import Quantizer  # noqa: E402
-from opfuse.quantization.sqnr import outputs_db  # noqa: E402
+from opfuse.quantization.qdq.quantizer import Quantizer  # noqa: E402
+from opfuse.quantization.qdq.sqnr import outputs_db  # noqa: E402
 from opfuse.runtime import create_session  # noqa: E402
 
 

@@ -109,8 +109,8 @@ import ocr_text  # noqa: E402
 from wild import DEFAULT_CACHE  # noqa: E402
 
 import opfuse  # noqa: E402
-from opfuse.quantization.qdq import SampleReader  # noqa: E402
-from opfuse.quantization.sqnr import sqnr_db  # noqa: E402
+from opfuse.quantization.qdq.quantizer import SampleReader  # noqa: E402
+from opfuse.quantization.qdq.sqnr import sqnr_db  # noqa: E402
 from opfuse.report import json_text  # noqa: E402
 from opfuse.runtime import create_session  # noqa: E402
 

@@ -3,7 +3,7 @@
     model, report = opfuse.optimize("model.onnx", output="model.opt.onnx")
     print(report.summary())
 
-The pipeline: :mod:`opfuse.load` -> :mod:`opfuse.analyse` -> :mod:`opfuse.passes` ->
+The pipeline: :mod:`opfuse.load` -> :mod:`opfuse.core.analysis` -> :mod:`opfuse.passes` ->
 :mod:`opfuse.verify` -> :mod:`opfuse.save` and :mod:`opfuse.report`.
 
 The public names below are loaded on first use (PEP 562): ``import opfuse`` and

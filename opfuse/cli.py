@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from opfuse import __version__
-from opfuse.ablation import CONFIGS
+from opfuse.bench.ablation import CONFIGS
 from opfuse.bench import options as bench_options
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.passes import PASS_NAMES

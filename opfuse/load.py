@@ -21,7 +21,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from opfuse.errors import BadInputError
-from opfuse.vocabulary import ONNX_DOMAINS, first_line
+from opfuse.core.ops import ONNX_DOMAINS, first_line
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model]
 

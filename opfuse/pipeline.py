@@ -20,21 +20,21 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import NameLedger, epsilon_census, label_unnamed, op_counts
-from opfuse.constant_inputs import BINDING, bind_inputs, resolve_constant_inputs
+from opfuse.core.analysis import NameLedger, epsilon_census, label_unnamed, op_counts
+from opfuse.prepare.constant_inputs import BINDING, bind_inputs, resolve_constant_inputs
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
-from opfuse.dims import resolve_dims
-from opfuse.leftovers import leftover_notes
+from opfuse.core.dims import resolve_dims
+from opfuse.passes.leftovers import leftover_notes
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
-from opfuse.opset import upgrade_opset
+from opfuse.prepare.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
-from opfuse.targets.accelerator import fusion_veto
+from opfuse.cost.accelerator import fusion_veto
 from opfuse.targets.kernels import Target, load_target
-from opfuse.static_shapes import make_static
+from opfuse.prepare.static_shapes import make_static
 from opfuse.save import (
     StagedModel,
     check_destinations,
@@ -171,7 +171,7 @@ class OptimizeOptions:
     (``{"sr": 16000}``; text as ``--constant-input`` gives it, numbers or arrays) binds inputs to
     values a deployment fixes: each becomes an initializer and leaves the graph's inputs, and the
     clean-up folds what it decides (an ``If`` on it becomes its taken branch;
-    :mod:`opfuse.constant_inputs`); verification feeds the original those values. An inexact pass
+    :mod:`opfuse.prepare.constant_inputs`); verification feeds the original those values. An inexact pass
     among ``passes`` (``dequantize-dynamic``) runs first; verification then holds every other
     rewrite to its result and reports its output SQNR against the input model. ``require_npu``,
     ``htp_options``, ``context`` and ``compile_for_device`` are for a target with a device

@@ -138,7 +138,7 @@ class FusionReport:
     ops_after: Counter = dataclasses.field(default_factory=Counter)
     notes: list[str] = dataclasses.field(default_factory=list)
     verification: Verification | None = None
-    # a device compiler's own log of the result (opfuse.qnn.compile.HtpCompileLog: to_dict, render)
+    # a device compiler's own log of the result (opfuse.targets.qnn.compile.HtpCompileLog: to_dict, render)
     device: Any = None
 
     # -- queries ---------------------------------------------------------------------

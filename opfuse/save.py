@@ -32,7 +32,7 @@ import tempfile
 
 import onnx_ir as ir
 
-from opfuse.analyse import iter_scopes, tensor_nbytes
+from opfuse.core.analysis import iter_scopes, tensor_nbytes
 from opfuse.errors import BadInputError
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # headroom below protobuf's 2 GiB for the graph itself

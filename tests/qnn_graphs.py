@@ -15,7 +15,7 @@ import pytest
 from onnx import helper
 
 from graphs import model, rng, tensor, vinfo
-from opfuse.qnn.backend import available
+from opfuse.targets.qnn.backend import available
 
 WHEEL_EXISTS = sys.version_info >= (3, 11) and sys.platform == "linux" and platform.machine() == "x86_64"
 if WHEEL_EXISTS and not available():  # pragma: no cover - an install that lost the extra

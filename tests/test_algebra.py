@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opfuse import algebra
+from opfuse.core import algebra
 
 LAYOUTS = st.sampled_from([("oihw", 1), ("oihw", 2), ("iohw", 1), ("iohw", 2), ("iohw", 3), ("kn", 1), ("nk", 1)])
 

@@ -15,11 +15,11 @@ from onnx import TensorProto, helper
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.bench.chapter import fuse_activation_into_batchnorm
 from opfuse.bench.measure import summarise_profile
-from opfuse.targets import accelerator as costmodel
-from opfuse.targets import traffic
-from opfuse.targets.int8 import float_ops, int8_traffic
-from opfuse.targets.accelerator import HardwareProfile, Kernel, fusion_veto, load_profile, predict
-from opfuse.targets.traffic import TensorInfo, analyse_traffic
+from opfuse.cost import accelerator as costmodel
+from opfuse.cost import traffic
+from opfuse.cost.int8 import float_ops, int8_traffic
+from opfuse.cost.accelerator import HardwareProfile, Kernel, fusion_veto, load_profile, predict
+from opfuse.cost.traffic import TensorInfo, analyse_traffic
 from opfuse.cli import main
 from opfuse.errors import BadInputError
 
@@ -460,7 +460,7 @@ def test_fusion_veto_unknown_profile_is_bad_input():
 
 @pytest.mark.slow
 def test_npu_chapter_reproduces_the_chapters_resnet50_table_within_15_percent():
-    from opfuse.ablation import apply_config
+    from opfuse.bench.ablation import apply_config
     from opfuse.models import build
 
     proto = build("resnet50", batch=1)

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 import opfuse
 from graphs import assert_same, constant_node, dead_nodes, model, ops, rng, tensor, unused_initializers, vinfo
-from opfuse.analyse import NameTable
+from opfuse.core.analysis import NameTable
 
 
 def convs_with_reshaped_bias(blocks: int = 3, c: int = 8):

@@ -14,7 +14,7 @@ import pytest
 from onnx import helper
 
 import opfuse
-import opfuse.algebra
+import opfuse.core.algebra
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import main
 
@@ -171,13 +171,13 @@ def test_input_is_never_overwritten_unless_asked(good):
 
 
 def test_verification_failure_exits_1_and_writes_nothing(good, tmp_path, monkeypatch, capsys):
-    real = opfuse.algebra.fold_weight
+    real = opfuse.core.algebra.fold_weight
 
     def broken(*args, **kw):
         w, problem = real(*args, **kw)
         return w * np.float32(1.01), problem
 
-    monkeypatch.setattr(opfuse.algebra, "fold_weight", broken)
+    monkeypatch.setattr(opfuse.core.algebra, "fold_weight", broken)
     out, rep = tmp_path / "o.onnx", tmp_path / "r.json"
     rc = main(["optimize", str(good), "-o", str(out), "--report", str(rep)])
     err = capsys.readouterr().err

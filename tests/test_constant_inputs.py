@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 
 from graphs import assert_outputs_close, model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
-from opfuse.constant_inputs import deciding_inputs, resolve_constant_inputs
+from opfuse.prepare.constant_inputs import deciding_inputs, resolve_constant_inputs
 from opfuse.errors import BadInputError, VerificationError
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.pipeline import optimize

@@ -26,8 +26,8 @@ from onnx import TensorProto, helper
 from graphs import model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.errors import BadInputError
-from opfuse.dims import free_dims, parse_dim_expression, resolve_dims
-from opfuse.inputs import integer_ranges, make_feeds
+from opfuse.core.dims import free_dims, parse_dim_expression, resolve_dims
+from opfuse.verify.inputs import integer_ranges, make_feeds
 from opfuse.pipeline import optimize
 from opfuse.verify import verify_models
 

@@ -23,7 +23,7 @@ from graphs import assert_outputs_close, model, ort_run, rng, tensor, vinfo
 from opfuse.passes.dequantize_dynamic import DequantizeDynamicPass
 from opfuse.pipeline import optimize
 from opfuse.report import FusionReport
-from opfuse.vocabulary import integer_op
+from opfuse.core.ops import integer_op
 from qnn_graphs import needs_htp
 
 HIDDEN, STEPS, ROWS = 8, 6, 8  # the LSTM: 6 steps of 8 values (the conv's 4 x 2 x 6 output, reshaped)
@@ -308,7 +308,7 @@ def test_on_qnn_the_shipped_model_splits_and_the_dequantised_quantised_one_runs_
     It fuses DynamicQuantizeLinear -> ConvInteger/MatMulInteger -> Cast itself (its
     DQConvIntegerFusion), but not when the integer result goes anywhere but one Cast (the older
     quantiser's int32 bias Add, ddddocr's form), and it has no DynamicQuantizeLSTM."""
-    from opfuse.qnn.backend import open_session
+    from opfuse.targets.qnn.backend import open_session
     from opfuse.quantization.pipeline import quantize
 
     shipped = _dynamic(tmp_path, _float_model())

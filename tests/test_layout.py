@@ -17,12 +17,12 @@ import pytest
 import opfuse
 from opfuse.passes import REGISTRY, pass_class
 from opfuse.passes.base import OpfusePass
-from opfuse.vocabulary import ACTIVATION_OPS, ELEMENTWISE_KINDS, OP_KINDS, OpKind
+from opfuse.core.ops import ACTIVATION_OPS, ELEMENTWISE_KINDS, OP_KINDS, OpKind
 
 PACKAGE = pathlib.Path(opfuse.__file__).resolve().parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # the optimiser: everything `opfuse optimize` runs
-OPTIMISER = ("pipeline", "passes", "targets", "analyse", "algebra", "report", "load", "save", "vocabulary",
+OPTIMISER = ("pipeline", "core", "prepare", "passes", "verify", "targets", "cost", "report", "load", "save",
              "quantization")
 
 
@@ -152,7 +152,7 @@ def test_fresh_names_take_constant_time_per_name():
     (counted membership tests, not a timing: 16000 unnamed blocks once took minutes)."""
     import onnx_ir as ir
 
-    from opfuse.analyse import NameTable
+    from opfuse.core.analysis import NameTable
 
     class Counting(set):
         lookups = 0
@@ -170,11 +170,11 @@ def test_fresh_names_take_constant_time_per_name():
 
 # -- one place per op fact ---------------------------------------------------------------------
 
-# Collections of op names outside the op table (opfuse/vocabulary.py) and the target modules
+# Collections of op names outside the op table (opfuse/core/ops.py) and the target modules
 # (whose lists are what each target runs). Each is a rule of its own module, not a fact about
 # the ops; a new one must be added here with the reason it is not a column of the op table.
 OWN_RULES = {
-    ("activations.py", frozenset({"Relu", "Clip"})): "the clamp-merging rule",
+    ("core/activations.py", frozenset({"Relu", "Clip"})): "the clamp-merging rule",
     ("bench/table.py", frozenset({"BatchNormalization", "Relu", "Clip", "Add"})): "columns the table shows",
     ("passes/equalize.py", "BETWEEN"): "how each op commutes with a channel scale (the pass's algebra)",
     ("passes/equalize.py", "_NOT_HANDLED"): "reasons for ops the pass does not look through",
@@ -182,21 +182,21 @@ OWN_RULES = {
     ("passes/layout_chain.py", "AXIS_MAPS"): "the layout ops whose axis algebra it implements, one function each",
     ("passes/fuse_patterns.py", "_PLUMBING"): "ops a rule writes around the op it fuses, which a record looks past",
     ("quantization/presets.py", "CPU_OPS"): "what a preset quantises (a policy)",
-    ("quantization/bias_correction.py", frozenset({"Conv", "Gemm"})): "the layers its correction supports",
-    ("quantization/qdq.py", frozenset({"Conv", "Gemm"})): "the layers that get a zero bias to correct",
-    ("quantization/layers.py", frozenset({"Relu", "Clip"})): "ops ONNX Runtime's quantiser folds into a range",
-    ("quantization/sqnr.py", "CHANNEL_FIRST"): "ops measured per channel on axis 1",
-    ("quantization/torch_ops.py", "_REDUCTIONS"): "the reductions its torch interpreter implements",
-    ("inputs.py", "*"): "how generated inputs follow their consumers",
-    ("leftovers.py", "PATTERN_PRIMITIVES"): "which pattern a primitive left over belongs to (for its note)",
+    ("quantization/algorithms/bias_correction.py", frozenset({"Conv", "Gemm"})): "the layers its correction supports",
+    ("quantization/qdq/quantizer.py", frozenset({"Conv", "Gemm"})): "the layers that get a zero bias to correct",
+    ("quantization/qdq/layers.py", frozenset({"Relu", "Clip"})): "ops ONNX Runtime's quantiser folds into a range",
+    ("quantization/qdq/sqnr.py", "CHANNEL_FIRST"): "ops measured per channel on axis 1",
+    ("quantization/interpreter/ops.py", "_REDUCTIONS"): "the reductions its torch interpreter implements",
+    ("verify/inputs.py", "*"): "how generated inputs follow their consumers",
+    ("passes/leftovers.py", "PATTERN_PRIMITIVES"): "which pattern a primitive left over belongs to (for its note)",
     ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",
 }
-TARGET_MODULES = {"targets/onnxruntime.py", "targets/onnx.py", "targets/qnn.py"}
+TARGET_MODULES = {"targets/onnxruntime.py", "targets/onnx.py", "targets/qnn/__init__.py"}
 
 
 def _op_name_collections(path: pathlib.Path):
     """(line, assigned name or None, op names) of every literal collection of >= 2 op names."""
-    from opfuse.vocabulary import OPS
+    from opfuse.core.ops import OPS
 
     tree = ast.parse(path.read_text())
     names_of = {}
@@ -225,7 +225,7 @@ def test_the_op_table_is_the_only_place_op_facts_are_spelled():
     stray = []
     for path in MODULES:
         rel = str(path.relative_to(PACKAGE))
-        if rel == "vocabulary.py" or rel in TARGET_MODULES:
+        if rel == "core/ops.py" or rel in TARGET_MODULES:
             continue
         for line, name, ops in _op_name_collections(path):
             if (rel, ops) in OWN_RULES or (rel, name) in OWN_RULES or (rel, "*") in OWN_RULES:
@@ -240,7 +240,7 @@ def test_the_float_dtypes_are_spelled_once():
     stray = []
     for path in MODULES:
         rel = str(path.relative_to(PACKAGE))
-        if rel == "vocabulary.py":
+        if rel == "core/ops.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
@@ -271,7 +271,7 @@ def test_no_experiment_switch_is_left_in_the_package():
                       if isinstance(t, ast.Name) and t.id in LEFT_SWITCHES]
     assert not found, "\n".join(found)
     # the activation scales' fit: learned or searched; "fixed" (the rounding alone) was left
-    tree = ast.parse((PACKAGE / "quantization" / "reconstruction.py").read_text())
+    tree = ast.parse((PACKAGE / "quantization" / "algorithms" / "reconstruction.py").read_text())
     fits = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id == "SCALE_FITS" for t in n.targets)]
     assert fits == [("learned", "search")]
@@ -290,3 +290,83 @@ def test_the_architecture_page_names_every_module():
     missing = [str(p.relative_to(PACKAGE.parent)) for p in MODULES
                if f"`{p.relative_to(PACKAGE.parent).as_posix()}`" not in page]
     assert not missing, "docs/architecture.md does not name: " + ", ".join(missing)
+
+
+# -- the layout: load -> analyse -> rewrite -> verify -> save and report ---------------------------
+
+# the package root: the pipeline's steps and its front door; everything else sits in the folder of
+# its stage (core, prepare, passes, verify, targets, cost, quantization, bench, torch, models)
+ROOT_MODULES = {"__init__", "__main__", "cli", "errors", "pipeline", "load", "save", "report", "runtime"}
+# package -> the opfuse packages and modules its modules may import (module-level and local)
+MAY_IMPORT = {
+    "opfuse.core": ("opfuse.core", "opfuse.errors", "opfuse.report"),
+    "opfuse.prepare": ("opfuse.core", "opfuse.prepare", "opfuse.errors", "opfuse.report"),
+    "opfuse.cost": ("opfuse.core", "opfuse.cost", "opfuse.errors", "opfuse.report", "opfuse.targets.kernels"),
+}
+
+
+def _opfuse_imports(path: pathlib.Path) -> set[str]:
+    """The opfuse modules ``path`` imports (a name imported from a package counts as its module
+    when there is one)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if _in(a.name, "opfuse")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _in(node.module, "opfuse"):
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in _MODULE_NAMES else node.module
+                      for a in node.names}
+    return found
+
+
+_MODULE_NAMES = {_module_name(p) for p in MODULES}
+
+
+def test_the_package_root_holds_the_pipeline_steps_only():
+    root = {p.stem for p in PACKAGE.glob("*.py")}
+    assert root == ROOT_MODULES, sorted(root ^ ROOT_MODULES)
+
+
+def test_each_stage_imports_only_what_comes_before_it():
+    broken = []
+    for path in MODULES:
+        name = _module_name(path)
+        for package, allowed in MAY_IMPORT.items():
+            if _in(name, package):
+                broken += [f"{name} imports {m}" for m in sorted(_opfuse_imports(path)) if not _in(m, *allowed)]
+    assert not broken, "\n".join(broken)
+
+
+def test_no_import_cycle():
+    """Tarjan's strongly connected components over every import between opfuse's modules
+    (function-local ones too): a cycle is a component of more than one module."""
+    graph = {_module_name(p): {m for m in _opfuse_imports(p) if m in _MODULE_NAMES and m != _module_name(p)}
+             for p in MODULES}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles

@@ -15,10 +15,10 @@ from onnx import helper
 
 from graphs import model, ort_run, tensor, vinfo
 from opfuse.errors import BadInputError
-from opfuse.qnn import backend
-from opfuse.qnn.backend import HtpCompileError, HtpOptions, open_session
-from opfuse.qnn.placement import Placement, parse_validation
-from opfuse.static_shapes import dims_from_samples, make_static, make_static_proto
+from opfuse.targets.qnn import backend
+from opfuse.targets.qnn.backend import HtpCompileError, HtpOptions, open_session
+from opfuse.targets.qnn.placement import Placement, parse_validation
+from opfuse.prepare.static_shapes import dims_from_samples, make_static, make_static_proto
 from qnn_graphs import conv_then, feeds, needs_htp
 
 # -- the log, read (no backend) -------------------------------------------------------------------

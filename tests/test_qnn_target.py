@@ -15,9 +15,9 @@ from onnx import helper
 from graphs import model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.pipeline import optimize
-from opfuse.qnn import backend
-from opfuse.qnn.backend import open_session
-from opfuse.qnn.probe import probe, quantize_like_qnn_flow
+from opfuse.targets.qnn import backend
+from opfuse.targets.qnn.backend import open_session
+from opfuse.targets.qnn.probe import probe, quantize_like_qnn_flow
 from opfuse.quantization.presets import PRESETS
 from qnn_graphs import conv_then, feeds, needs_htp
 
@@ -183,7 +183,7 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
 
 def test_reconstruction_on_the_qnn_preset_searches_the_scales_and_is_judged_on_the_htp(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    import opfuse.quantization.reconstruction as reconstruction
+    import opfuse.quantization.algorithms.reconstruction as reconstruction
     from opfuse.quantization.pipeline import quantize
 
     searched = []

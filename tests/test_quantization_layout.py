@@ -80,7 +80,7 @@ def test_no_module_of_the_quantiser_is_in_an_import_cycle():
 
 def test_no_function_of_the_quantiser_is_over_80_lines():
     long = [f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for path in sorted((PACKAGE / "quantization").glob("*.py"))
+            for path in sorted((PACKAGE / "quantization").rglob("*.py"))
             for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]

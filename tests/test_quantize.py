@@ -400,7 +400,7 @@ def test_a_relu_that_is_also_a_graph_output_gets_no_copy_unless_its_reader_stays
     quantised Conv reads that DequantizeLinear directly (a float Relu in between would
     break its QDQ unit), and a Conv kept in float reads the Relu's values."""
     from opfuse.quantization.presets import PRESETS
-    from opfuse.quantization.qdq import prepare, Quantizer
+    from opfuse.quantization.qdq.quantizer import prepare, Quantizer
 
     r = rng(12)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
@@ -473,7 +473,7 @@ def test_a_missing_output_directory_is_refused_before_any_work(tmp_path, capsys)
 
 
 def test_sqnr_of_a_model_computing_nan_or_overflowing_is_the_worst():
-    from opfuse.quantization.sqnr import INFINITE, Accumulator, sqnr_db
+    from opfuse.quantization.qdq.sqnr import INFINITE, Accumulator, sqnr_db
 
     assert sqnr_db(1.0, float("nan")) == -INFINITE
     assert sqnr_db(1.0, float("inf")) == -INFINITE

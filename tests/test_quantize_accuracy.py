@@ -19,10 +19,10 @@ import opfuse
 from graphs import model, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.errors import VerificationError
-from opfuse.quantization.adaround import adaround_layers, apply_rounding
+from opfuse.quantization.algorithms.adaround import adaround_layers, apply_rounding
 from opfuse.quantization.presets import PRESETS
-from opfuse.quantization.qdq import Quantizer, prepare
-from opfuse.quantization.ranges import search_ranges
+from opfuse.quantization.qdq.quantizer import Quantizer, prepare
+from opfuse.quantization.algorithms.ranges import search_ranges
 from opfuse.runtime import create_session
 from test_quantize import samples, small_net
 
@@ -136,7 +136,7 @@ def test_the_adaround_guard_judges_on_the_runner_it_is_given():
     """AdaRound is kept for the model only if the output SQNR rises where the guard measures
     it: on ONNX Runtime's CPU by default, on the runner given (the qnn preset gives the
     HTP's). A runner that sees the rounded model as worse leaves the weights at nearest."""
-    from opfuse.quantization.trials import TrialMaker
+    from opfuse.quantization.algorithms.trials import TrialMaker
 
     net = one_conv()
     calib = [{"x": x} for x in smooth(16, (1, 8, 12, 12), 1)]

@@ -3,7 +3,7 @@
 Every value here is drawn from numpy arrays (weights, samples, ranges); the graphs are written
 from ONNX's own operators; the oracle is the ONNX definition of QuantizeLinear and
 DequantizeLinear as ONNX Runtime runs it, or plain numpy, never opfuse's own reading of a QDQ
-graph (:mod:`opfuse.quantization.layers`) or its own figures:
+graph (:mod:`opfuse.quantization.qdq.layers`) or its own figures:
 
 1. the round trip of every quantised weight and activation is within half a step of the value;
 2. the ranges' ``quantisation_error`` is the brute-force round trip's error (a uniform step's
@@ -28,11 +28,11 @@ import opfuse
 from opfuse.errors import VerificationError
 from graphs import model, tensor, vinfo
 from opfuse.quantization.presets import PRESETS
-from opfuse.quantization.qdq import Quantizer, prepare
-from opfuse.quantization.ranges import quantisation_error
+from opfuse.quantization.qdq.quantizer import Quantizer, prepare
+from opfuse.quantization.algorithms.ranges import quantisation_error
 from opfuse.quantization.report import QuantReport
-from opfuse.quantization.search import KEEP_ACTIONS, Judge, monotone_search
-from opfuse.quantization.trials import TrialMaker
+from opfuse.quantization.algorithms.search import KEEP_ACTIONS, Judge, monotone_search
+from opfuse.quantization.algorithms.trials import TrialMaker
 from opfuse.runtime import create_session
 
 SLOW = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -20,7 +20,7 @@ from graphs import model, ort_run, rng, tensor, vinfo
 from opfuse.errors import VerificationError
 from opfuse.cli import main
 from opfuse.pipeline import optimize
-from opfuse.random_ops import random_nodes, seed_for, seed_random_nodes
+from opfuse.verify.random_ops import random_nodes, seed_for, seed_random_nodes
 from opfuse.runtime import create_session
 from opfuse.verify import verify_models
 

@@ -29,7 +29,7 @@ from onnx import helper
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import build_parser, main
 from opfuse.models import build
-from opfuse.qnn.backend import available as qnn_available
+from opfuse.targets.qnn.backend import available as qnn_available
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 

@@ -1,4 +1,4 @@
-"""Block reconstruction (opfuse.quantization.reconstruction) on small graphs built here.
+"""Block reconstruction (opfuse.quantization.algorithms.reconstruction) on small graphs built here.
 
 The oracles are ONNX Runtime running the QDQ models (the written model and the float
 model), and ONNX's definition of the int32 bias of a quantised conv (scale = input scale x
@@ -19,11 +19,11 @@ import opfuse
 from graphs import model, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.quantization.presets import PRESETS
-from opfuse.quantization.qdq import Quantizer, prepare
-from opfuse.quantization.qdq_program import QdqProgram
-from opfuse.quantization.reconstruction import apply_reconstruction, reconstruct
-from opfuse.quantization.layers import exposed
-from opfuse.quantization.sqnr import OutputReference
+from opfuse.quantization.qdq.quantizer import Quantizer, prepare
+from opfuse.quantization.interpreter.program import QdqProgram
+from opfuse.quantization.algorithms.reconstruction import apply_reconstruction, reconstruct
+from opfuse.quantization.qdq.layers import exposed
+from opfuse.quantization.qdq.sqnr import OutputReference
 from opfuse.runtime import create_session
 from test_quantize_accuracy import smooth
 
@@ -164,7 +164,7 @@ def test_the_scale_search_finds_each_scales_best_factor_and_never_steps_up():
 
     import torch
 
-    from opfuse.quantization.reconstruction import SCALE_STEPS, _search_scales
+    from opfuse.quantization.algorithms.reconstruction import SCALE_STEPS, _search_scales
 
     best = {"a": math.log(1.1), "b": math.log(0.8), "c": 0.0}
     seen = []

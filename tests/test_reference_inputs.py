@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 
 from graphs import model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
-from opfuse.inputs import integer_ranges, make_feeds
+from opfuse.verify.inputs import integer_ranges, make_feeds
 from opfuse.pipeline import optimize
 from opfuse.quantization.calibration import load_calibration
 

@@ -646,7 +646,7 @@ def test_activation_names_are_onnx_ops_or_declared_torch_only_and_checked_at_imp
     ACTIVATION_OPS and TORCH_ONLY_ACTIVATIONS stops the rules module from importing."""
     import importlib.util
 
-    import opfuse.vocabulary as vocabulary
+    import opfuse.core.ops as vocabulary
     from opfuse.torch import rules
 
     names = {name for name, _ in rules.ACTIVATIONS.values()}

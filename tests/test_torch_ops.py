@@ -1,4 +1,4 @@
-"""The torch interpreter of single ONNX nodes (:mod:`opfuse.quantization.torch_ops`) against
+"""The torch interpreter of single ONNX nodes (:mod:`opfuse.quantization.interpreter.ops`) against
 ONNX Runtime: every op as a one-node model on seeded random inputs, at the opsets where
 its semantics differ; random Conv windows (hypothesis); refusals at build time; autograd.
 """
@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.quantization.torch_ops import Unsupported, node_function
+from opfuse.quantization.interpreter.ops import Unsupported, node_function
 
 R = np.random.default_rng(0)
 FP16 = (1e-2, 2e-3)

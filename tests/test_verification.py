@@ -17,12 +17,12 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-import opfuse.algebra
+import opfuse.core.algebra
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.errors import BadInputError, VerificationError
-from opfuse.dims import free_dims, resolve_dims
-from opfuse.inputs import find_sizes, integer_cases
+from opfuse.core.dims import free_dims, resolve_dims
+from opfuse.verify.inputs import find_sizes, integer_cases
 from opfuse.load import load_model
 from opfuse.pipeline import optimize
 from opfuse.verify import _Runner, compare_tensor, verify_models
@@ -236,12 +236,12 @@ def test_wrong_folds_are_caught_and_named_at_their_own_tensor(how, shape):
 
 
 def test_a_wrong_epsilon_is_caught(monkeypatch):
-    real = opfuse.algebra.batchnorm_affine
+    real = opfuse.core.algebra.batchnorm_affine
 
     def wrong_eps(gamma, beta, mean, var, eps):
         return real(gamma, beta, mean, var, eps + 1e-2)
 
-    monkeypatch.setattr(opfuse.algebra, "batchnorm_affine", wrong_eps)
+    monkeypatch.setattr(opfuse.core.algebra, "batchnorm_affine", wrong_eps)
     m = conv_bn_chain(["n", 3, "h", "w"], sigmoid_bias=-10.0)
     for init in m.graph.initializer:  # small variances, where epsilon matters
         if init.name.endswith(".var"):
@@ -251,8 +251,8 @@ def test_a_wrong_epsilon_is_caught(monkeypatch):
 
 
 def test_a_wrong_fold_inside_the_branch_an_integer_selects_is_caught(monkeypatch):
-    real = opfuse.algebra.batchnorm_affine
-    monkeypatch.setattr(opfuse.algebra, "batchnorm_affine",
+    real = opfuse.core.algebra.batchnorm_affine
+    monkeypatch.setattr(opfuse.core.algebra, "batchnorm_affine",
                         lambda g, b, m, v, eps: (lambda s, t: (s, t + 1.0))(*real(g, b, m, v, eps)))
     with pytest.raises(VerificationError, match=r"output 'y' \[sr=16000\]"):
         optimize(_branchy())

@@ -17,7 +17,7 @@ import pytest
 
 import opfuse.pipeline
 from graphs import conv_bn_model, ort_run
-from opfuse.analyse import NameLedger, NameTable
+from opfuse.core.analysis import NameLedger, NameTable
 from opfuse.errors import VerificationError
 from opfuse.save import StagedModel, fingerprint
 

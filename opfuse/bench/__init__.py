@@ -2,8 +2,8 @@
 
 ``opfuse bench`` reproduces the chapter's ResNet-50 table (section 4 of the source notes)
 for any model. This package measures and presents; what it counts and predicts comes from
-the optimiser's side (:mod:`opfuse.targets.traffic`, the memory-traffic rule;
-:mod:`opfuse.targets.accelerator`, the cost model with its hardware profiles).
+the optimiser's side (:mod:`opfuse.cost.traffic`, the memory-traffic rule;
+:mod:`opfuse.cost.accelerator`, the cost model with its hardware profiles).
 
     options.py   the command's parser, defaults and validation       (light: read at start-up)
     run.py       :func:`run_bench`: every configuration applied, measured, counted, predicted

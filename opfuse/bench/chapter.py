@@ -23,9 +23,9 @@ __all__ = ["CHAPTER", "MODELLED_CONV_RELU", "fuse_activation_into_batchnorm", "m
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from opfuse.targets.accelerator import Kernel, kernels_of
-from opfuse.targets.traffic import Traffic
-from opfuse.vocabulary import ACTIVATION_OPS
+from opfuse.cost.accelerator import Kernel, kernels_of
+from opfuse.cost.traffic import Traffic
+from opfuse.core.ops import ACTIVATION_OPS
 
 MODELLED_CONV_RELU = "npu-conv-relu"
 

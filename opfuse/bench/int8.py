@@ -43,10 +43,10 @@ import onnx_ir as ir
 from opfuse.pipeline import optimize
 from opfuse.quantization import quantize
 from opfuse.quantization.presets import CPU_OPS, PRESETS
-from opfuse.quantization.qdq import Quantizer, weight_storage
-from opfuse.quantization.sqnr import output_sqnr
+from opfuse.quantization.qdq.quantizer import Quantizer, weight_storage
+from opfuse.quantization.qdq.sqnr import output_sqnr
 from opfuse.verify import make_inputs
-from opfuse.vocabulary import first_line
+from opfuse.core.ops import first_line
 
 INT8 = "int8"
 INT8_UNFOLDED = "int8-unfolded"

@@ -53,7 +53,7 @@ import onnxruntime as ort
 from opfuse.runtime import RUNTIME_LEVELS, session_options
 from opfuse.runtime import model_source as serialize
 from opfuse.verify import compare_outputs
-from opfuse.vocabulary import count_ops, first_line, is_op
+from opfuse.core.ops import count_ops, first_line, is_op
 
 
 

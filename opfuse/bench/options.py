@@ -22,10 +22,10 @@ import dataclasses
 import importlib.util
 import pathlib
 
-from opfuse.ablation import CONFIGS
+from opfuse.bench.ablation import CONFIGS
 from opfuse.errors import BadInputError
 from opfuse.targets import RUNTIME_LEVELS
-from opfuse.targets.profiles import list_profiles, load_profile
+from opfuse.cost.profiles import list_profiles, load_profile
 
 DEFAULT_CONFIGS = ("none", "conv-bn", "conv-act", "conv-bn-act", "all")
 DEFAULT_LEVELS = ("basic", "extended", "all")

@@ -116,7 +116,7 @@ class BenchResult:
             "threads": self.options.threads,
             "ideal_traffic_bytes": self.ideal_bytes,
             "ideal_definition": "every weight read once + every activation written once and read once "
-                                "(see opfuse.targets.traffic)",
+                                "(see opfuse.cost.traffic)",
             "rows": rows,
             "op_profile_ms_per_run": self.op_profile,
             "traffic_per_layer": {"layers": self.layer_labels, "bytes": self.layer_bytes},

@@ -1,14 +1,14 @@
 """``opfuse bench``'s run: one model, every configuration, measured, counted and predicted.
 
-One run gives, per configuration of :data:`opfuse.ablation.CONFIGS`:
+One run gives, per configuration of :data:`opfuse.bench.ablation.CONFIGS`:
 
 1. measured: ONNX Runtime CPU latency (:mod:`opfuse.bench.measure`), runtime optimisations
    disabled so only opfuse's fusions count, with the runtime's own levels and an A/A
    control as extra rows, node counts, and kernel time per op type; with ``--int8`` the
    model quantised with BN folded and unfolded (:mod:`opfuse.bench.int8`), run at ORT all
    beside the float model at all, in the same interleaved rounds;
-2. memory traffic from shapes (:mod:`opfuse.targets.traffic`) and its ideal lower bound;
-3. predicted accelerator latency and bandwidth (:mod:`opfuse.targets.accelerator`), beside
+2. memory traffic from shapes (:mod:`opfuse.cost.traffic`) and its ideal lower bound;
+3. predicted accelerator latency and bandwidth (:mod:`opfuse.cost.accelerator`), beside
    the chapter's numbers for ResNet-50 (:mod:`opfuse.bench.chapter`). Predictions of a
    model, labelled as such.
 
@@ -32,7 +32,7 @@ import onnx_ir as ir
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from opfuse.ablation import apply_config
+from opfuse.bench.ablation import apply_config
 from opfuse.bench.chapter import MODELLED_CONV_RELU, modelled_conv_relu
 from opfuse.bench.int8 import CALIBRATION, FLOAT_AT_ALL, HELD_OUT, quantize_rows
 from opfuse.bench.measure import Variant, measure, profile_op_types
@@ -45,11 +45,11 @@ from opfuse.report import json_text
 from opfuse.load import load_model
 from opfuse.models import build
 from opfuse.save import write_text_atomic
-from opfuse.targets.accelerator import load_profile, predict
-from opfuse.targets.int8 import float_ops, int8_traffic
-from opfuse.targets.traffic import align_layers, analyse_traffic
+from opfuse.cost.accelerator import load_profile, predict
+from opfuse.cost.int8 import float_ops, int8_traffic
+from opfuse.cost.traffic import align_layers, analyse_traffic
 from opfuse.verify import make_inputs
-from opfuse.vocabulary import dtype_name
+from opfuse.core.ops import dtype_name
 
 
 def run(args) -> int:

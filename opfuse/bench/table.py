@@ -16,7 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from opfuse.ablation import CONFIGS
+from opfuse.bench.ablation import CONFIGS
 from opfuse.bench.int8 import FLOAT_SOURCE
 from opfuse.bench.options import BASELINE, CONTROL, ORT_ALL
 
@@ -270,11 +270,11 @@ def footnotes(result) -> list[str]:
     if result.profiles:
         lines.append("- predicted rows: roofline (max of compute and DRAM time) + launch overhead per "
                      "kernel, plus spills; a model of an accelerator, not a measurement "
-                     "(opfuse/targets/accelerator.py)")
+                     "(opfuse/cost/accelerator.py)")
         if any(r.int8 is not None and r.predictions for r in result.rows):
             peaks = ", ".join(f"{p.name} {p.peak('int8') / 1e9:g}" for p in result.profiles.values())
             lines.append("- predicted int8 rows: the QDQ graph as an NPU that runs int8 natively would run it "
-                         "(opfuse/targets/int8.py): each conv, add or pooling between DequantizeLinear and "
+                         "(opfuse/cost/int8.py): each conv, add or pooling between DequantizeLinear and "
                          "QuantizeLinear one int8 kernel moving 1-byte activations and weights (int32 bias); "
                          "an op with no int8 kernel (BatchNormalization) runs in float with conversion "
                          f"kernels around it. int8 peak GOP/s ({peaks}) is an assumption of each profile, "

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import onnx_ir as ir
 
-from opfuse.analyse import Scope, node_label
+from opfuse.core.analysis import Scope, node_label
 from opfuse.report import FusionReport, Refusal
 
 

@@ -35,11 +35,11 @@ __all__ = ["CancelTransposesPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import Constant, NameTable, Scope, find_constant, iter_scopes, node_label
-from opfuse.graph_edit import add_constant, drop_if_unused
+from opfuse.core.analysis import Constant, NameTable, Scope, find_constant, iter_scopes, node_label
+from opfuse.core.edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
-from opfuse.vocabulary import OpKind, is_op, op_kind
+from opfuse.core.ops import OpKind, is_op, op_kind
 
 MAX_SCANS = 16  # passes over a graph per call; one usually suffices (a moved Transpose is met again downstream)
 

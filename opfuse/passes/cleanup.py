@@ -67,13 +67,13 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxscript.optimizer
 
-from opfuse.analyse import iter_scopes, tensor_nbytes
+from opfuse.core.analysis import iter_scopes, tensor_nbytes
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.constant_branches import GUARD, RESOLVED, guard
 from opfuse.passes.shape_values import fold_shape_values, standing
-from opfuse.random_ops import draws_random, random_nodes
+from opfuse.verify.random_ops import draws_random, random_nodes
 from opfuse.report import FusionRecord
-from opfuse.vocabulary import ONNX_DOMAINS, count_ops, is_onnx, is_op
+from opfuse.core.ops import ONNX_DOMAINS, count_ops, is_onnx, is_op
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def _could_fold(model: ir.Model) -> bool:
 
 def _inference_matters(ops) -> bool:
     """Whether per-node shape inference can change what the folder does in a model with
-    these op counts (by :func:`~opfuse.vocabulary.op_label`: a default-domain op by name)."""
+    these op counts (by :func:`~opfuse.core.ops.op_label`: a default-domain op by name)."""
     return SHAPE_READERS is None or any(op in SHAPE_READERS for op in ops)
 
 

@@ -45,9 +45,9 @@ import dataclasses
 
 import onnx_ir as ir
 
-from opfuse.analyse import iter_scopes, node_label
+from opfuse.core.analysis import iter_scopes, node_label
 from opfuse.report import FusionRecord
-from opfuse.vocabulary import is_op
+from opfuse.core.ops import is_op
 
 RESOLVED = "If resolved"  # the records' pattern
 GUARD = "opfuse.branch_guard"  # node meta key: an Identity this module put in a branch

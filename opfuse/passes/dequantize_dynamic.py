@@ -10,7 +10,7 @@ Cast"), and has no DynamicQuantizeLSTM, so ddddocr's ``common_old`` splits into 
 partitions; and a quantiser of float models finds nothing to quantise in it. This pass
 writes the float ops back, with the weights the model shipped, dequantised, so a static
 quantiser (``opfuse quantize``) can take the model. The rules, one per integer op
-(:data:`opfuse.vocabulary.INTEGER_OPS`):
+(:data:`opfuse.core.ops.INTEGER_OPS`):
 
 1. ``ConvInteger(xq, Wq, xz, wz) -> Cast(to=FLOAT) -> Mul(., Mul(xs, ws))`` is
    ``Conv(x, W)``, same attributes, with ``W = (Wq - wz) * ws``. ONNX Runtime's older
@@ -21,7 +21,7 @@ quantiser (``opfuse quantize``) can take the model. The rules, one per integer o
 3. ``com.microsoft.DynamicQuantizeLSTM(X, Wq, Rq, B, sequence_lens, initial_h, initial_c, P,
    W_scale, W_zero_point, R_scale, R_zero_point)`` is ONNX ``LSTM(X, W, R, B, ...)`` with the
    same attributes; its weights are [directions, input, 4 * hidden], transposed against
-   LSTM's [directions, 4 * hidden, input] (:func:`opfuse.algebra.dequantize_lstm_weight`).
+   LSTM's [directions, 4 * hidden, input] (:func:`opfuse.core.algebra.dequantize_lstm_weight`).
 4. ``com.microsoft.DynamicQuantizeMatMul(A, Bq, b_scale, b_zero_point, bias)`` (ONNX
    Runtime's fusion of rule 2) is ``MatMul(A, B)`` [``+ bias``]; ``MatMulIntegerToFloat(xq,
    Bq, xs, b_scale, xz, b_zero_point, bias)`` reading a DynamicQuantizeLinear is the same.
@@ -69,12 +69,12 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from opfuse import algebra
-from opfuse.analyse import NameTable, Scope, describe, find_constant, iter_scopes, node_label
-from opfuse.graph_edit import add_constant, drop_if_unused
+from opfuse.core import algebra
+from opfuse.core.analysis import NameTable, Scope, describe, find_constant, iter_scopes, node_label
+from opfuse.core.edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord, Reason
-from opfuse.vocabulary import integer_op, int_attr, is_op, str_attr
+from opfuse.core.ops import integer_op, int_attr, is_op, str_attr
 
 LSTM_OPSET = 7  # the first opset whose LSTM this writes (its attributes have not changed since)
 

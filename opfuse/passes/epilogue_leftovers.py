@@ -6,7 +6,7 @@ op that commonly fuses. The ops explained (:func:`is_epilogue_op`):
 
 - every element-wise op (ELEMWISE, BROADCAST) whose input comes, past Identity nodes, from
   a layer (an OUT_ELEMWISE_FUSABLE op) or from a fused kernel;
-- every activation (:data:`opfuse.vocabulary.ACTIVATION_OPS`), wherever it is.
+- every activation (:data:`opfuse.core.ops.ACTIVATION_OPS`), wherever it is.
 
 An op the walk already refused keeps that refusal; the reasons here are for the ones it
 did not reach: an activation after a Concat, an Add after a fused activation, a Relu after
@@ -19,9 +19,9 @@ __all__ = ["explain_leftovers", "is_epilogue_op", "layer_input"]
 
 import onnx_ir as ir
 
-from opfuse.analyse import Scope, describe, trace_producer
+from opfuse.core.analysis import Scope, describe, trace_producer
 from opfuse.targets.kernels import read_kernel
-from opfuse.vocabulary import ELEMENTWISE_KINDS, OpKind, is_onnx, is_op, op_info, op_kind
+from opfuse.core.ops import ELEMENTWISE_KINDS, OpKind, is_onnx, is_op, op_info, op_kind
 
 
 def layer_input(node: ir.Node) -> ir.Node | None:

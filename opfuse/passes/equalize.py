@@ -73,13 +73,13 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.algebra import cast_back
-from opfuse.analyse import Constant, NameTable, Scope, describe, find_constant, iter_scopes, node_label
-from opfuse.activations import clip_bounds
-from opfuse.graph_edit import add_constant, drop_if_unused
+from opfuse.core.algebra import cast_back
+from opfuse.core.analysis import Constant, NameTable, Scope, describe, find_constant, iter_scopes, node_label
+from opfuse.core.activations import clip_bounds
+from opfuse.core.edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord, Reason
-from opfuse.vocabulary import ELEMENTWISE_KINDS, OpKind, int_attr, is_op, op_info, op_kind
+from opfuse.core.ops import ELEMENTWISE_KINDS, OpKind, int_attr, is_op, op_info, op_kind
 
 logger = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ __all__ = ["FoldArithmeticPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import describe, find_constant, trace_producer
+from opfuse.core.analysis import describe, find_constant, trace_producer
 from opfuse.passes.folding import ChannelAffine, FoldPass, ProducerShape
 from opfuse.report import Reason
-from opfuse.vocabulary import FLOAT_DTYPES, OPS, WEIGHTED_OPS, is_op
+from opfuse.core.ops import FLOAT_DTYPES, OPS, WEIGHTED_OPS, is_op
 
 AXIS_NAMES = {0: "batch", 1: "channel"}
 

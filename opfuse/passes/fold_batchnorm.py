@@ -30,8 +30,8 @@ __all__ = ["FoldBatchNormPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse import algebra
-from opfuse.analyse import Scope, batchnorm_epsilon, describe, find_constant, trace_producer
+from opfuse.core import algebra
+from opfuse.core.analysis import Scope, batchnorm_epsilon, describe, find_constant, trace_producer
 from opfuse.passes.folding import ChannelAffine, FoldPass, ProducerShape
 from opfuse.report import Reason
 

@@ -2,7 +2,7 @@
 
 A fold pass names which consumers it matches (BatchNormalization; constant Add, Sub, Mul,
 Div) and how to read each one as ``z = s * y + t`` per output channel; this module does
-the rest, identically for all of them. The algebra is :mod:`opfuse.algebra`.
+the rest, identically for all of them. The algebra is :mod:`opfuse.core.algebra`.
 
 Producers (:data:`PRODUCERS`, read from the op table's weighted ops): Conv, ConvTranspose,
 Gemm, and MatMul with a 2-D constant weight (BatchNormalization only; it becomes a Gemm,
@@ -45,8 +45,8 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from opfuse import algebra
-from opfuse.analyse import (
+from opfuse.core import algebra
+from opfuse.core.analysis import (
     Constant,
     NameTable,
     Scope,
@@ -57,11 +57,11 @@ from opfuse.analyse import (
     iter_scopes,
     sole_use_problem,
 )
-from opfuse.graph_edit import add_constant, drop_if_unused
+from opfuse.core.edit import add_constant, drop_if_unused
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.layout_chain import describe_chain, follow_channel, has_layout_op, trace_through_layout
 from opfuse.report import FusionRecord, Reason
-from opfuse.vocabulary import FLOAT_DTYPES, ONNX_DOMAINS, OPS, WEIGHTED_OPS, WeightSpec, float_attr
+from opfuse.core.ops import FLOAT_DTYPES, ONNX_DOMAINS, OPS, WEIGHTED_OPS, WeightSpec, float_attr
 
 # Transient metadata on values (never serialised; dropped by ``release``): on the values a
 # fold creates, the float64 bias and the weight's source array with the product of the
@@ -95,7 +95,7 @@ class ProducerShape:
 @dataclasses.dataclass(frozen=True)
 class Producer:
     """A linear operator whose output channels can absorb an affine map: a weighted op of
-    the op table (:data:`opfuse.vocabulary.OPS`, its :class:`~opfuse.vocabulary.WeightSpec`)."""
+    the op table (:data:`opfuse.core.ops.OPS`, its :class:`~opfuse.core.ops.WeightSpec`)."""
 
     op_type: str
     spec: WeightSpec
@@ -307,7 +307,7 @@ class FoldPass(OpfusePass):
             infer_shapes(self._model)
             self._shapes_inferred = True
         if symbolic and not self._symbolic_inferred:
-            from opfuse.symbolic_shapes import infer_symbolic_shapes  # (only when a computed reshape needs it)
+            from opfuse.core.symbolic_shapes import infer_symbolic_shapes  # (only when a computed reshape needs it)
 
             infer_symbolic_shapes(self._model)
             self._symbolic_inferred = True

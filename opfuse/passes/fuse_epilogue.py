@@ -1,7 +1,7 @@
 """Fuse a layer's epilogue into the target's kernel: residual Add, then activation.
 
 One rule over the op kinds, as TVM's ``FuseOps``: an anchor (an OUT_ELEMWISE_FUSABLE op,
-:mod:`opfuse.vocabulary`) absorbs the chain of element-wise ops (ELEMWISE, BROADCAST)
+:mod:`opfuse.core.ops`) absorbs the chain of element-wise ops (ELEMWISE, BROADCAST)
 after it that the target's kernel for it runs, in the order the kernel computes them
 (:class:`~opfuse.targets.kernels.EpilogueKernel`). For ONNX Runtime
 (:mod:`opfuse.targets.onnxruntime`):
@@ -12,7 +12,7 @@ after it that the target's kernel for it runs, in the order the kernel computes 
     Y = act(Conv(X, W, B) + Z)       (the Add happens before the activation)
 
 Consecutive activations merge first when they make one (Relu then Clip is a Clip,
-:func:`opfuse.activations.merge_activations`). The bias is already the conv's own input
+:func:`opfuse.core.activations.merge_activations`). The bias is already the conv's own input
 (fold-arithmetic puts constant Adds there).
 
 Legality, each failure a refusal with its reason, for every element-wise op that follows
@@ -51,8 +51,8 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.activations import Activation, merge_activations, read_activation
-from opfuse.analyse import (
+from opfuse.core.activations import Activation, merge_activations, read_activation
+from opfuse.core.analysis import (
     Constant,
     NameTable,
     Scope,
@@ -63,13 +63,13 @@ from opfuse.analyse import (
     node_label,
     sole_use_problem,
 )
-from opfuse.graph_edit import add_constant
+from opfuse.core.edit import add_constant
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.epilogue_leftovers import explain_leftovers
 from opfuse.report import FusionRecord
 from opfuse.targets.kernels import EpilogueKernel, Target, load_target
 from opfuse.targets.onnxruntime import residual_add
-from opfuse.vocabulary import ELEMENTWISE_KINDS, OpKind, dtype_name, is_op, op_info, op_kind
+from opfuse.core.ops import ELEMENTWISE_KINDS, OpKind, dtype_name, is_op, op_info, op_kind
 
 Veto = Callable[[ir.Node, list], "str | None"]
 

@@ -54,15 +54,15 @@ from onnxscript.optimizer import basic_constant_propagation
 from onnxscript.rewriter.pattern import MatchingTracer, MatchStatus
 from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display a verbose rule asks for)
 
-from opfuse.analyse import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
+from opfuse.core.analysis import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
 from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord, Refusal
 from opfuse.targets.kernels import Target, load_target
-from opfuse.symbolic_shapes import infer_symbolic_shapes
-from opfuse.graph_edit import drop_if_unused
-from opfuse.vocabulary import ONNX_DOMAINS, is_op
+from opfuse.core.symbolic_shapes import infer_symbolic_shapes
+from opfuse.core.edit import drop_if_unused
+from opfuse.core.ops import ONNX_DOMAINS, is_op
 
 _OTHER_USES = "Matched nodes have other uses"  # onnxscript's reason for an unremovable match
 _NO_REASON = "Condition function check failed"  # onnxscript's message for a check that returned False

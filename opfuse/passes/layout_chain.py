@@ -7,7 +7,7 @@ through TensorFlow), tf2onnx writes a Keras Conv1D as ``Conv -> Squeeze -> Add(b
 (:mod:`opfuse.passes.folding`): the map moves into the producer, the layout ops stay and
 read the folded output.
 
-Algebra (:mod:`opfuse.algebra`, "Layout ops"): an op that only moves elements commutes with
+Algebra (:mod:`opfuse.core.algebra`, "Layout ops"): an op that only moves elements commutes with
 a per-channel affine map when it keeps the channel axis as one whole axis; the map's
 constant must then vary along that axis of the consumer's input, and only along it.
 
@@ -30,7 +30,7 @@ The ops, and when each keeps the channel axis (every failure is a reason):
    so the proof is the sizes after the channel axis (a last axis stays last).
 
 Every value along the chain must have this one consumer and not be a graph output; the
-fold checks that (:func:`opfuse.analyse.sole_use_problem`), as for Identity nodes.
+fold checks that (:func:`opfuse.core.analysis.sole_use_problem`), as for Identity nodes.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from opfuse import algebra
-from opfuse.analyse import describe, find_constant
+from opfuse.core import algebra
+from opfuse.core.analysis import describe, find_constant
 from opfuse.report import Reason
-from opfuse.vocabulary import ONNX_DOMAINS, int_attr
+from opfuse.core.ops import ONNX_DOMAINS, int_attr
 
 ChannelAxis = tuple[int, int]  # (rank, channel axis) of a tensor along the chain
 

@@ -41,10 +41,10 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import infer_shapes, iter_scopes, node_label
+from opfuse.core.analysis import infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
-from opfuse.vocabulary import FLOAT_DTYPES, dtype_name, is_op
+from opfuse.core.ops import FLOAT_DTYPES, dtype_name, is_op
 
 
 def _limits(dtype: np.dtype):

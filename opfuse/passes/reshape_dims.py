@@ -18,7 +18,7 @@ Legality, each failure leaves the Reshape as it is:
    tensor's shape: ``Gather(Shape(t), i)`` (possibly ``Unsqueeze``d, ``Shape`` with
    start / end honoured).
 2. A dim read at position k becomes 0 only when the symbolic shape inference
-   (:mod:`opfuse.symbolic_shapes`, ONNX Runtime's) names it as the same dim as the input's
+   (:mod:`opfuse.core.symbolic_shapes`, ONNX Runtime's) names it as the same dim as the input's
    axis k (the same symbol, or the same integer); a static dim becomes its integer.
    Anything else (an unnamed dim, a dim at another position) leaves the node.
 3. ``allowzero`` is 0, and the new target has at most one -1 (Reshape's own rules).
@@ -33,11 +33,11 @@ __all__ = ["ReshapeDimsPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.analyse import Constant, NameTable, find_constant, infer_shapes, node_label
+from opfuse.core.analysis import Constant, NameTable, find_constant, infer_shapes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
-from opfuse.symbolic_shapes import infer_symbolic_shapes
-from opfuse.vocabulary import int_attr, is_op
+from opfuse.core.symbolic_shapes import infer_symbolic_shapes
+from opfuse.core.ops import int_attr, is_op
 
 
 class ReshapeDimsPass(OpfusePass):

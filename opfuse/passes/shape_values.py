@@ -64,10 +64,10 @@ import onnx
 import onnx.reference.ops
 import onnx_ir as ir
 
-from opfuse.analyse import NameTable, _inference_proto, node_label, opset_of
+from opfuse.core.analysis import NameTable, _inference_proto, node_label, opset_of
 from opfuse.report import FusionRecord, Refusal
-from opfuse.symbolic_shapes import run_tool
-from opfuse.vocabulary import MS_DOMAIN, ONNX_DOMAINS, int_attr, is_onnx, is_op, op_info
+from opfuse.core.symbolic_shapes import run_tool
+from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS, int_attr, is_onnx, is_op, op_info
 
 logger = logging.getLogger(__name__)
 

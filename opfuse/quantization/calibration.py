@@ -8,12 +8,12 @@ Three forms, each giving a list of samples (one feed dict per sample, keyed by i
 - a directory of ``.npz`` files in ``--inputs`` format, one sample each (read in name
   order), for inputs whose free dimensions differ between samples;
 - ``random:N``: N seeded random samples built from the model like verification's inputs
-  (:mod:`opfuse.inputs`), for smoke tests only: a scale computed on noise is not the
+  (:mod:`opfuse.verify.inputs`), for smoke tests only: a scale computed on noise is not the
   scale of real data, and the report says so.
 
 In Python, any iterable of mappings ``{input name: array}`` (one per sample) too.
 
-Inputs bound with ``--constant-input`` (:mod:`opfuse.constant_inputs`) are not inputs of
+Inputs bound with ``--constant-input`` (:mod:`opfuse.prepare.constant_inputs`) are not inputs of
 the model quantised: ``random:N`` does not draw them, and a sample that carries one must
 hold exactly its bound value (else one line naming the sample); it is dropped.
 
@@ -41,12 +41,12 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.constant_inputs import drop_bound, show_value
+from opfuse.prepare.constant_inputs import drop_bound, show_value
 from opfuse.errors import BadInputError
-from opfuse.dims import dim_name, resolve_dims, runtime_inputs
-from opfuse.inputs import find_sizes, make_feeds
+from opfuse.core.dims import dim_name, resolve_dims, runtime_inputs
+from opfuse.verify.inputs import find_sizes, make_feeds
 from opfuse.runtime import create_session
-from opfuse.vocabulary import first_line
+from opfuse.core.ops import first_line
 
 Sample = dict[str, np.ndarray]
 MIN_SAMPLES = 2  # one to calibrate on, one held out

@@ -4,7 +4,7 @@ The stages, in order: steps 1-3 and 8-9 are this module's; 4-7 are the preset's 
 steps (:mod:`.presets`, with the caller's choices: :meth:`.options.QuantizeOptions.steps`),
 each with one interface (:mod:`.steps`):
 
-1. load (:mod:`opfuse.load`), read the ``constant_inputs`` (:mod:`opfuse.constant_inputs`:
+1. load (:mod:`opfuse.load`), read the ``constant_inputs`` (:mod:`opfuse.prepare.constant_inputs`:
    the bound inputs are no inputs of the model quantised) and the calibration data
    (:mod:`.calibration`); the last
    quarter of the samples is held out for step 7; with a target (``min_sqnr`` or a
@@ -55,7 +55,7 @@ each with one interface (:mod:`.steps`):
 
 One route to any device: a preset names its target (``Preset.target``), and where that target
 has a device module (:attr:`opfuse.targets.kernels.Target.device`, the interface in
-:mod:`opfuse.qnn.device`), quantize reaches the device through it alone, as
+:mod:`opfuse.targets.qnn.device`), quantize reaches the device through it alone, as
 :func:`opfuse.optimize` does: ``require_backend()``, ``Options.parse()``, the quantiser's
 conventions (``quantizer_config``), a ``Runner`` for the steps' guards, ``compile`` and
 ``accuracy`` for the verification. Adding an NPU is a target module and a device module.
@@ -72,27 +72,27 @@ from collections import Counter
 import onnx
 import onnx_ir as ir
 
-from opfuse.analyse import iter_scopes, label_unnamed, op_counts
-from opfuse.constant_inputs import bound_view, resolve_constant_inputs
+from opfuse.core.analysis import iter_scopes, label_unnamed, op_counts
+from opfuse.prepare.constant_inputs import bound_view, resolve_constant_inputs
 from opfuse.errors import BadInputError, VerificationError
 from opfuse.load import ModelSource, load_model
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.pipeline import optimize, run_passes
 from opfuse.quantization.calibration import CalibrationSource, check_runs, constant_across, load_calibration, split
-from opfuse.quantization.layers import qdq_layers
+from opfuse.quantization.qdq.layers import qdq_layers
 from opfuse.quantization.options import QuantizeOptions
 from opfuse.quantization.presets import Equalize
-from opfuse.quantization.qdq import prepare, weight_storage
+from opfuse.quantization.qdq.quantizer import prepare, weight_storage
 from opfuse.quantization.report import LayerRow, QuantReport, QuantVerification
-from opfuse.quantization.sqnr import INFINITE, layer_costs, layer_pairs, measure, output_sqnr
+from opfuse.quantization.qdq.sqnr import INFINITE, layer_costs, layer_pairs, measure, output_sqnr
 from opfuse.quantization.steps import QuantState, build_steps
-from opfuse.random_ops import drop_given_seeds, seed_random_nodes
+from opfuse.verify.random_ops import drop_given_seeds, seed_random_nodes
 from opfuse.report import FusionReport
 from opfuse.runtime import create_session
 from opfuse.save import check_destinations, save_model, write_text_atomic
 from opfuse.targets import TARGET_DEFAULT_PASSES
 from opfuse.targets.kernels import load_target
-from opfuse.vocabulary import integer_op
+from opfuse.core.ops import integer_op
 
 LOW_SQNR_DB = 10  # below it, with no target given, the report suggests --min-sqnr
 FLOOR_SQNR_DB = 3  # below it, with no target given, the result is no model of the float one: exit 1
@@ -121,7 +121,7 @@ def quantize(model: ModelSource, calibration: CalibrationSource, options: Quanti
     :class:`~opfuse.errors.VerificationError` (exit 1) when the held-out SQNR is below
     ``min_sqnr`` or the metric below ``min_metric``: nothing is written but the report.
 
-    A preset whose target has a device (``qnn``: Qualcomm's HTP, :mod:`opfuse.qnn`): every
+    A preset whose target has a device (``qnn``: Qualcomm's HTP, :mod:`opfuse.targets.qnn`): every
     symbolic dimension is bound first (``dims``, else the calibration samples' shapes), the
     patterns fused as the target runs them, and the quantised model compiled on the device:
     its placement is the report's ``device`` section (``require_npu``: any CPU fallback
@@ -223,7 +223,7 @@ def _fold(loaded: _Loaded, options: QuantizeOptions, settings) -> tuple[onnx.Mod
                               constant_inputs=loaded.bound, compile_for_device=False)
     fusion.model = loaded.display
     if static is not None and static.unknown and fusion.applied(RESOLVED):
-        from opfuse.static_shapes import not_static  # (static shapes: only a target that needs them)
+        from opfuse.prepare.static_shapes import not_static  # (static shapes: only a target that needs them)
 
         static.unknown = not_static(ir.serde.serialize_model(folded))  # an If's outputs: now its branch's
         notes[static_note] = static.note()
@@ -334,8 +334,8 @@ def _fail(report: QuantReport, options: QuantizeOptions):
 
 def _static_from_samples(work: ir.Model, samples, dims):
     """Every symbolic dimension bound: ``dims`` (--dim) first, the others from the samples."""
-    from opfuse.dims import resolve_dims  # (static shapes: only a target that needs them)
-    from opfuse.static_shapes import dims_from_samples, make_static  # (likewise)
+    from opfuse.core.dims import resolve_dims  # (static shapes: only a target that needs them)
+    from opfuse.prepare.static_shapes import dims_from_samples, make_static  # (likewise)
 
     given = resolve_dims(work, dims)
     read = {k: v for k, v in dims_from_samples(work, samples).items() if k not in given}

@@ -44,7 +44,7 @@ model is in docs/results/quantize.md.
 
 A preset is data: its number formats, the target it quantises for (``Preset.target``: the
 ``qnn`` presets name ``"qnn"``, whose device module compiles and verifies the result,
-:mod:`opfuse.qnn.device`), and the list of its steps with their settings
+:mod:`opfuse.targets.qnn.device`), and the list of its steps with their settings
 (``Preset.steps``, run in order by :mod:`.steps`). The caller's ``equalize``, ``adaround``,
 ``bias_correction`` and ``reconstruct`` add or drop a step of that list
 (:meth:`.options.QuantizeOptions.steps`).
@@ -135,7 +135,7 @@ class Preset:
         return 13 if self.per_channel else 11
 
     def device(self):
-        """The device module of :attr:`target` (:mod:`opfuse.qnn.device`'s interface), None for a
+        """The device module of :attr:`target` (:mod:`opfuse.targets.qnn.device`'s interface), None for a
         target without one (the model then runs on ONNX Runtime's CPU)."""
         import importlib  # (the device and its backend load only for a preset whose target has one)
 

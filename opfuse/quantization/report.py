@@ -20,7 +20,7 @@ from rich.table import Table
 
 from opfuse.report import FusionReport, json_text, print_report
 
-INFINITE_DB = 200.0  # the SQNR shown for identical outputs (opfuse.quantization.sqnr.INFINITE)
+INFINITE_DB = 200.0  # the SQNR shown for identical outputs (opfuse.quantization.qdq.sqnr.INFINITE)
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ class LayerRow:
     name: str
     op_type: str
     sqnr_db: float  # SQNR of its output against the float model, per channel, calibration samples
-    own_sqnr_db: float  # SQNR of the noise it adds itself (lower is costlier; opfuse.quantization.sqnr)
+    own_sqnr_db: float  # SQNR of the noise it adds itself (lower is costlier; opfuse.quantization.qdq.sqnr)
     precision: str  # "int8", "float" or "int16 activations"
     reason: str = ""
     gain_db: float | None = None  # output SQNR gained by keeping it alone (measured when the search ran)
@@ -139,7 +139,7 @@ class QuantReport:
     quantize_linear: int = 0
     shipped_sqnr_db: float | None = None  # a dynamic int8 model: the dequantised reference against the shipped one
     verification: QuantVerification | None = None
-    device: Any = None  # qnn: the HTP compile log of the quantised model (opfuse.qnn.compile.HtpCompileLog)
+    device: Any = None  # qnn: the HTP compile log of the quantised model (opfuse.targets.qnn.compile.HtpCompileLog)
 
     @property
     def weights_8bit_fraction(self) -> float:

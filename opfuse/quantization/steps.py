@@ -38,11 +38,11 @@ from opfuse.quantization.presets import (
     Ranges,
     Reconstruction,
 )
-from opfuse.quantization.bias_correction import compute_corrections, select_corrections
-from opfuse.quantization.qdq import Quantizer
+from opfuse.quantization.algorithms.bias_correction import compute_corrections, select_corrections
+from opfuse.quantization.qdq.quantizer import Quantizer
 from opfuse.quantization.report import QuantReport, ReconstructionFacts
-from opfuse.quantization.search import KEEP_ACTIONS, Judge, monotone_search
-from opfuse.quantization.trials import CHOICE_SAMPLES, TrialMaker
+from opfuse.quantization.algorithms.search import KEEP_ACTIONS, Judge, monotone_search
+from opfuse.quantization.algorithms.trials import CHOICE_SAMPLES, TrialMaker
 from opfuse.runtime import create_session
 
 
@@ -224,7 +224,7 @@ class ReconstructionStep:
                     "raises the tuning output SQNR further)")
         if importlib.util.find_spec("torch") is None:
             return "block reconstruction did not run: torch is not installed (pip install 'opfuse[torch]')"
-        from opfuse.quantization.reconstruction import estimated_seconds  # (torch: only this step needs it)
+        from opfuse.quantization.algorithms.reconstruction import estimated_seconds  # (torch: only this step needs it)
 
         seconds, why = estimated_seconds(state.float_model, state.tune[0],
                                          iterations=state.options.reconstruction_iterations)
@@ -243,7 +243,7 @@ class ReconstructionStep:
         from ONNX Runtime's quantisation (AdaRound and bias correction are fitted to the
         rounding it replaces), then bias correction again where it helps; kept only if that
         raises the output SQNR on the tuning samples (on the device, with one)."""
-        from opfuse.quantization.reconstruction import SAMPLES, apply_reconstruction, reconstruct  # (torch)
+        from opfuse.quantization.algorithms.reconstruction import SAMPLES, apply_reconstruction, reconstruct  # (torch)
 
         maker, report = state.maker, state.report
         start = maker.quantizer.quantize(list(state.keep), keep_as=state.keep_action.name)

@@ -16,9 +16,8 @@ A target module holds one :class:`~opfuse.targets.kernels.Target` named ``TARGET
 kernels it executes and its fuse / keep / unfuse policy per pattern. Adding a target is
 adding a module and a row here.
 
-Beside the targets, this package holds the measurement models that read them: the memory
-traffic rule (:mod:`.traffic`), the accelerator cost model (:mod:`.accelerator`,
-:mod:`.profiles`, :mod:`.int8`).
+What a graph costs on a target, modelled (memory traffic, an accelerator's latency), is
+:mod:`opfuse.cost`; a target's device code sits beside it (``targets/qnn/``).
 """
 
 from __future__ import annotations

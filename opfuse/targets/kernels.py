@@ -12,7 +12,7 @@ A :class:`Target` declares
   ``"fuse"`` (into the op the target runs), ``"keep"`` (leave as it is) or ``"unfuse"``
   (keyed by an op type: expand each such op the target cannot run into the primitives of
   its ONNX function body, :mod:`opfuse.passes.patterns.unfuse`);
-- whether its compiler needs **static shapes** (:mod:`opfuse.static_shapes`);
+- whether its compiler needs **static shapes** (:mod:`opfuse.prepare.static_shapes`);
 - optionally its own **fusion driver** (ONNX Runtime: fuse, then undo the fusions that
   cost a conv the runtime's NCHWc layout).
 
@@ -45,8 +45,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from opfuse.activations import Activation
-from opfuse.vocabulary import op_label
+from opfuse.core.activations import Activation
+from opfuse.core.ops import op_label
 
 POLICIES = ("fuse", "keep", "unfuse")
 STEPS = ("residual", "activation")  # the epilogue steps a kernel may run, by name
@@ -181,9 +181,9 @@ class Target:
     # (model, names, report, run_passes, runtime_level, veto) -> model; None: run the passes once
     run_fusion: Callable[..., ir.Model] | None = None
     reads: tuple[EpilogueKernel, ...] = ()  # kernels the runtime writes itself (read, never emitted)
-    static_shapes: bool = False  # its compiler takes static shapes only (opfuse.static_shapes binds them)
+    static_shapes: bool = False  # its compiler takes static shapes only (opfuse.prepare.static_shapes binds them)
     compiler_fuses_epilogues: bool = False  # its own compiler fuses a layer's activation from standard ops
-    device: str | None = None  # the module compiling for its own backend (opfuse.qnn.device's interface)
+    device: str | None = None  # the module compiling for its own backend (opfuse.targets.qnn.device's interface)
 
     def __post_init__(self):
         bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}

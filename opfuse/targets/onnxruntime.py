@@ -68,11 +68,11 @@ __all__ = [
 
 import onnx_ir as ir
 
-from opfuse.analyse import NameTable, iter_scopes, trace_producer
+from opfuse.core.analysis import NameTable, iter_scopes, trace_producer
 from opfuse.report import FusionReport
 from opfuse.runtime import optimized_graph
 from opfuse.targets.kernels import ActivationEncoding, EpilogueKernel, Target
-from opfuse.vocabulary import MS_DOMAIN, WEIGHTED_OPS, is_op
+from opfuse.core.ops import MS_DOMAIN, WEIGHTED_OPS, is_op
 
 _MLAS = frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid"})  # what both kernels run
 

@@ -16,7 +16,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
 from opfuse.torch.rules import _arg, _exists, _set_submodule, aten
-from opfuse.vocabulary import first_line
+from opfuse.core.ops import first_line
 
 
 def _capture(model: nn.Module, example_inputs) -> tuple[fx.GraphModule | None, str, str]:

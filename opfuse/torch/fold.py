@@ -12,7 +12,7 @@ and a producer followed by it is one producer with
     W'[o] = s[o] * W[o]        (every weight feeding output channel o)
     b'[o] = s[o] * b[o] + t[o] (b = 0 when the producer has no bias)
 
-The arithmetic is :mod:`opfuse.algebra`'s, shared with the ONNX side: the tensors go to
+The arithmetic is :mod:`opfuse.core.algebra`'s, shared with the ONNX side: the tensors go to
 numpy float64, ``batchnorm_affine`` and ``fold_affine`` do the work with the weight layout
 of the producer, and the result is cast back once to the weight's dtype:
 
@@ -40,7 +40,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from opfuse.algebra import WeightLayout, batchnorm_affine, cast_back, fold_affine, output_channels
+from opfuse.core.algebra import WeightLayout, batchnorm_affine, cast_back, fold_affine, output_channels
 
 
 class FoldingError(ValueError):

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opfuse.vocabulary import first_line
+from opfuse.core.ops import first_line
 
 # Input shapes a module keeps a packed weight for; more distinct shapes start afresh.
 MAX_PACKED_SHAPES = 8

@@ -6,7 +6,7 @@
 - :data:`ACTIVATIONS`: every module, function, aten op and tensor method recognised as an
   activation epilogue -> (the ONNX op it is, a maker of the oneDNN :class:`Unary`, or
   None when the arguments are not constants). The ONNX names are checked against the
-  shared vocabulary (:data:`opfuse.vocabulary.ACTIVATION_OPS`) at import; the names
+  shared vocabulary (:data:`opfuse.core.ops.ACTIVATION_OPS`) at import; the names
   torch has and ONNX does not are declared in :data:`TORCH_ONLY_ACTIVATIONS`.
 - :data:`ADDS`, :data:`INPLACE_ADDS`: the spellings of a two-tensor addition.
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opfuse.torch.kernels import Unary
-from opfuse.vocabulary import ACTIVATION_OPS
+from opfuse.core.ops import ACTIVATION_OPS
 
 aten = torch.ops.aten
 

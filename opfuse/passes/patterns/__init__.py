@@ -105,7 +105,7 @@ def pattern_rules(pattern: str, target, *, approximate: bool = False) -> Pattern
 
 def model_opset(context) -> int:
     """The default-domain opset of the model an onnxscript match context belongs to."""
-    from opfuse.analyse import opset_of  # (heavy; see above)
+    from opfuse.core.analysis import opset_of  # (heavy; see above)
 
     return opset_of(context.model.opset_imports)
 
@@ -122,7 +122,7 @@ def opset_problem(context, op: str, since: int) -> str | None:
 def constant_array(value):
     """The numpy array of a constant (initializer not also a graph input, Constant node),
     else None."""
-    from opfuse.analyse import Constant, find_constant  # (heavy; see above)
+    from opfuse.core.analysis import Constant, find_constant  # (heavy; see above)
 
     if value is None:
         return None

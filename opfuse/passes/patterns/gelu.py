@@ -31,7 +31,7 @@ import math
 from onnxscript.rewriter import pattern
 
 from opfuse.passes.patterns import opset_problem
-from opfuse.vocabulary import FLOAT_DTYPES, MS_DOMAIN, dtype_name
+from opfuse.core.ops import FLOAT_DTYPES, MS_DOMAIN, dtype_name
 
 TITLE = "GELU->Gelu"
 # "qnn": Gelu-20 where the opset has it, else com.microsoft Gelu (erf form only: QNN runs no

@@ -23,7 +23,7 @@ __all__ = ["TITLE", "stages"]
 from onnxscript.rewriter import pattern
 
 from opfuse.passes.patterns import constant_array, opset_problem
-from opfuse.vocabulary import FLOAT_DTYPES, dtype_name, float_attr
+from opfuse.core.ops import FLOAT_DTYPES, dtype_name, float_attr
 
 TITLE = "HardSwish"
 _TOLERANCE = 1e-4

@@ -44,7 +44,7 @@ from onnxscript.rewriter import pattern
 
 from opfuse.passes.patterns import constant_array, opset_problem
 from opfuse.report import Reason
-from opfuse.vocabulary import FLOAT_DTYPES, dtype_name
+from opfuse.core.ops import FLOAT_DTYPES, dtype_name
 
 _STASH_FLOAT = 1  # LayerNormalization's stash_type for float32 statistics
 

@@ -19,7 +19,7 @@ __all__ = ["TITLE", "stages"]
 from onnxscript.rewriter import pattern
 
 from opfuse.passes.patterns import constant_array, opset_problem
-from opfuse.vocabulary import FLOAT_DTYPES, MS_DOMAIN, dtype_name
+from opfuse.core.ops import FLOAT_DTYPES, MS_DOMAIN, dtype_name
 
 TITLE = "SiLU->Swish"
 

@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import InlinePass
 
-from opfuse.analyse import opset_of
+from opfuse.core.analysis import opset_of
 from opfuse.report import Reason
 
 UNFUSED_DOMAIN = "opfuse.unfused"

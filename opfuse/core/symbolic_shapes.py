@@ -1,0 +1,116 @@
+"""Symbolic shape inference: dims that stay names (``batch``, ``seq``) through shape arithmetic.
+
+onnx's inference gives a Reshape whose target is computed from ``Shape`` a fresh unknown
+dim for each axis (``unk__18``), so two tensors of the same [batch, seq, heads, size] look
+different, and a pattern rule that checks they agree (attention's) refuses. ONNX Runtime's
+symbolic shape inference (``onnxruntime.tools.symbolic_shape_infer``, sympy-based) follows
+Shape, Gather, Concat and arithmetic and keeps the names: this module runs it and gives the
+model's values the dims it found. Nothing in the graph changes.
+
+Best effort: a model it cannot infer (an op it does not know, an inconsistency) keeps the
+shapes it had, and the rules that need a shape refuse with their reason.
+"""
+
+from __future__ import annotations
+
+__all__ = ["infer_symbolic_shapes", "run_tool", "tool_quiet"]
+
+import contextlib
+import logging
+
+import onnx
+import onnx_ir as ir
+
+from opfuse.core.analysis import _inference_proto  # (the same proto onnx's inference reads)
+
+logger = logging.getLogger(__name__)
+
+
+def infer_symbolic_shapes(model: ir.Model) -> bool:
+    """Give the main graph's values ONNX Runtime's symbolic shapes; whether it ran.
+
+    The tool's ``auto_merge`` makes two dims one where a broadcasting op meets them; that
+    is an assumption (the model runs only if they are equal or 1), so when it merges two of
+    the model's own input dims (``W1`` and ``W2``: the user may feed different sizes), the
+    result is not used at all.
+    """
+    inputs = {d.value for v in model.graph.inputs if v.shape is not None
+              for d in v.shape if not isinstance(d, int) and d.value is not None}
+    tool = run_tool(model, auto_merge=True)
+    if tool is None:
+        return False
+    inferred, merges = tool.out_mp_, dict(tool.suggested_merge_)
+    if any(k in inputs and v in inputs and k != v for k, v in merges.items()):
+        logger.info("symbolic shape inference assumed input dims equal (%s); not used", merges)
+        return False
+    shapes = {}
+    for info in (*inferred.graph.value_info, *inferred.graph.output):
+        if not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
+            continue
+        dims = []
+        for d in info.type.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            elif d.dim_param:
+                dims.append(d.dim_param)
+            else:
+                dims.append(None)
+        shapes[info.name] = dims
+    for value in ir.convenience.create_value_mapping(model.graph).values():
+        dims = shapes.get(value.name)
+        if dims is not None and _less_known(value.shape, dims):
+            value.shape = ir.Shape(dims)
+    return True
+
+
+@contextlib.contextmanager
+def tool_quiet():
+    """The tool's warnings ("unsupported broadcast") silenced inside, through its own logger
+    (with its ``verbose=0``, its only output), whose level is restored on every exit. A
+    logger's level is process-wide: another thread's use of the tool meanwhile is silenced
+    too, and two calls overlapping on two threads can leave it at ERROR (the later one
+    restores the level the earlier set): not reentrant across threads."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
+
+    tool_logger = logging.getLogger(SymbolicShapeInference.__module__)  # (the tool prints nothing itself)
+    level = tool_logger.level
+    tool_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tool_logger.setLevel(level)
+
+
+def run_tool(model, *, auto_merge: bool):
+    """ONNX Runtime's SymbolicShapeInference run over ``model`` (an ``ir.Model``, or the
+    ``ModelProto`` to read) - its ``sympy_data_`` holds the values of shape tensors, its
+    ``known_vi_`` the inferred types - or None when it fails. ``auto_merge`` lets it
+    assume two dims equal where a broadcast meets them."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
+
+    try:
+        with tool_quiet():  # its warnings ("unsupported broadcast") are no user's concern
+            # (not its infer_shapes, which writes a file on failure); verbose=0: it logs only warnings
+            tool = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
+            tool._preprocess(model if isinstance(model, onnx.ModelProto) else _inference_proto(model))
+            while tool.run_:
+                tool._infer_impl()
+            tool._update_output_from_vi()
+    except Exception as e:  # noqa: BLE001 - the tool raises many kinds
+        logger.info("symbolic shape inference failed: %s", e)
+        return None
+    return tool
+
+
+def _less_known(shape, dims) -> bool:
+    """Whether ``dims`` say more than ``shape``: none known, or unnamed dims it names."""
+    if shape is None:
+        return True
+    if len(shape) != len(dims):
+        return False
+    for old, new in zip(shape, dims):
+        if isinstance(old, int):
+            continue
+        if new is not None and (old.value is None or str(old.value).startswith("unk__")):
+            return True
+    return False

@@ -1,0 +1,2 @@
+"""The model as the deployment fixes it, before any rewrite: bound inputs, static shapes,
+the opset raised."""

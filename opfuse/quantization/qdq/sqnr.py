@@ -1,0 +1,206 @@
+"""Signal-to-quantisation-noise ratio: how far the QDQ model's values are from the float ones.
+
+    SQNR = 10 * log10( sum f^2 / sum (q - f)^2 )   in dB, over every element of every sample
+
+the definition of ONNX Runtime's ``qdq_loss_debug.compute_signal_to_quantization_noice_ratio``
+(20 log10 of the norm ratio), accumulated sample by sample instead of keeping every tensor
+of every sample in memory as its ``collect_activations`` does (a MobileNetV2 at 224x224
+holds about 30 MB of activations per sample).
+
+Where values are compared follows ONNX Runtime's matching (``create_activation_matching``):
+a float tensor ``X`` against the QDQ model's value after ``DequantizeLinear`` (what the next
+layer reads). :func:`measure` runs both models with the wanted tensors exposed as extra
+outputs, with graph optimisations off so every tensor exists.
+
+A layer's **cost** is the noise it adds: its output's noise-to-signal ratio minus its
+worst input's (per channel, :meth:`Accumulator.channel_db`), shown as the SQNR that noise
+alone would have (lower is costlier). A graph input counts as its quantised self (the
+layer's input DequantizeLinear). The mixed-precision search keeps the costliest layers
+out of int8.
+"""
+
+from __future__ import annotations
+
+__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs", "layer_pairs"]
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from opfuse.quantization.calibration import run_sample
+from opfuse.quantization.qdq.layers import QdqLayer, exposed
+from opfuse.runtime import create_session
+
+INFINITE = 200.0  # dB shown for an exact match
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise), within +-:data:`INFINITE`; a NaN or infinite sum (a model
+    that computes NaN or overflows) is the worst, never a pass."""
+    if not (math.isfinite(signal) and math.isfinite(noise)):
+        return -INFINITE
+    if noise <= 0.0:
+        return INFINITE
+    if signal <= 0.0:
+        return -INFINITE
+    return min(INFINITE, 10.0 * math.log10(signal / noise))
+
+
+class Accumulator:
+    """Running sums of f^2 and (q - f)^2 per name, in total and per channel.
+
+    The per-channel form (:meth:`channel_db`) judges a layer by its channels alike: the
+    energy SQNR of a tensor is that of its loudest channels, so a layer whose per-tensor
+    weights wipe out its quiet channels (one large channel sets the scale) would look fine
+    at its own output and the next layer would take the blame.
+    """
+
+    def __init__(self):
+        self.signal: dict[str, float] = {}
+        self.noise: dict[str, float] = {}
+        self._channel_signal: dict[str, np.ndarray] = {}
+        self._channel_noise: dict[str, np.ndarray] = {}
+
+    def add(self, name: str, reference: np.ndarray, approx: np.ndarray, axis: int | None = None) -> None:
+        f = np.asarray(reference, dtype=np.float64)
+        q = np.asarray(approx, dtype=np.float64)
+        if f.shape != q.shape:
+            raise ValueError(f"{name}: shapes {f.shape} and {q.shape} differ")
+        f2, e2 = f * f, (q - f) ** 2
+        self.signal[name] = self.signal.get(name, 0.0) + float(np.sum(f2))
+        self.noise[name] = self.noise.get(name, 0.0) + float(np.sum(e2))
+        if axis == -1 and f.ndim >= 4:
+            axis = 1  # an NCHW tensor around an element-wise layer
+        if axis is not None and f.ndim >= 2:
+            axes = tuple(a for a in range(f.ndim) if a != axis % f.ndim)
+            cs, cn = f2.sum(axis=axes), e2.sum(axis=axes)
+            if name in self._channel_signal and self._channel_signal[name].shape == cs.shape:
+                cs, cn = cs + self._channel_signal[name], cn + self._channel_noise[name]
+            self._channel_signal[name], self._channel_noise[name] = cs, cn
+
+    def db(self, name: str) -> float:
+        return sqnr_db(self.signal[name], self.noise[name])
+
+    def channel_db(self, name: str) -> float:
+        """SQNR of the mean noise-to-signal ratio over the channels that carry signal
+        (each capped at 1: a channel cannot be worse than all noise)."""
+        if name not in self._channel_signal:
+            return self.db(name)
+        s, n = self._channel_signal[name], self._channel_noise[name]
+        live = s > 1e-12 * max(float(s.max()), 1e-300)
+        if not live.any():
+            return self.db(name)
+        ratio = float(np.minimum(n[live] / s[live], 1.0).mean())
+        if not math.isfinite(ratio):
+            return -INFINITE
+        return INFINITE if ratio <= 0 else min(INFINITE, -10.0 * math.log10(ratio))
+
+    def total_db(self, names: Iterable[str]) -> float:
+        names = list(names)
+        return sqnr_db(sum(self.signal[n] for n in names), sum(self.noise[n] for n in names))
+
+
+def measure(
+    float_model: onnx.ModelProto,
+    qdq_model: onnx.ModelProto,
+    samples: Iterable[Mapping[str, np.ndarray]],
+    pairs: Mapping[str, tuple],
+    *,
+    qdq_level: str = "disabled",
+    first_index: int = 0,
+) -> Accumulator:
+    """SQNR accumulators for ``pairs`` (label -> (float tensor, QDQ tensor[, channel
+    axis])) over ``samples`` (numbered from ``first_index`` in messages)."""
+    float_names = sorted({p[0] for p in pairs.values()})
+    qdq_names = sorted({p[1] for p in pairs.values()})
+    ref = create_session(exposed(float_model, float_names), "disabled")
+    got = create_session(exposed(qdq_model, qdq_names), qdq_level)
+    acc = Accumulator()
+    for index, sample in enumerate(samples, first_index):
+        f = dict(zip(float_names, run_sample(ref, float_names, dict(sample), index)))
+        q = dict(zip(qdq_names, got.run(qdq_names, dict(sample))))
+        for label, (fn, qn, *axis) in pairs.items():
+            acc.add(label, f[fn], q[qn], axis[0] if axis else None)
+    return acc
+
+
+def output_sqnr(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, samples, *, qdq_level="disabled",
+                first_index: int = 0):
+    """(per-output SQNR in dB, SQNR over all outputs) of the graph outputs."""
+    names = [o.name for o in float_model.graph.output]
+    acc = measure(float_model, qdq_model, samples, {n: (n, n) for n in names}, qdq_level=qdq_level,
+                  first_index=first_index)
+    return {n: acc.db(n) for n in names}, acc.total_db(names)
+
+
+def outputs_db(names: Sequence[str], references, outputs) -> float:
+    """SQNR in dB over every graph output ``names`` of every sample: ``references`` and
+    ``outputs`` hold one list of arrays per sample, in the order of ``names``."""
+    acc = Accumulator()
+    for ref, got in zip(references, outputs):
+        for name, f, q in zip(names, ref, got):
+            acc.add(name, f, q)
+    return acc.total_db(names)
+
+
+class OutputReference:
+    """The float model's graph outputs on a set of samples, computed once, to judge many
+    candidate QDQ models against (the mixed-precision search's trials)."""
+
+    def __init__(self, float_model: onnx.ModelProto, samples, level: str = "disabled"):
+        self.samples = [dict(s) for s in samples]
+        self.names = [o.name for o in float_model.graph.output]
+        session = create_session(float_model, level)
+        self.values = [run_sample(session, self.names, s, i) for i, s in enumerate(self.samples)]
+
+    def head(self, count: int) -> "OutputReference":
+        """The same reference on its first ``count`` samples (nothing is run again)."""
+        head = object.__new__(OutputReference)
+        head.samples, head.names, head.values = self.samples[:count], self.names, self.values[:count]
+        return head
+
+    def sqnr(self, qdq_model: onnx.ModelProto, level: str = "disabled") -> float:
+        """SQNR over all outputs and samples of ``qdq_model``, in dB."""
+        session = create_session(qdq_model, level)
+        return outputs_db(self.names, self.values, (session.run(self.names, s) for s in self.samples))
+
+
+def layer_costs(layers: list[QdqLayer], acc: Accumulator) -> dict[str, tuple[float, float]]:
+    """name -> (SQNR of its output, SQNR of the noise it adds), in dB, from an accumulator
+    over the values labelled ``in:TENSOR`` and ``out:TENSOR`` (:func:`layer_pairs`).
+
+    The noise a layer adds is its output's noise-to-signal ratio minus its worst
+    input's, both per channel: noise ratios add up through a network roughly linearly,
+    their decibels do not (the first layer's drop from an exact input is large in dB and
+    small in what reaches the output).
+    """
+    result = {}
+    for layer in layers:
+        outs = [acc.channel_db(f"out:{f}") for f, _ in layer.outputs if f"out:{f}" in acc.signal]
+        if not outs:
+            continue
+        ins = [acc.channel_db(f"in:{f}") for f, _ in layer.inputs if f"in:{f}" in acc.signal]
+        out_db = min(outs)
+        added = 10 ** (-out_db / 10) - (10 ** (-min(ins) / 10) if ins else 0.0)
+        result[layer.name] = (out_db, INFINITE if added <= 0 else min(INFINITE, -10 * math.log10(added)))
+    return result
+
+
+def layer_pairs(layers: list[QdqLayer]) -> dict[str, tuple[str, str, int]]:
+    """label -> (float tensor, QDQ tensor, channel axis) for every layer's inputs and
+    outputs: axis 1 around convolutions (NCHW), the last axis elsewhere (a MatMul's
+    features; axis 1 too for rank 4 and more)."""
+    pairs = {}
+    for layer in layers:
+        axis = 1 if layer.op_type in CHANNEL_FIRST else -1
+        for f, q in layer.inputs:
+            pairs.setdefault(f"in:{f}", (f, q, axis))
+        for f, q in layer.outputs:
+            pairs.setdefault(f"out:{f}", (f, q, axis))
+    return pairs
+
+
+CHANNEL_FIRST = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "Resize",
+                 "BatchNormalization", "InstanceNormalization")

@@ -1,0 +1,63 @@
+"""The HTP's quantisation conventions: how ONNX Runtime's quantiser is configured for it.
+
+``quantize --preset qnn`` (any preset whose target is ``qnn``) asks the device for the keyword
+arguments of ``quantize_static`` (:func:`quantizer_config`): ONNX Runtime's
+``get_qnn_qdq_config`` with the preset's activation and weight types (:func:`qnn_types`), the
+layers the mixed-precision search keeps with 16-bit activations as tensor overrides, and, with
+per-channel weights, LayerNormalization's scale and bias kept per tensor (the HTP refuses a
+per-channel DequantizeLinear there). The portable configuration is in
+:class:`opfuse.quantization.qdq.quantizer.Quantizer`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["quantizer_config", "qnn_types"]
+
+import pathlib
+
+import onnx
+from onnxruntime import quantization as ortq
+
+ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
+WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8}  # Preset.weight
+
+
+def qnn_types(preset) -> dict:
+    """``get_qnn_qdq_config``'s type arguments for a QNN ``preset``: its activation and weight
+    types, and per-channel weights symmetric (QNN's int8 per-channel form)."""
+    return dict(activation_type=ACTIVATION_TYPES[preset.activation], weight_type=WEIGHT_TYPES[preset.weight],
+                per_channel=preset.per_channel, weight_symmetric=True if preset.per_channel else None)
+
+
+def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
+                     method, extra: dict, sixteen: list[str], excluded: list[str]) -> dict:
+    """``quantize_static``'s keyword arguments for the HTP: ``reader`` the calibration reader
+    (None: the ranges are cached), ``sample_reader`` a fresh one for ``get_qnn_qdq_config``,
+    ``method`` and ``extra`` the calibration method and its options, ``sixteen`` the tensors
+    kept with 16-bit activations, ``excluded`` the nodes kept in float."""
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (its QNN helpers: on use)
+
+    overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in sixteen}
+    if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
+        overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
+                          for name in _layernorm_constants(float_model)})
+    config = get_qnn_qdq_config(str(float_path), reader or sample_reader, calibrate_method=method,
+                                init_overrides=overrides or None, **qnn_types(preset))
+    return dict(
+        calibration_data_reader=reader, quant_format=config.quant_format,
+        activation_type=config.activation_type, weight_type=config.weight_type,
+        op_types_to_quantize=config.op_types_to_quantize,
+        nodes_to_exclude=[*(config.nodes_to_exclude or []), *excluded],
+        per_channel=config.per_channel, calibrate_method=config.calibrate_method,
+        extra_options={**config.extra_options, **extra},
+    )
+
+
+def _layernorm_constants(float_model: onnx.ModelProto) -> list[str]:
+    """LayerNormalization's scale and bias initializers: with ``per_channel``, ONNX Runtime's
+    quantiser gives them per-channel scales, whose DequantizeLinear QNN's HTP refuses ("Failed
+    to add node"; ViT and BERT then split into 5 partitions). ``get_qnn_qdq_config`` gives
+    MatMul's weights per-tensor overrides for the same reason, not LayerNormalization's."""
+    inits = {i.name for i in float_model.graph.initializer}
+    return sorted({name for n in float_model.graph.node if n.op_type == "LayerNormalization"
+                   for name in n.input[1:3] if name in inits})

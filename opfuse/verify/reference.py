@@ -1,0 +1,177 @@
+"""The original model as verification's reference: the input sets it runs on, and whether
+its outputs can be a reference at all.
+
+- **Input sets** (:func:`input_sets`): the user's (an ``.npz`` keyed by input name), or
+  seeded random ones built from the model (:mod:`opfuse.verify.inputs`: free dimensions at
+  sizes that run, integer values that follow what they feed, extra sets for the values
+  that take each branch). Inputs bound with ``--constant-input`` are not drawn (``model``
+  is the bound one, ``run`` adds their values); the user's inputs may carry one, with
+  exactly its bound value.
+- **Finite outputs.** A float output of the original that holds NaN or inf proves
+  nothing (a NaN "matches" a NaN wherever it sits): the inputs are drawn again with the
+  next seeds (:data:`FINITE_RETRIES`) at the same sizes; when every draw still gives one,
+  :class:`NoReference` says which output and what to do ("pass --inputs"). The same on
+  the user's inputs. An extra set whose reference is not finite is dropped, with a note.
+- **Fresh runs** (:func:`rerun`): the sets run again in order from a new session, for
+  models whose random ops keep a generator between runs (:mod:`opfuse.verify.random_ops`), and
+  to tell a nondeterministic original from a wrong rewrite.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FINITE_RETRIES", "NoReference", "Runner", "load_inputs", "input_sets", "rerun",
+           "non_finite", "require_finite"]
+
+import os
+import pathlib
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from opfuse.prepare.constant_inputs import drop_bound
+from opfuse.errors import BadInputError
+from opfuse.core.dims import free_dims, resolve_dims, runtime_inputs
+from opfuse.verify.inputs import (
+    MAX_INTEGER_CASES,
+    describe_sizes,
+    find_sizes,
+    integer_cases,
+    integer_ranges,
+    make_feeds,
+)
+from opfuse.report import Verification
+from opfuse.runtime import create_session
+from opfuse.core.ops import first_line
+
+FINITE_RETRIES = 3  # further seeds tried when the original's output is not finite
+
+
+class NoReference(Exception):  # noqa: N818 - a verdict, not a failure of opfuse
+    """The original's outputs cannot serve as a reference (the message says why)."""
+
+
+class Runner:
+    """One ONNX Runtime session; runs return {name: array} for every output."""
+
+    def __init__(self, model):  # an ir.Model or what runtime.serialized made of one
+        self.session = create_session(model, "disabled")
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(self.names, self.session.run(self.names, dict(feeds))))
+
+
+def load_inputs(model: ir.Model, path: str | os.PathLike,
+                bound: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Inputs from an .npz file keyed by graph input name (a ``bound`` input, when the file
+    has it, must hold its bound value and is dropped)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise BadInputError(f"{path}: no such inputs file")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            feeds = {k: data[k] for k in data.files}
+    except Exception as e:  # noqa: BLE001 - numpy raises many kinds for a bad file
+        raise BadInputError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
+    if bound:
+        feeds = drop_bound([feeds], bound, str(path), numbered=False)[0]
+    expected = {v.name for v in runtime_inputs(model)}
+    missing = sorted(expected - set(feeds))
+    unknown = sorted(set(feeds) - expected)
+    if missing or unknown:
+        raise BadInputError(
+            f"{path}: inputs do not match the model"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; not inputs of the model {unknown}" if unknown else "")
+        )
+    return feeds
+
+
+def rerun(original_x, sets):
+    """The input sets with the original's outputs from a fresh session, run in order."""
+    runner = Runner(original_x)
+    return [(label, feeds, runner(feeds)) for label, feeds, _ in sets]
+
+
+def non_finite(outputs: Mapping[str, np.ndarray], names: Iterable[str]) -> str | None:
+    """A sentence naming the first float output among ``names`` that holds NaN or inf."""
+    for name in names:
+        array = np.asarray(outputs.get(name))
+        if array.dtype.kind != "f" or array.size == 0:
+            continue
+        finite = np.isfinite(array)
+        if finite.all():
+            continue
+        what = "NaN" if np.isnan(array).any() else "infinite"
+        count = int(array.size - finite.sum())
+        amount = "is" if count == array.size else f"has {count} of {array.size} values"
+        return f"the original's output '{name}' {amount} {what}"
+    return None
+
+
+def require_finite(outputs, names, where: str) -> None:
+    problem = non_finite(outputs, names)
+    if problem:
+        raise NoReference(f"{problem} {where}; pass --inputs FILE.npz with inputs on which its outputs "
+                          "are finite (or --no-verify)")
+
+
+def input_sets(original, run, inputs, dims, seed, result: Verification, graph_outputs, bound=None):
+    """[(label, feeds, expected outputs)]: the user's inputs, or random ones that run, on
+    which the original's outputs are finite (:class:`NoReference` when none are).
+    ``bound``: the values of the inputs bound with ``--constant-input`` (not in the feeds)."""
+    if inputs is not None:
+        if isinstance(inputs, Mapping):
+            feeds, result.inputs = drop_bound([dict(inputs)], bound or {}, "inputs", numbered=False)[0], "given"
+        else:
+            feeds, result.inputs = load_inputs(original, inputs, bound), str(inputs)
+        try:
+            expected = run(feeds)
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise BadInputError(
+                "cannot verify: ONNX Runtime cannot run the input model on the given inputs "
+                f"({first_line(e)}); pass --no-verify to skip verification"
+            ) from None
+        require_finite(expected, graph_outputs, "on the given inputs")
+        return [("", feeds, expected)]
+    fixed = resolve_dims(original, dims)
+    feeds, sizes, expected = find_sizes(original, run, fixed=fixed, seed=seed)
+    ranges = integer_ranges(original)
+    used = seed
+    while non_finite(expected, graph_outputs) and used < seed + FINITE_RETRIES:
+        used += 1  # the same sizes, other values
+        feeds = make_feeds(original, sizes, seed=used, ranges=ranges)
+        try:
+            expected = run(feeds)
+        except Exception:  # noqa: BLE001 - these values do not run: the next seed
+            continue
+    require_finite(expected, graph_outputs,
+                   f"on generated inputs (seeds {seed}-{used})" if used > seed else "on generated inputs")
+    result.sizes = dict(sizes)
+    sets = [("", feeds, expected)]
+    for name, values in integer_cases(original).items():
+        for value in values:
+            if len(sets) > MAX_INTEGER_CASES:
+                break
+            try:
+                more = find_sizes(original, run, fixed=fixed, seed=used, integers={name: value})
+            except BadInputError:
+                continue  # the value does not run at any size: no extra set
+            problem = non_finite(more[2], graph_outputs)
+            if problem:
+                result.notes.append(f"input set {name}={value} dropped: {problem} on it")
+                continue
+            sets.append((f"{name}={value}", more[0], more[2]))
+            result.input_sets.append(f"{name}={value}")
+    shown = describe_sizes(free_dims(original), sizes)
+    result.inputs = f"random (seed {used})" + (f" at {shown}" if shown else "")
+    if used > seed:
+        result.notes.append(f"seed {used} used: the original's outputs were not finite on seed(s) "
+                            f"{seed}-{used - 1}")
+    if ranges:
+        result.notes.append("integer inputs drawn by what they feed: "
+                            + "; ".join(r.describe(n) for n, r in ranges.items()))
+    if result.input_sets:
+        result.inputs += "; again with " + ", ".join(result.input_sets)
+    return sets
