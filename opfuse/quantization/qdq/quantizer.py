@@ -252,7 +252,9 @@ class Quantizer:
                                 f"calibration): {first_line(e, 200)}") from None
         finally:
             root.setLevel(level)
-            ort.set_default_logger_severity(2)  # the runtime's default (ONNX Runtime has no getter to restore from)
+            # the runtime's default: ONNX Runtime has no getter, so a caller's own setting cannot be restored
+            # (its quantiser opens its calibration sessions with no SessionOptions to pass a level through)
+            ort.set_default_logger_severity(2)
         model = onnx.load(out)
         out.unlink()
         _restore_removed_activations(model, self.float_model)

@@ -270,10 +270,10 @@ def _native_stderr_silenced() -> Iterator[None]:
     compile log needs would print a dozen lines per run."""
     with contextlib.suppress(Exception):
         sys.stderr.flush()
-    saved = os.dup(2)
     null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
+    saved = os.dup(2)
     try:
+        os.dup2(null, 2)
         yield
     finally:
         os.dup2(saved, 2)
@@ -290,9 +290,9 @@ def _native_output_captured(into: list[str] | None = None) -> Iterator[None]:
             stream.flush()
     with tempfile.TemporaryFile() as sink:
         saved = os.dup(1), os.dup(2)
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        try:
+        try:  # (inside: a failed second dup2 still restores the first)
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
             yield
         finally:
             os.dup2(saved[0], 1)
