@@ -5,8 +5,8 @@ pattern            what it matches                               becomes (standa
 =================  ============================================  =========================
 ``layer-norm``     ReduceMean, Sub, Pow|Mul, ReduceMean, Add,    LayerNormalization (17+)
                    Sqrt, Div|Reciprocal-Mul [, Mul] [, Add]      / LayerNormalization
-``rms-norm``       x / Sqrt(ReduceMean(x^2) + eps) * scale       RMSNormalization (23+) /
-                                                                 SimplifiedLayerNormalization
+``rms-norm``       x * Reciprocal|Div(1, Sqrt(ReduceMean(x^2)    RMSNormalization (23+) /
+                   + eps)) * scale [, Casts]                     SimplifiedLayerNormalization
 ``skip-layer-norm`` Add then LayerNormalization                  - / SkipLayerNormalization
 ``gelu``           0.5 x (1 + erf(x / sqrt 2)); its tanh form    Gelu (20+) / Gelu, FastGelu
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
@@ -37,7 +37,7 @@ before BiasGelu takes it).
 from __future__ import annotations
 
 __all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "model_opset", "constant_array",
-           "opset_problem"]
+           "opset_problem", "reduce_axes", "trailing_axis"]
 
 import dataclasses
 import functools
@@ -128,3 +128,26 @@ def constant_array(value):
         return None
     found = find_constant(value)
     return found.array if isinstance(found, Constant) else None
+
+
+def reduce_axes(node) -> list[int] | None:
+    """A reduction's axes, from its attribute (opset < 18) or its constant input (18+); None when
+    they are computed at run time or absent."""
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        return [int(a) for a in attr.value]
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = constant_array(node.inputs[1])
+        return None if array is None else [int(a) for a in array.reshape(-1)]
+    return None
+
+
+def trailing_axis(axes: list[int], rank: int | None) -> int | None:
+    """The first normalised axis (negative) when ``axes`` are the trailing ones, else None."""
+    if rank is not None:
+        axes = [a + rank if a < 0 else a for a in axes]
+        axes = sorted(a - rank for a in axes)
+    elif any(a >= 0 for a in axes):
+        return None
+    axes = sorted(axes)
+    return axes[0] if axes == list(range(axes[0], 0)) else None
