@@ -100,6 +100,7 @@ PATTERNS: dict[str, str] = {
     "layer-norm": "fuse",
     "rms-norm": "fuse",
     "skip-layer-norm": "fuse",
+    "skip-rms-norm": "fuse",
     "gelu": "fuse",
     "bias-gelu": "fuse",
     "silu": "fuse",

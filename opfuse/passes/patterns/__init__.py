@@ -8,6 +8,7 @@ pattern            what it matches                               becomes (standa
 ``rms-norm``       x * Reciprocal|Div(1, Sqrt(ReduceMean(x^2)    RMSNormalization (23+) /
                    + eps)) * scale [, Casts]                     SimplifiedLayerNormalization
 ``skip-layer-norm`` Add then LayerNormalization                  - / SkipLayerNormalization
+``skip-rms-norm``  Add then SimplifiedLayerNormalization        - / SkipSimplifiedLayerNormalization
 ``gelu``           0.5 x (1 + erf(x / sqrt 2)); its tanh form    Gelu (20+) / Gelu, FastGelu
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
 ``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
@@ -30,7 +31,7 @@ intermediate ops that later ones consume (attention) names their domains in
 ``INTERMEDIATE_DOMAINS``: its stages run on a copy, kept only when none is left. A target says per pattern
 whether to fuse it (:attr:`opfuse.targets.kernels.Target.patterns`); the pass that runs
 them is :mod:`opfuse.passes.fuse_patterns`; ``PATTERN_ORDER`` is the order it runs them
-(a LayerNorm must exist before an Add can join it, and a bias Add must not become a Gemm
+(a LayerNorm or an RMSNorm must exist before an Add can join it, and a bias Add must not become a Gemm
 before BiasGelu takes it).
 """
 
@@ -47,6 +48,7 @@ PATTERN_MODULES: dict[str, str] = {
     "layer-norm": "opfuse.passes.patterns.layer_norm",
     "rms-norm": "opfuse.passes.patterns.rms_norm",
     "skip-layer-norm": "opfuse.passes.patterns.skip_layer_norm",
+    "skip-rms-norm": "opfuse.passes.patterns.skip_rms_norm",
     "gelu": "opfuse.passes.patterns.gelu",
     "bias-gelu": "opfuse.passes.patterns.bias_gelu",
     "silu": "opfuse.passes.patterns.silu",
