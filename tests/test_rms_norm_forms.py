@@ -22,10 +22,10 @@ SHAPE = ("N", 5, D)
 
 
 def rms_model(opset=17, rsqrt="div-one", x_first=True, casts=False, scale_first=True, axes=(-1,), keepdims=1,
-              eps="scalar", residual=False, sum_used=False, shape=SHAPE):
+              eps="scalar", residual=False, sum_used=False, shape=SHAPE, exponent=2.0):
     """[a + b ->] x [-> Cast] -> x * rsqrt(mean(x^2) + eps) [-> Cast] -> g * . (or . * g)."""
     r = rng(5)
-    inits = [tensor("two", np.float32(2)), tensor("g", r.uniform(0.5, 1.5, (D,)).astype(np.float32))]
+    inits = [tensor("two", np.float32(exponent)), tensor("g", r.uniform(0.5, 1.5, (D,)).astype(np.float32))]
     inputs = [vinfo("x", shape)]
     nodes = []
     if eps == "scalar":
@@ -113,6 +113,7 @@ def test_below_opset_23_the_onnx_target_keeps_it_with_the_opset_named():
     (dict(keepdims=0, shape=(D, D, D)), "keepdims=0"),
     (dict(eps="vector"), "epsilon has shape [8]"),
     (dict(eps="computed"), "epsilon is computed at run time"),
+    (dict(exponent=4.0), "exponent is [4.0], not the constant 2"),
 ])
 @pytest.mark.parametrize("target, opset", [("onnxruntime", None), ("onnx", 23)])
 def test_illegal_rms_norms_stay_with_a_reason(case, reason, target, opset):
