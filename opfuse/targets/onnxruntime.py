@@ -26,8 +26,8 @@ alpha folded into a MatMul); opfuse reads it in the runtime's graphs and never e
 
 Multi-op patterns (:data:`PATTERNS`, :mod:`opfuse.passes.patterns`) become the contrib
 ops the CPU provider runs: LayerNormalization, SkipLayerNormalization, Gelu, FastGelu,
-BiasGelu, SimplifiedLayerNormalization, QuickGelu (SiLU is QuickGelu with alpha 1),
-MultiHeadAttention and Attention.
+BiasGelu, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, QuickGelu (SiLU is
+QuickGelu with alpha 1), MultiHeadAttention and Attention.
 
 The NCHWc layout (:func:`run_fusion`): at ENABLE_ALL, ONNX Runtime on x86 rewrites convs
 into its blocked NCHWc layout and absorbs Add and activations itself. A FusedConv whose Z
@@ -100,6 +100,7 @@ PATTERNS: dict[str, str] = {
     "layer-norm": "fuse",
     "rms-norm": "fuse",
     "skip-layer-norm": "fuse",
+    "skip-rms-norm": "fuse",
     "gelu": "fuse",
     "bias-gelu": "fuse",
     "silu": "fuse",

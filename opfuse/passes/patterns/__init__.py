@@ -5,9 +5,10 @@ pattern            what it matches                               becomes (standa
 =================  ============================================  =========================
 ``layer-norm``     ReduceMean, Sub, Pow|Mul, ReduceMean, Add,    LayerNormalization (17+)
                    Sqrt, Div|Reciprocal-Mul [, Mul] [, Add]      / LayerNormalization
-``rms-norm``       x / Sqrt(ReduceMean(x^2) + eps) * scale       RMSNormalization (23+) /
-                                                                 SimplifiedLayerNormalization
+``rms-norm``       x * Reciprocal|Div(1, Sqrt(ReduceMean(x^2)    RMSNormalization (23+) /
+                   + eps)) * scale [, Casts]                     SimplifiedLayerNormalization
 ``skip-layer-norm`` Add then LayerNormalization                  - / SkipLayerNormalization
+``skip-rms-norm``  Add then SimplifiedLayerNormalization        - / SkipSimplifiedLayerNormalization
 ``gelu``           0.5 x (1 + erf(x / sqrt 2)); its tanh form    Gelu (20+) / Gelu, FastGelu
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
 ``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
@@ -30,14 +31,14 @@ intermediate ops that later ones consume (attention) names their domains in
 ``INTERMEDIATE_DOMAINS``: its stages run on a copy, kept only when none is left. A target says per pattern
 whether to fuse it (:attr:`opfuse.targets.kernels.Target.patterns`); the pass that runs
 them is :mod:`opfuse.passes.fuse_patterns`; ``PATTERN_ORDER`` is the order it runs them
-(a LayerNorm must exist before an Add can join it, and a bias Add must not become a Gemm
+(a LayerNorm or an RMSNorm must exist before an Add can join it, and a bias Add must not become a Gemm
 before BiasGelu takes it).
 """
 
 from __future__ import annotations
 
 __all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "model_opset", "constant_array",
-           "opset_problem"]
+           "opset_problem", "reduce_axes", "trailing_axis"]
 
 import dataclasses
 import functools
@@ -47,6 +48,7 @@ PATTERN_MODULES: dict[str, str] = {
     "layer-norm": "opfuse.passes.patterns.layer_norm",
     "rms-norm": "opfuse.passes.patterns.rms_norm",
     "skip-layer-norm": "opfuse.passes.patterns.skip_layer_norm",
+    "skip-rms-norm": "opfuse.passes.patterns.skip_rms_norm",
     "gelu": "opfuse.passes.patterns.gelu",
     "bias-gelu": "opfuse.passes.patterns.bias_gelu",
     "silu": "opfuse.passes.patterns.silu",
@@ -128,3 +130,26 @@ def constant_array(value):
         return None
     found = find_constant(value)
     return found.array if isinstance(found, Constant) else None
+
+
+def reduce_axes(node) -> list[int] | None:
+    """A reduction's axes, from its attribute (opset < 18) or its constant input (18+); None when
+    they are computed at run time or absent."""
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        return [int(a) for a in attr.value]
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = constant_array(node.inputs[1])
+        return None if array is None else [int(a) for a in array.reshape(-1)]
+    return None
+
+
+def trailing_axis(axes: list[int], rank: int | None) -> int | None:
+    """The first normalised axis (negative) when ``axes`` are the trailing ones, else None."""
+    if rank is not None:
+        axes = [a + rank if a < 0 else a for a in axes]
+        axes = sorted(a - rank for a in axes)
+    elif any(a >= 0 for a in axes):
+        return None
+    axes = sorted(axes)
+    return axes[0] if axes == list(range(axes[0], 0)) else None

@@ -42,32 +42,11 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from opfuse.passes.patterns import constant_array, opset_problem
+from opfuse.passes.patterns import constant_array, opset_problem, reduce_axes as _axes, trailing_axis as _trailing
 from opfuse.report import Reason
 from opfuse.core.ops import FLOAT_DTYPES, dtype_name
 
 _STASH_FLOAT = 1  # LayerNormalization's stash_type for float32 statistics
-
-
-def _axes(node: ir.Node) -> list[int] | None:
-    attr = node.attributes.get("axes")
-    if attr is not None:
-        return [int(a) for a in attr.value]
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        array = constant_array(node.inputs[1])
-        return None if array is None else [int(a) for a in array.reshape(-1)]
-    return None
-
-
-def _trailing(axes: list[int], rank: int | None) -> int | None:
-    """The first normalised axis (negative) when ``axes`` are the trailing ones, else None."""
-    if rank is not None:
-        axes = [a + rank if a < 0 else a for a in axes]
-        axes = sorted(a - rank for a in axes)
-    elif any(a >= 0 for a in axes):
-        return None
-    axes = sorted(axes)
-    return axes[0] if axes == list(range(axes[0], 0)) else None
 
 
 class LayerNormFusion(pattern.RewriteRuleClassBase):

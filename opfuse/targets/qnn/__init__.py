@@ -35,6 +35,7 @@ So, per pattern (:data:`PATTERNS`):
     matmul-add       fuse     Gemm
     attention        keep     written out, QNN runs it; MultiHeadAttention it does not
     skip-layer-norm  keep     (SkipLayerNormalization falls back)
+    skip-rms-norm    keep     (no SimplifiedLayerNormalization to join: QNN runs neither)
     bias-gelu        keep     (BiasGelu falls back)
     GroupNormalization unfuse its ONNX function body (Reshape, InstanceNormalization...)
 
@@ -68,6 +69,7 @@ PATTERNS: dict[str, str] = {
     "matmul-add": "fuse",
     "attention": "keep",
     "skip-layer-norm": "keep",
+    "skip-rms-norm": "keep",
     "bias-gelu": "keep",
     "GroupNormalization": "unfuse",  # QNN's layout transformation takes it, then QNN rejects it
 }
