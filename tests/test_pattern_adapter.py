@@ -18,6 +18,7 @@ from onnx import helper
 from onnxscript.rewriter import pattern
 
 import opfuse
+from decoder_nets import export_tiny_llama
 from graphs import assert_same, model, ops, tensor, vinfo
 from opfuse.passes import fuse_patterns
 from opfuse.passes.patterns import PatternRules
@@ -137,34 +138,10 @@ def test_a_rewrite_that_raises_leaves_a_refusal_when_its_node_stays(monkeypatch)
 
 # -- labels: the op written, one per written node ------------------------------------------------
 
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=100, max_position_embeddings=64, use_cache=False)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """A tiny random Llama (RMSNorm, SiLU-gated MLP, grouped-query attention), a prefill graph
-    exported by torch's dynamo exporter at opset 18 with a dynamic batch and sequence."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, input_ids):
-            return self.net(input_ids=input_ids, use_cache=False).logits
-
-    path = tmp_path_factory.mktemp("llama") / "llama.onnx"
-    dims = {"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}}
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Logits(), (torch.randint(0, 100, (2, 8)),), str(path), dynamo=True, opset_version=18,
-                          input_names=["input_ids"], dynamic_shapes=dims)
-    return path
+    """A tiny random Llama, a prefill graph exported by torch's dynamo exporter at opset 18."""
+    return export_tiny_llama(tmp_path_factory.mktemp("llama") / "llama.onnx")
 
 
 @pytest.mark.parametrize("target, opset, expected", [

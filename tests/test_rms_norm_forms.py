@@ -5,9 +5,6 @@ stay with a reason. The graphs are built here from the formula y = x / sqrt(mean
 
 from __future__ import annotations
 
-import contextlib
-import io
-import warnings
 from collections import Counter
 
 import numpy as np
@@ -15,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import opfuse
+from decoder_nets import export_tiny_llama
 from graphs import assert_same, model, ops, rng, tensor, vinfo
 
 D = 8
@@ -164,35 +162,11 @@ def test_a_broadcast_skip_is_refused_with_a_reason():
 
 # -- a real export: TorchScript's tiny Llama ----------------------------------------------------
 
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=100, max_position_embeddings=64, use_cache=False)
-
-
 @pytest.fixture(scope="module")
 def torchscript_llama(tmp_path_factory):
-    """A tiny random Llama exported by TorchScript (dynamo=False) at opset 17, prefill, dynamic batch and
-    sequence; the attention mask is passed (without it transformers traces torch.diff, which TorchScript
-    cannot export)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, input_ids):
-            return self.net(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
-
-    path = tmp_path_factory.mktemp("llama") / "llama.onnx"
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Logits(), (torch.randint(0, 100, (2, 8)),), str(path), dynamo=False, opset_version=17,
-                          input_names=["input_ids"], output_names=["logits"],
-                          dynamic_axes={"input_ids": {0: "batch", 1: "seq"}})
-    return path
+    """A tiny random Llama exported by TorchScript (dynamo=False) at opset 17, prefill."""
+    return export_tiny_llama(tmp_path_factory.mktemp("llama") / "llama.onnx", exporter="torchscript", opset=17,
+                             mask="ones")
 
 
 def test_torchscript_llama_norms_become_skip_simplified_layer_normalization(torchscript_llama):

@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 
 import opfuse.pipeline
+from decoder_nets import export_tiny_llama
 from graphs import conv_bn_model, ort_run
 from opfuse.core.analysis import NameLedger, NameTable
 from opfuse.errors import VerificationError
@@ -152,37 +153,12 @@ def test_a_replacement_keeps_the_name_of_the_tensor_it_replaces():
     assert new.outputs[0].name == "t"
 
 
-def _tiny_llama(path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                      max_position_embeddings=64)
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(config).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.llama = llama
-
-        def forward(self, ids, mask):
-            return self.llama(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-    ids, mask = torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.int64)
-    torch.onnx.export(Logits(), (ids, mask), str(path), dynamo=True, opset_version=18, external_data=False,
-                      input_names=["input_ids", "attention_mask"],
-                      dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
-
-
 def test_a_reused_name_cannot_reach_the_file(tmp_path):
     """The trait of a 32-layer Llama that once reached the file: the dynamo exporter's
     ``val_N`` names, declared types for every value, and a fusion whose new values onnx-ir
     names ``val_N`` by a counter that a clone restarts. Here the values the fusions remove
     are numbered first, so the first names minted are theirs."""
-    exported = tmp_path / "llama.onnx"
-    _tiny_llama(exported)
+    exported = export_tiny_llama(tmp_path / "llama.onnx", mask="input")
     model = ir.load(exported)
     kept = {v.name for n in opfuse.optimize(model, target="onnxruntime", verify=False)[0].graph for v in n.outputs}
     outputs = {v.name for v in model.graph.outputs}
