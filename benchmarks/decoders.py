@@ -1,8 +1,9 @@
-"""Decoder LLMs through ``opfuse optimize``: does every written model load and equal its input?
+"""Decoder LLMs through ``opfuse optimize`` and its peers: is every written model equal, and how fast?
 
-    python benchmarks/decoders.py                        every model, both exporters, both graphs, both targets
-    python benchmarks/decoders.py --models llama,gpt2 --exporters dynamo --graphs decode --targets onnxruntime
-    python benchmarks/decoders.py --json rows.json       also save the rows
+    python benchmarks/decoders.py                        timed: every model, both exporters, both graphs
+    python benchmarks/decoders.py --models llama --exporters dynamo --graphs decode --rounds 5
+    python benchmarks/decoders.py --verify-only          opfuse on both targets, each written model checked
+    python benchmarks/decoders.py --verify-only --models llama,gpt2 --targets onnxruntime --json rows.json
 
 The corpus (:data:`MODELS`): small Hugging Face models built from configs with random weights,
 nothing downloaded: Llama with GQA (hidden 256, 4 layers, 8 heads, 2 KV heads), Qwen2 and
@@ -24,8 +25,9 @@ cache is transformers' DynamicCache, flattened by :class:`CausalLMStep`. Exports
 (``--cache``), so a re-run reuses them; an export that fails is kept as its first error line
 and becomes one row, ``export failed: ...``, not a crash.
 
-For every exported graph and target it runs what a user would, in a subprocess and with no
-flag but the target: ``python -m opfuse optimize IN -o OUT --target T --report R.json``. It
+``--verify-only`` (what ``make check-models`` passes): for every exported graph and target it runs
+what a user would, in a subprocess and with no flag but the target:
+``python -m opfuse optimize IN -o OUT --target T --report R.json``. It
 records the exit code, the last line of stderr, the node counts before and after (every
 graph), and the op types written that the export did not have (the fused ops). Then, on its
 own, it loads the written model in ONNX Runtime and compares it with the export on realistic
@@ -39,9 +41,23 @@ is 1 (a padded query's output is not defined): ``|written - export| <= 1e-3 * |e
 max diff D at OUTPUT``. Exit 1 if any row is not ok (export failures are listed, not
 counted: they are the exporter's).
 
-``--verify-only`` (what ``make check-models`` passes) is the only mode today: no latency is
-measured. Not in the test suite; ``make check-models`` runs it: about 9 minutes on a busy 2-core
-machine with the exports cached; exporting them all first takes about 8 more.
+With the exports cached it takes about 9 minutes on a busy 2-core machine; exporting them all first
+takes about 8 more. Not in the test suite.
+
+Without ``--verify-only`` (the timed mode), per model/exporter/graph, one interleaved run
+(``opfuse.bench.measure``: every round runs every session once, in a rotating order) at ONNX Runtime's
+ALL level, one thread, ``--rounds`` rounds (31), at batch 1: prefill with 128 tokens, decode with a past
+of 256 (GPT-2's learned positions end at 255: its decode step reads position 255). The rows: the
+original export; the original again (the A/A control: its ratio is the run's noise floor); opfuse
+``--target onnxruntime``; opfuse ``--target onnx --opset 23``; onnxscript's ``optimize_for_ort``;
+ONNX Runtime's transformers optimizer (``optimize_model``, model type ``gpt2``, else ``bert``: the first
+that verifies); onnxslim. Every written model is checked equal to the original on the timing inputs
+(the tolerance above) before it is timed: a tool that fails or writes a model that is not equal is a
+row with its reason, not timed. Printed per row: the node count of the file, the fused ops written,
+the median ms, min-max, and the paired ratio (median over rounds of its time / the original's in the
+same round; below 1 is faster). The onnxruntime-genai model builder's graph (the anchor of issue 40) is
+a row only where ``onnxruntime_genai`` is installed; its timing is not written yet. Exit 1 if an opfuse
+row is not ok; ``--json`` keeps every row with its samples.
 """
 
 from __future__ import annotations
