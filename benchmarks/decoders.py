@@ -647,7 +647,8 @@ def builder_anchor(decoder: Decoder, graph: str, rounds: int, workdir: pathlib.P
                                "-o", str(out), "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [x for x in proc.stderr.splitlines() if x.strip()]
-            return {"target": "genai builder", "status": f"builder exit {proc.returncode}: {lines[-1] if lines else ''}"}
+            last = lines[-1] if lines else ""
+            return {"target": "genai builder", "status": f"builder exit {proc.returncode}: {last}"}
         return {"target": "genai builder", "status": "built; timing against it is not implemented yet",
                 "nodes": count_nodes(onnx.load(str(out / "model.onnx"), load_external_data=False))}
     except Exception as e:  # noqa: BLE001 - the anchor's failure is a row
