@@ -495,7 +495,8 @@ def check(path: pathlib.Path, padded: bool, target: str, reference: dict, workdi
 # --- the timed mode ------------------------------------------------------------------------------
 
 TIME_SEQ, TIME_PAST = 128, 256  # prefill tokens and decode past length, batch 1
-ORT_TFM_TYPES = ("gpt2", "bert")  # ORT's transformers optimizer: the first model type whose model verifies
+# ORT's transformers optimizer: the first model type whose model verifies (decoders, then T5)
+ORT_TFM_TYPES = {False: ("gpt2", "bert"), True: ("t5", "bert")}
 
 
 def _ort_transformers(src: pathlib.Path, dst: pathlib.Path, decoder: Decoder, model_type: str) -> None:
@@ -522,13 +523,15 @@ def _onnxslim(src: pathlib.Path, dst: pathlib.Path, decoder: Decoder) -> None:
     onnx.save(onnxslim.slim(onnx.load(str(src))), str(dst))
 
 
-# Each tool: (row label, how it writes dst from src). ORT's optimizer: the first model type that verifies.
+# opfuse rows: (target, extra flags); peer rows: (variant name, how it writes dst from src) to try in turn.
 OPFUSE_ROWS = {"opfuse ort": ("onnxruntime", ()), "opfuse onnx-23": ("onnx", ("--opset", "23"))}
-PEERS = {
-    "onnxscript": [_onnxscript],
-    "ort-tfm": [lambda s, d, m, t=t: _ort_transformers(s, d, m, t) for t in ORT_TFM_TYPES],
-    "onnxslim": [_onnxslim],
-}
+def peers(decoder: Decoder) -> dict[str, list[tuple[str, Callable]]]:
+    return {
+        "onnxscript": [("onnxscript", _onnxscript)],
+        "ort-tfm": [(f"ort-tfm ({t})", lambda s, d, m, t=t: _ort_transformers(s, d, m, t))
+                    for t in ORT_TFM_TYPES[decoder.seq2seq]],
+        "onnxslim": [("onnxslim", _onnxslim)],
+    }
 
 
 def _equal_on(path: pathlib.Path, reference: dict) -> str:
@@ -582,14 +585,13 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
             row["status"] = _equal_on(pathlib.Path(result["written"]), reference) or "ok"
             files[label] = pathlib.Path(result["written"])
         rows[label] = row
-    for label, tools in PEERS.items():
+    for label, tools in peers(decoder).items():
         progress(label)
         tried = []
-        for i, tool in enumerate(tools):
+        for i, (kind, tool) in enumerate(tools):
             dst = workdir / f"{label}-{i}.onnx"
             start = time.perf_counter()
             status = _written(path, tool, decoder, dst, reference)
-            kind = f"{label} ({ORT_TFM_TYPES[i]})" if label == "ort-tfm" else label
             tried.append(f"{kind}: {status or 'ok'}")
             if not status:
                 rows[label] = {"status": "ok", "tool_s": round(time.perf_counter() - start, 2), "as": kind}
