@@ -1,8 +1,9 @@
-"""Decoder LLMs through ``opfuse optimize``: does every written model load and equal its input?
+"""Decoder LLMs through ``opfuse optimize`` and its peers: is every written model equal, and how fast?
 
-    python benchmarks/decoders.py                        every model, both exporters, both graphs, both targets
-    python benchmarks/decoders.py --models llama,gpt2 --exporters dynamo --graphs decode --targets onnxruntime
-    python benchmarks/decoders.py --json rows.json       also save the rows
+    python benchmarks/decoders.py                        timed: every model, both exporters, both graphs
+    python benchmarks/decoders.py --models llama --exporters dynamo --graphs decode --rounds 5
+    python benchmarks/decoders.py --verify-only          opfuse on both targets, each written model checked
+    python benchmarks/decoders.py --verify-only --models llama,gpt2 --targets onnxruntime --json rows.json
 
 The corpus (:data:`MODELS`): small Hugging Face models built from configs with random weights,
 nothing downloaded: Llama with GQA (hidden 256, 4 layers, 8 heads, 2 KV heads), Qwen2 and
@@ -24,8 +25,9 @@ cache is transformers' DynamicCache, flattened by :class:`CausalLMStep`. Exports
 (``--cache``), so a re-run reuses them; an export that fails is kept as its first error line
 and becomes one row, ``export failed: ...``, not a crash.
 
-For every exported graph and target it runs what a user would, in a subprocess and with no
-flag but the target: ``python -m opfuse optimize IN -o OUT --target T --report R.json``. It
+``--verify-only`` (what ``make check-models`` passes): for every exported graph and target it runs
+what a user would, in a subprocess and with no flag but the target:
+``python -m opfuse optimize IN -o OUT --target T --report R.json``. It
 records the exit code, the last line of stderr, the node counts before and after (every
 graph), and the op types written that the export did not have (the fused ops). Then, on its
 own, it loads the written model in ONNX Runtime and compares it with the export on realistic
@@ -39,9 +41,23 @@ is 1 (a padded query's output is not defined): ``|written - export| <= 1e-3 * |e
 max diff D at OUTPUT``. Exit 1 if any row is not ok (export failures are listed, not
 counted: they are the exporter's).
 
-``--verify-only`` (what ``make check-models`` passes) is the only mode today: no latency is
-measured. Not in the test suite; ``make check-models`` runs it: about 9 minutes on a busy 2-core
-machine with the exports cached; exporting them all first takes about 8 more.
+With the exports cached it takes about 9 minutes on a busy 2-core machine; exporting them all first
+takes about 8 more. Not in the test suite.
+
+Without ``--verify-only`` (the timed mode), per model/exporter/graph, one interleaved run
+(``opfuse.bench.measure``: every round runs every session once, in a rotating order) at ONNX Runtime's
+ALL level, one thread, ``--rounds`` rounds (31), at batch 1: prefill with 128 tokens, decode with a past
+of 256 (GPT-2's learned positions end at 255: its decode step reads position 255). The rows: the
+original export; the original again (the A/A control: its ratio is the run's noise floor); opfuse
+``--target onnxruntime``; opfuse ``--target onnx --opset 23``; onnxscript's ``optimize_for_ort``;
+ONNX Runtime's transformers optimizer (``optimize_model``, model type ``gpt2``, else ``bert``: the first
+that verifies); onnxslim. Every written model is checked equal to the original on the timing inputs
+(the tolerance above) before it is timed: a tool that fails or writes a model that is not equal is a
+row with its reason, not timed. Printed per row: the node count of the file, the fused ops written,
+the median ms, min-max, and the paired ratio (median over rounds of its time / the original's in the
+same round; below 1 is faster). The onnxruntime-genai model builder's graph (the anchor of issue 40) is
+a row only where ``onnxruntime_genai`` is installed; its timing is not written yet. Exit 1 if an opfuse
+row is not ok; ``--json`` keeps every row with its samples.
 """
 
 from __future__ import annotations
@@ -327,9 +343,15 @@ def exported(decoder: Decoder, exporter: str, graph: str, cache: pathlib.Path) -
 
 # --- the inputs and the comparison ---------------------------------------------------------------
 
-def feeds(path: pathlib.Path, graph: str, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The realistic inputs of the module docstring, by the graph's input names and declared types."""
+def feeds(path: pathlib.Path, graph: str, vocab: int, seed: int = 0, *, batch: int = BATCH, seq: int = SEQ,
+          past: int = PAST, padded: int = PADDED, positions: int | None = None) -> dict[str, np.ndarray]:
+    """The realistic inputs of the module docstring, by the graph's input names and declared types.
+
+    The keywords give the timed mode's shapes (batch 1, no padding); ``positions``: the size of a learned
+    position table (GPT-2's ``n_positions``), so a decode step past its end reads the last row instead."""
     rng = np.random.default_rng(seed)
+    BATCH, SEQ, PAST, PADDED = batch, seq, past, padded  # noqa: N806 - the module's names, this call's values
+    last = PAST if positions is None else min(PAST, positions - 1)
     proto = onnx.load(str(path), load_external_data=False)
     out = {}
     for value in proto.graph.input:
@@ -340,13 +362,14 @@ def feeds(path: pathlib.Path, graph: str, vocab: int, seed: int = 0) -> dict[str
             a = rng.integers(3, vocab, (BATCH, SEQ if graph == "prefill" else 1))
         elif name == "attention_mask" and graph == "prefill":
             a = np.ones((BATCH, SEQ))
-            a[1, :PADDED] = 0
+            if BATCH > 1:
+                a[1, :PADDED] = 0
         elif name == "attention_mask":
             a = np.ones((BATCH, PAST + 1))
         elif name == "encoder_attention_mask":
             a = np.ones((BATCH, SEQ))
         elif name == "position_ids":
-            a = np.tile(np.arange(SEQ), (BATCH, 1)) if graph == "prefill" else np.full((BATCH, 1), PAST)
+            a = np.tile(np.arange(SEQ), (BATCH, 1)) if graph == "prefill" else np.full((BATCH, 1), last)
         elif name == "encoder_hidden_states":
             a = rng.standard_normal((BATCH, SEQ, static[2]))
         elif name.startswith("past_key_values."):
@@ -404,13 +427,15 @@ def _first_line(e: BaseException) -> str:
 
 # --- opfuse, as a user runs it -------------------------------------------------------------------
 
-def optimise(path: pathlib.Path, target: str, workdir: pathlib.Path) -> dict:
-    """``opfuse optimize`` in a subprocess with no flag but the target: exit code, stderr, report."""
-    out, report = workdir / f"out-{target}.onnx", workdir / f"report-{target}.json"
+def optimise(path: pathlib.Path, target: str, workdir: pathlib.Path, extra: tuple[str, ...] = (),
+             tag: str = "") -> dict:
+    """``opfuse optimize`` in a subprocess with no flag but the target (and ``extra``): exit code, stderr, report."""
+    tag = tag or target
+    out, report = workdir / f"out-{tag}.onnx", workdir / f"report-{tag}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "opfuse", "optimize", str(path), "-o", str(out),
-                           "--target", target, "--report", str(report)],
+                           "--target", target, *extra, "--report", str(report)],
                           capture_output=True, text=True, cwd=workdir, env=env)
     lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
     row = {"rc": proc.returncode, "opfuse_s": round(time.perf_counter() - start, 2),
@@ -465,6 +490,215 @@ def check(path: pathlib.Path, padded: bool, target: str, reference: dict, workdi
     row.update(max_diff=worst, worst_output=where, check_s=round(time.perf_counter() - start, 2))
     row["status"] = "ok" if equal else f"not equal: max diff {worst:.3g} at {where}"
     return row
+
+
+# --- the timed mode ------------------------------------------------------------------------------
+
+TIME_SEQ, TIME_PAST = 128, 256  # prefill tokens and decode past length, batch 1
+# ORT's transformers optimizer: the first model type whose model verifies (decoders, then T5)
+ORT_TFM_TYPES = {False: ("gpt2", "bert"), True: ("t5", "bert")}
+
+
+def _ort_transformers(src: pathlib.Path, dst: pathlib.Path, decoder: Decoder, model_type: str) -> None:
+    from onnxruntime.transformers.optimizer import optimize_model  # (the peer)
+
+    cfg = decoder.config
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head") or cfg.get("num_heads")
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd") or cfg.get("d_model")
+    optimize_model(str(src), model_type=model_type, num_heads=heads, hidden_size=hidden).save_model_to_file(
+        str(dst), use_external_data_format=False)
+
+
+def _onnxscript(src: pathlib.Path, dst: pathlib.Path, decoder: Decoder) -> None:
+    import onnx_ir as ir
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort  # (the peer)
+
+    model, _ = optimize_for_ort(ir.from_proto(onnx.load(str(src))))  # weights in memory: dst is elsewhere
+    ir.save(model, str(dst))
+
+
+def _onnxslim(src: pathlib.Path, dst: pathlib.Path, decoder: Decoder) -> None:
+    import onnxslim  # (the peer)
+
+    onnx.save(onnxslim.slim(onnx.load(str(src))), str(dst))
+
+
+# opfuse rows: (target, extra flags); peer rows: (variant name, how it writes dst from src) to try in turn.
+OPFUSE_ROWS = {"opfuse ort": ("onnxruntime", ()), "opfuse onnx-23": ("onnx", ("--opset", "23"))}
+def peers(decoder: Decoder) -> dict[str, list[tuple[str, Callable]]]:
+    return {
+        "onnxscript": [("onnxscript", _onnxscript)],
+        "ort-tfm": [(f"ort-tfm ({t})", lambda s, d, m, t=t: _ort_transformers(s, d, m, t))
+                    for t in ORT_TFM_TYPES[decoder.seq2seq]],
+        "onnxslim": [("onnxslim", _onnxslim)],
+    }
+
+
+def _equal_on(path: pathlib.Path, reference: dict) -> str:
+    """"" if the model at ``path`` loads, runs and equals the original on the timing inputs, else why not."""
+    try:
+        session = _session(path)
+        names = [o.name for o in session.get_outputs()]
+        got = session.run(None, reference["feeds"])
+    except Exception as e:  # noqa: BLE001 - the row says it
+        return f"run failed: {_first_line(e)}"
+    if names != reference["names"]:
+        return f"not equal: outputs {names[:3]}... vs {reference['names'][:3]}..."
+    equal, worst, where = compare(reference["outputs"], got, names, padded=False)
+    return "" if equal else f"not equal: max diff {worst:.3g} at {where}"
+
+
+def _written(path: pathlib.Path, tool: Callable, decoder: Decoder, dst: pathlib.Path, reference: dict) -> str:
+    """Run one peer; "" if it wrote an equal model at ``dst``, else its error or inequality."""
+    try:
+        tool(path, dst, decoder)
+    except Exception as e:  # noqa: BLE001 - a peer that fails is a row with its error
+        return f"failed: {_first_line(e)}"
+    return _equal_on(dst, reference)
+
+
+def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, workdir: pathlib.Path,
+               progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """One interleaved run at ORT ALL, one thread: the original, its A/A control, opfuse on both targets and
+    the peers; every written model checked equal to the original on the timing inputs before it is timed."""
+    from opfuse.bench.measure import Variant, measure
+
+    positions = decoder.config.get("n_positions")
+    inputs = feeds(path, graph, decoder.config["vocab_size"], batch=1, seq=TIME_SEQ, past=TIME_PAST, padded=0,
+                   positions=positions)
+    session = _session(path)
+    reference = {"feeds": inputs, "names": [o.name for o in session.get_outputs()],
+                 "outputs": session.run(None, inputs)}
+    del session
+    original = onnx.load(str(path), load_external_data=False)
+    before = op_counts(original)
+    rows = {"original": {"status": "ok", "nodes": count_nodes(original)},
+            "original (A/A)": {"status": "ok", "nodes": count_nodes(original)}}
+    files = {"original": path, "original (A/A)": path}
+    for label, (target, extra) in OPFUSE_ROWS.items():
+        progress(label)
+        result = optimise(path, target, workdir, extra, tag=label.replace(" ", "-"))
+        row = {"opfuse_s": result["opfuse_s"], "applied": result.get("applied", {})}
+        if result["rc"] != 0 or not result["written"]:
+            row["status"] = f"opfuse exit {result['rc']}: {result['stderr_last']}"[:300]
+        else:
+            row["status"] = _equal_on(pathlib.Path(result["written"]), reference) or "ok"
+            files[label] = pathlib.Path(result["written"])
+        rows[label] = row
+    for label, tools in peers(decoder).items():
+        progress(label)
+        tried = []
+        for i, (kind, tool) in enumerate(tools):
+            dst = workdir / f"{label}-{i}.onnx"
+            start = time.perf_counter()
+            status = _written(path, tool, decoder, dst, reference)
+            tried.append(f"{kind}: {status or 'ok'}")
+            if not status:
+                rows[label] = {"status": "ok", "tool_s": round(time.perf_counter() - start, 2), "as": kind}
+                files[label] = dst
+                break
+        else:
+            rows[label] = {"status": "; ".join(tried)[:300]}
+        rows[label]["tried"] = tried
+    for label, file in files.items():
+        written = onnx.load(str(file), load_external_data=False)
+        rows[label]["nodes"] = count_nodes(written)
+        if label not in ("original", "original (A/A)"):
+            rows[label]["fused"] = fused_ops(before, op_counts(written))
+    progress(f"timing {len(files)} sessions, {rounds} rounds")
+    variants = [Variant(label, label, str(file), level="all", kind="control" if "(A/A)" in label else "config")
+                for label, file in files.items()]
+    result = measure(variants, inputs, threads=1, rounds=rounds, baseline="original")
+    for label in files:
+        timing, row = result.timings.get(label), rows[label]
+        if timing is not None:
+            row.update(median_ms=timing.median, min_ms=timing.min, max_ms=timing.max, ratio=timing.ratio,
+                       ratio_iqr=list(timing.ratio_spread), samples_ms=list(timing.samples_ms),
+                       ort_all_nodes=result.nodes(label))
+        if label in result.errors:
+            row["status"] = f"run failed: {result.errors[label]}"
+        elif label in result.mismatches:
+            row["status"] = f"not equal (measure): {result.mismatches[label]}"
+    shape = f"batch 1, seq {TIME_SEQ}" if graph == "prefill" else f"batch 1, past {TIME_PAST}"
+    if positions is not None and graph == "decode" and TIME_PAST >= positions:
+        shape += f", position {positions - 1} (the table's last)"
+    return [{"target": label, "shape": shape, "rounds": rounds, **row} for label, row in rows.items()]
+
+
+def builder_anchor(decoder: Decoder, graph: str, rounds: int, workdir: pathlib.Path) -> dict:
+    """onnxruntime-genai's model builder at fp32 for CPU on the same config and weights, timed against the
+    original in its own interleaved run (its inputs differ); "not run" with the reason if it cannot be."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        return {"target": "genai builder",
+                "status": "not run: onnxruntime-genai is not installed (pip install onnxruntime-genai)"}
+    if decoder.seq2seq or graph != "decode":
+        return {"target": "genai builder", "status": "not run: the anchor is timed on decoder-only decode steps"}
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        folder, out = workdir / "hf", workdir / "genai"
+        decoder.build().save_pretrained(folder)
+        vocab = {f"t{i}": i for i in range(decoder.config["vocab_size"])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0").save_pretrained(folder)
+        proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder),
+                               "-o", str(out), "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [x for x in proc.stderr.splitlines() if x.strip()]
+            last = lines[-1] if lines else ""
+            return {"target": "genai builder", "status": f"builder exit {proc.returncode}: {last}"}
+        return {"target": "genai builder", "status": "built; timing against it is not implemented yet",
+                "nodes": count_nodes(onnx.load(str(out / "model.onnx"), load_external_data=False))}
+    except Exception as e:  # noqa: BLE001 - the anchor's failure is a row
+        return {"target": "genai builder", "status": f"failed: {_first_line(e)}"}
+
+
+TIMED_HEADER = (f"{'model':<10} {'exporter':<11} {'graph':<7} {'row':<15} {'nodes':>5} {'median ms':>9} "
+                f"{'min-max':>15} {'ratio':>6}  {'status':<12} fused ops")
+
+
+def timed_line(row: dict) -> str:
+    head = f"{row['model']:<10} {row['exporter']:<11} {row['graph']:<7} {row.get('as', row['target']):<15}"
+    if "median_ms" not in row:
+        return f"{head} {row.get('nodes', ''):>5} {'':>9} {'':>15} {'':>6}  {row['status']}"
+    fused = ", ".join(f"{op} {n}" for op, n in row.get("fused", {}).items()) or "-"
+    spread = f"{row['min_ms']:.2f}-{row['max_ms']:.2f}"
+    return (f"{head} {row['nodes']:>5} {row['median_ms']:>9.2f} {spread:>15} {row['ratio']:>6.3f}  "
+            f"{row['status']:<12} {fused}")
+
+
+def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache: pathlib.Path, rounds: int,
+              show: Callable[[dict], None]) -> list[dict]:
+    rows = []
+    for name in models:
+        decoder = MODELS[name]
+        for exporter in [e for e in exporters if e in decoder.exporters]:
+            for graph in [g for g in graphs if g in decoder.graphs]:
+                base = {"model": name, "exporter": exporter, "graph": graph}
+                path, error = exported(decoder, exporter, graph, cache)
+                if path is None:
+                    found = [{**base, "target": "-", "status": f"export failed: {error}"}]
+                else:
+                    with tempfile.TemporaryDirectory(prefix="opfuse-decoders-") as tmp:
+                        try:
+                            found = [{**base, **r} for r in time_graph(decoder, path, graph, rounds,
+                                                                        pathlib.Path(tmp))]
+                        except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
+                            found = [{**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}]
+                        found.append({**base, **builder_anchor(decoder, graph, rounds, pathlib.Path(tmp))})
+                for row in found:
+                    rows.append(row)
+                    show(row)
+                control = next((r for r in found if r["target"] == "original (A/A)" and "ratio" in r), None)
+                if control is not None:
+                    print(f"{'':<30} noise floor: the A/A control's ratio {control['ratio']:.3f} "
+                          f"(IQR {control['ratio_iqr'][0]:.3f}-{control['ratio_iqr'][1]:.3f}); shape "
+                          f"{control['shape']}", flush=True)
+    return rows
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -527,7 +761,9 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE, help="where exports are kept")
     parser.add_argument("--verify-only", "--check", action="store_true",
-                        help="no timing (the only mode today; make check-models passes it)")
+                        help="no timing: opfuse on each target, the written model loaded and compared "
+                             "(make check-models passes it)")
+    parser.add_argument("--rounds", type=int, default=31, help="timed mode: interleaved rounds per graph")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     picked = {k: [x for x in getattr(args, k).split(",") if x] for k in ("models", "exporters", "graphs", "targets")}
@@ -536,6 +772,8 @@ def main(argv=None) -> int:
         unknown = [v for v in values if v not in known[key]]
         if unknown:
             parser.error(f"unknown {key}: {', '.join(unknown)} (known: {', '.join(known[key])})")
+    if not args.verify_only:
+        return main_timed(args, picked)
     start = time.perf_counter()
     print(f"exports in {args.cache / versions_tag()}; tolerance |diff| <= {RTOL:g}*|x| + {ATOL_OF_MAX:g}*max|x|")
     print(HEADER, flush=True)
@@ -547,6 +785,21 @@ def main(argv=None) -> int:
     print(f"{len(checked) - len(failed)} of {len(checked)} runs ok (exit 0, loads, equal); "
           f"{len(failed)} failed; {len(not_exported)} graph(s) not exported or not runnable; "
           f"{time.perf_counter() - start:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    return 1 if failed else 0
+
+
+def main_timed(args, picked: dict) -> int:
+    """The timed mode: one interleaved run per graph; exit 1 if an opfuse row is not ok (peers are listed)."""
+    start = time.perf_counter()
+    print(f"exports in {args.cache / versions_tag()}; ORT all, 1 thread, {args.rounds} rounds; prefill: batch 1, "
+          f"seq {TIME_SEQ}; decode: batch 1, past {TIME_PAST}; ratio: median of per-round time / original's")
+    print(TIMED_HEADER, flush=True)
+    rows = run_timed(picked["models"], picked["exporters"], picked["graphs"], args.cache, args.rounds,
+                     lambda row: print(timed_line(row), flush=True))
+    failed = [r for r in rows if r["target"] in OPFUSE_ROWS and r["status"] != "ok"]
+    print(f"{len(failed)} opfuse row(s) not ok; {time.perf_counter() - start:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
     return 1 if failed else 0
