@@ -81,7 +81,7 @@ from opfuse.pipeline import optimize, run_passes
 from opfuse.quantization.calibration import CalibrationSource, check_runs, constant_across, load_calibration, split
 from opfuse.quantization.qdq.layers import qdq_layers
 from opfuse.quantization.options import QuantizeOptions
-from opfuse.quantization.presets import Equalize
+from opfuse.quantization.presets import PRESETS, Equalize
 from opfuse.quantization.qdq.quantizer import prepare, weight_storage
 from opfuse.quantization.report import LayerRow, QuantReport, QuantVerification
 from opfuse.quantization.qdq.sqnr import INFINITE, layer_costs, layer_pairs, measure, output_sqnr
@@ -175,7 +175,9 @@ def _device(options: QuantizeOptions):
     device = options.chosen.device()
     if device is None:
         if options.context is not None or options.require_npu:
-            raise BadInputError("--context and --require-npu compile for the NPU: use them with --preset qnn")
+            npu = "|".join(name for name, preset in PRESETS.items() if load_target(preset.target).device)
+            raise BadInputError(f"--context and --require-npu compile for an NPU: use them with a preset whose "
+                                f"target has one (--preset {npu})")
         return None, None
     device.require_backend()
     return device, device.Options.parse(options.htp_options)
