@@ -132,7 +132,7 @@ _CACHE_NAMES = ("past", "cache")
 # GQA's repeat_kv, a scale split over q and k, the mask)
 _BETWEEN = frozenset({"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Identity", "Cast",
                       "Mul", "Div", "Add", "Sub", "Where", "Slice"})
-_HOPS = 6  # how far through them a site is looked for
+_HOPS = 10  # how far through them a site is looked for
 
 
 def _reached(value: ir.Value, op_type: str, forward: bool = True) -> list[ir.Node]:
