@@ -156,6 +156,7 @@ def test_each_label_names_the_op_written_and_counts_its_nodes(llama, target, ops
     counts = report.pattern_counts()
     fused = {label: n for label, n in counts.items() if label.partition("->")[0] in ("RMSNorm", "SiLU", "attention")}
     assert set(fused) == expected, counts
+    assert not any("KV-cache decode step" in r.reason for r in report.refusals)  # a prefill: no exception
     for label, n in fused.items():
         op = label.partition("->")[2]
         assert written[op] == n, (label, n, written[op])

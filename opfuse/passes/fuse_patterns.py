@@ -31,6 +31,10 @@ makes each outcome opfuse's own:
    one record per node written: a rewrite of a node an earlier rewrite wrote (attention's
    intermediate SDPA, a LayerNormalization taking a scale) takes that record in.
 
+A pattern the target fuses but whose policy does not hold in this graph (a
+:class:`~opfuse.targets.kernels.PolicyException`: attention in a KV-cache decode step at
+ONNX Runtime) is not run; each site the exception names is a refusal with its reason.
+
 First, an op the target says to ``unfuse`` (:attr:`Target.unfused_ops`) is expanded into
 its ONNX function body (:mod:`opfuse.passes.patterns.unfuse`), recorded like a rewrite.
 Before the rules, a commutative op's constant operand is put second (exact; the rules that
@@ -110,7 +114,7 @@ class PatternFusionPass(OpfusePass):
         self._made.clear()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        patterns = [p for p in PATTERN_ORDER if self.target.policy(p) == "fuse"]
+        patterns = [p for p in PATTERN_ORDER if self.target.policy(p) == "fuse" and not self._excepted(model, p)]
         unfused = self._unfuse(model) if self.target.unfused_ops else False
         if not patterns:
             return ir.passes.PassResult(model, modified=unfused)
@@ -123,7 +127,7 @@ class PatternFusionPass(OpfusePass):
         _constants_second(model)
         _scalar_constants(model, names)
         infer_shapes(model)  # the rules check dtypes and shapes
-        if self.target.policy("attention") == "fuse":
+        if "attention" in patterns:
             infer_symbolic_shapes(model)  # attention's checks compare [B, S, H, Dh] dims by name
         modified = False
         tracer = _Refusals()
@@ -144,6 +148,18 @@ class PatternFusionPass(OpfusePass):
                 self.refuse(rule, node, reason, scope=_scope_of(model, node),
                             also=tuple(n for n in matched if n.graph is not None))
         return ir.passes.PassResult(model, modified=modified or unfused)
+
+    def _excepted(self, model: ir.Model, pattern: str) -> bool:
+        """Whether ``model`` is an exception to the target's policy for ``pattern``; if so, one
+        refusal per site it names, with the exception's reason."""
+        found = self.target.exception(pattern, model)
+        if found is None:
+            return False
+        exception, sites = found
+        title = pattern_rules(pattern, self.target, approximate=self.approximate).title
+        for site, others in sites:
+            self.refuse(title, site, exception.reason, also=others)
+        return exception.policy != "fuse"
 
     def _unfuse(self, model: ir.Model) -> bool:
         """The ops the target cannot run, expanded into their ONNX function bodies

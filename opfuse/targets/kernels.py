@@ -11,7 +11,9 @@ A :class:`Target` declares
 - its **pattern policy**: for each multi-op pattern (:mod:`opfuse.passes.patterns`),
   ``"fuse"`` (into the op the target runs), ``"keep"`` (leave as it is) or ``"unfuse"``
   (keyed by an op type: expand each such op the target cannot run into the primitives of
-  its ONNX function body, :mod:`opfuse.passes.patterns.unfuse`);
+  its ONNX function body, :mod:`opfuse.passes.patterns.unfuse`); and where a pattern's
+  policy does not hold, a :class:`PolicyException`: a test of the graph (ONNX Runtime: a
+  KV-cache decode step), the policy there and the measured reason;
 - whether its compiler needs **static shapes** (:mod:`opfuse.prepare.static_shapes`);
 - optionally its own **fusion driver** (ONNX Runtime: fuse, then undo the fusions that
   cost a conv the runtime's NCHWc layout).
@@ -31,6 +33,7 @@ __all__ = [
     "EpilogueKernel",
     "KernelView",
     "Target",
+    "PolicyException",
     "POLICIES",
     "load_target",
     "read_kernel",
@@ -170,6 +173,18 @@ class EpilogueKernel:
 
 
 @dataclasses.dataclass(frozen=True)
+class PolicyException:
+    """Where a target's policy for ``pattern`` does not hold: ``sites(model)`` finds the
+    graph's places that make it an exception (empty: the policy holds); there the pattern's
+    policy is ``policy``, for ``reason`` (what was measured, and what to use instead)."""
+
+    pattern: str
+    sites: Callable[[ir.Model], Sequence[tuple[ir.Node, tuple[ir.Node, ...]]]]  # (site, other nodes)
+    policy: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """A deployment target: what it executes and what to do with each pattern."""
 
@@ -184,9 +199,11 @@ class Target:
     static_shapes: bool = False  # its compiler takes static shapes only (opfuse.prepare.static_shapes binds them)
     compiler_fuses_epilogues: bool = False  # its own compiler fuses a layer's activation from standard ops
     device: str | None = None  # the module compiling for its own backend (opfuse.targets.qnn.device's interface)
+    exceptions: tuple[PolicyException, ...] = ()  # graphs where a pattern's policy does not hold
 
     def __post_init__(self):
         bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}
+        bad.update({e.pattern: e.policy for e in self.exceptions if e.policy not in POLICIES})
         if bad:
             raise ValueError(f"target {self.name}: unknown pattern policies {bad}")
         for kernel in self.kernels.values():
@@ -198,6 +215,15 @@ class Target:
 
     def policy(self, pattern: str) -> str:
         return self.patterns.get(pattern, "keep")
+
+    def exception(self, pattern: str, model: ir.Model) -> tuple[PolicyException, list] | None:
+        """The first exception to ``pattern``'s policy that ``model`` is, with its sites; else None."""
+        for exception in self.exceptions:
+            if exception.pattern == pattern:
+                sites = list(exception.sites(model))
+                if sites:
+                    return exception, sites
+        return None
 
     @property
     def unfused_ops(self) -> tuple[str, ...]:

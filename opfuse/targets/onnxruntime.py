@@ -29,6 +29,18 @@ ops the CPU provider runs: LayerNormalization, SkipLayerNormalization, Gelu, Fas
 BiasGelu, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, QuickGelu (SiLU is
 QuickGelu with alpha 1), MultiHeadAttention and Attention.
 
+Except in a KV-cache decode step (:data:`EXCEPTIONS`, :func:`decode_step_sites`): there
+MultiHeadAttention ran slower than the graph as written (``benchmarks/decoders.py``, timed
+mode, ORT ALL, one thread: Llama dynamo decode at past 256, median paired ratio 1.10-1.16
+to the export, against 0.75-0.84 for the standard Attention-23 of ``--target onnx
+--opset 23``), so attention is kept written out there, one refusal per site
+saying so. A decode step is recognised from the graph: a float rank-4 graph input (the
+past keys or values, [batch, heads, past, head_dim]) joined by a Concat along the
+sequence axis (2) with a computed tensor (this step's keys or values), whose result is a
+graph output (the present) or reaches a MatMul; the input's name (``past``, ``cache``) is
+taken as the second signal in place of those two. Prefill graphs and encoders have no such
+input and are fused as before.
+
 The NCHWc layout (:func:`run_fusion`): at ENABLE_ALL, ONNX Runtime on x86 rewrites convs
 into its blocked NCHWc layout and absorbs Add and activations itself. A FusedConv whose Z
 comes from outside that layout (a graph input, a Relu...) stays outside it, and so does
@@ -61,6 +73,8 @@ __all__ = [
     "run_fusion",
     "layout_losses",
     "takes_residual",
+    "EXCEPTIONS",
+    "decode_step_sites",
     "residual_add",
     "runtime_graph",
     "has_layout_pass",
@@ -71,7 +85,7 @@ import onnx_ir as ir
 from opfuse.core.analysis import NameTable, iter_scopes, trace_producer
 from opfuse.report import FusionReport
 from opfuse.runtime import optimized_graph
-from opfuse.targets.kernels import ActivationEncoding, EpilogueKernel, Target
+from opfuse.targets.kernels import ActivationEncoding, EpilogueKernel, PolicyException, Target
 from opfuse.core.ops import MS_DOMAIN, WEIGHTED_OPS, is_op
 
 _MLAS = frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid"})  # what both kernels run
@@ -108,6 +122,81 @@ PATTERNS: dict[str, str] = {
     "attention": "fuse",
     "matmul-add": "fuse",
 }
+
+
+# --- where the policy does not hold: a KV-cache decode step ---------------------------------
+
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+_CACHE_NAMES = ("past", "cache")
+# what lies between a cache and its MatMul, and between that MatMul and the Softmax (layout,
+# GQA's repeat_kv, a scale split over q and k, the mask)
+_BETWEEN = frozenset({"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Identity", "Cast",
+                      "Mul", "Div", "Add", "Sub", "Where", "Slice"})
+_HOPS = 10  # how far through them a site is looked for
+
+
+def _reached(value: ir.Value, op_type: str, forward: bool = True) -> list[ir.Node]:
+    """The ``op_type`` nodes ``value`` reaches (``forward``) or comes from, through :data:`_BETWEEN` ops."""
+    found: list[ir.Node] = []
+    frontier, seen = [value], set()
+    for _ in range(_HOPS):
+        step = []
+        for v in frontier:
+            if forward:
+                nodes = [use.node for use in v.uses()]
+            else:
+                nodes = [v.producer()] if v.producer() is not None else []
+            for node in nodes:
+                if node in seen:
+                    continue
+                seen.add(node)
+                if is_op(node, op_type):
+                    found.append(node)
+                elif is_op(node, *_BETWEEN):
+                    step.extend(node.outputs if forward else [i for i in node.inputs if i is not None])
+        frontier = step
+    return found
+
+
+def _past_concat(node: ir.Node) -> bool:
+    """A Concat along the sequence axis of a float rank-4 graph input with a computed tensor."""
+    if not is_op(node, "Concat") or len(node.inputs) != 2 or any(v is None for v in node.inputs):
+        return False
+    axis = node.attributes.get_int("axis", 0)
+    past = [v for v in node.inputs if v.is_graph_input() and v.dtype in _FLOATS
+            and v.shape is not None and len(v.shape) == 4]
+    new = [v for v in node.inputs if v.producer() is not None]
+    return len(past) == 1 and len(new) == 1 and axis in (2, -2)
+
+
+def decode_step_sites(model: ir.Model) -> list[tuple[ir.Node, tuple[ir.Node, ...]]]:
+    """The attention sites of a KV-cache decode step (module docstring), one per Softmax the
+    caches reach (its key and value Concats and MatMuls taken in); empty when ``model`` is
+    not a decode step."""
+    sites: dict[ir.Node, list[ir.Node]] = {}
+    for node in model.graph:
+        if not _past_concat(node):
+            continue
+        present = node.outputs[0]
+        matmuls = _reached(present, "MatMul")
+        named = any(word in (v.name or "").lower() for v in node.inputs if v.is_graph_input() for word in _CACHE_NAMES)
+        if not (present.is_graph_output() or matmuls or named):
+            continue
+        softmaxes = [s for m in matmuls for s in _reached(m.outputs[0], "Softmax")]  # the keys' scores
+        softmaxes += [s for m in matmuls for v in m.inputs if v is not None
+                      for s in _reached(v, "Softmax", forward=False)]  # the values' weights
+        site = softmaxes[0] if softmaxes else node
+        sites.setdefault(site, []).extend((node, *matmuls))
+    return [(site, tuple(n for n in dict.fromkeys(others) if n is not site)) for site, others in sites.items()]
+
+
+EXCEPTIONS = (
+    PolicyException(
+        "attention", decode_step_sites, "keep",
+        "a KV-cache decode step: ONNX Runtime's MultiHeadAttention runs one slower than the graph as written "
+        "(measured: python benchmarks/decoders.py --graphs decode), so attention is kept written out here; "
+        "--target onnx --opset 23 writes the standard Attention, which runs it faster"),
+)
 
 LAYOUT_ATTEMPTS = 3  # fusion redone at most this often to keep the runtime's layout
 
@@ -246,4 +335,5 @@ TARGET = Target(
     pattern_ops="onnxruntime",
     run_fusion=run_fusion,
     reads=_RUNTIME_KERNELS,
+    exceptions=EXCEPTIONS,
 )
