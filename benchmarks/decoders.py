@@ -671,33 +671,39 @@ def timed_line(row: dict) -> str:
             f"{row['status']:<12} {fused}")
 
 
-def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache: pathlib.Path, rounds: int,
-              show: Callable[[dict], None]) -> list[dict]:
-    rows = []
+def _selected(models: list[str], exporters: list[str], graphs: list[str]):
+    """(model name, its decoder, exporter, graph) for every selected graph the model has."""
     for name in models:
         decoder = MODELS[name]
         for exporter in [e for e in exporters if e in decoder.exporters]:
             for graph in [g for g in graphs if g in decoder.graphs]:
-                base = {"model": name, "exporter": exporter, "graph": graph}
-                path, error = exported(decoder, exporter, graph, cache)
-                if path is None:
-                    found = [{**base, "target": "-", "status": f"export failed: {error}"}]
-                else:
-                    with tempfile.TemporaryDirectory(prefix="opfuse-decoders-") as tmp:
-                        try:
-                            found = [{**base, **r} for r in time_graph(decoder, path, graph, rounds,
-                                                                        pathlib.Path(tmp))]
-                        except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
-                            found = [{**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}]
-                        found.append({**base, **builder_anchor(decoder, graph, rounds, pathlib.Path(tmp))})
-                for row in found:
-                    rows.append(row)
-                    show(row)
-                control = next((r for r in found if r["target"] == "original (A/A)" and "ratio" in r), None)
-                if control is not None:
-                    print(f"{'':<30} noise floor: the A/A control's ratio {control['ratio']:.3f} "
-                          f"(IQR {control['ratio_iqr'][0]:.3f}-{control['ratio_iqr'][1]:.3f}); shape "
-                          f"{control['shape']}", flush=True)
+                yield name, decoder, exporter, graph
+
+
+def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache: pathlib.Path, rounds: int,
+              show: Callable[[dict], None]) -> list[dict]:
+    rows = []
+    for name, decoder, exporter, graph in _selected(models, exporters, graphs):
+        base = {"model": name, "exporter": exporter, "graph": graph}
+        path, error = exported(decoder, exporter, graph, cache)
+        if path is None:
+            found = [{**base, "target": "-", "status": f"export failed: {error}"}]
+        else:
+            with tempfile.TemporaryDirectory(prefix="opfuse-decoders-") as tmp:
+                try:
+                    found = [{**base, **r} for r in time_graph(decoder, path, graph, rounds,
+                                                                pathlib.Path(tmp))]
+                except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
+                    found = [{**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}]
+                found.append({**base, **builder_anchor(decoder, graph, rounds, pathlib.Path(tmp))})
+        for row in found:
+            rows.append(row)
+            show(row)
+        control = next((r for r in found if r["target"] == "original (A/A)" and "ratio" in r), None)
+        if control is not None:
+            print(f"{'':<30} noise floor: the A/A control's ratio {control['ratio']:.3f} "
+                  f"(IQR {control['ratio_iqr'][0]:.3f}-{control['ratio_iqr'][1]:.3f}); shape "
+                  f"{control['shape']}", flush=True)
     return rows
 
 
@@ -706,39 +712,36 @@ def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache:
 def run(models: list[str], exporters: list[str], graphs: list[str], targets: list[str], cache: pathlib.Path,
         show: Callable[[dict], None]) -> list[dict]:
     rows = []
-    for name in models:
-        decoder = MODELS[name]
-        for exporter in [e for e in exporters if e in decoder.exporters]:
-            for graph in [g for g in graphs if g in decoder.graphs]:
-                base = {"model": name, "exporter": exporter, "graph": graph}
-                start = time.perf_counter()
-                path, error = exported(decoder, exporter, graph, cache)
-                base["export_s"] = round(time.perf_counter() - start, 2)
-                if path is None:
-                    row = {**base, "target": "-", "status": f"export failed: {error}"}
-                    rows.append(row)
-                    show(row)
-                    continue
-                base["path"] = str(path)
-                try:
-                    session = _session(path)
-                    inputs = feeds(path, graph, decoder.config["vocab_size"])
-                    reference = {"feeds": inputs, "names": [o.name for o in session.get_outputs()],
-                                 "outputs": session.run(None, inputs)}
-                except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
-                    row = {**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}
-                    rows.append(row)
-                    show(row)
-                    continue
-                for target in targets:
-                    with tempfile.TemporaryDirectory(prefix="opfuse-decoders-") as tmp:
-                        row = {**base, "target": target,
-                               **check(path, graph == "prefill" and not decoder.seq2seq, target, reference,
-                                       pathlib.Path(tmp))}
-                    row.pop("written", None)
-                    rows.append(row)
-                    show(row)
-                    base["export_s"] = 0.0  # counted once
+    for name, decoder, exporter, graph in _selected(models, exporters, graphs):
+        base = {"model": name, "exporter": exporter, "graph": graph}
+        start = time.perf_counter()
+        path, error = exported(decoder, exporter, graph, cache)
+        base["export_s"] = round(time.perf_counter() - start, 2)
+        if path is None:
+            row = {**base, "target": "-", "status": f"export failed: {error}"}
+            rows.append(row)
+            show(row)
+            continue
+        base["path"] = str(path)
+        try:
+            session = _session(path)
+            inputs = feeds(path, graph, decoder.config["vocab_size"])
+            reference = {"feeds": inputs, "names": [o.name for o in session.get_outputs()],
+                         "outputs": session.run(None, inputs)}
+        except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
+            row = {**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}
+            rows.append(row)
+            show(row)
+            continue
+        for target in targets:
+            with tempfile.TemporaryDirectory(prefix="opfuse-decoders-") as tmp:
+                row = {**base, "target": target,
+                       **check(path, graph == "prefill" and not decoder.seq2seq, target, reference,
+                               pathlib.Path(tmp))}
+            row.pop("written", None)
+            rows.append(row)
+            show(row)
+            base["export_s"] = 0.0  # counted once
     return rows
 
 
