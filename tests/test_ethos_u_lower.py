@@ -235,6 +235,60 @@ def softmax_graph():
     return _model(nodes, [("x", [1, 16])], ["y"], [("G", _w(10, 16, scale=0.5)), ("GB", _w(10))])
 
 
+def se_block_graph():
+    """Squeeze-excitation as PP-OCR writes it: GlobalAveragePool, 1x1 convs, HardSigmoid, Mul by x."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["g"], name="gap"),
+             helper.make_node("Conv", ["g", "W1", "B1"], ["s1"], name="squeeze", kernel_shape=[1, 1]),
+             helper.make_node("Relu", ["s1"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "W2", "B2"], ["s2"], name="excite", kernel_shape=[1, 1]),
+             helper.make_node("HardSigmoid", ["s2"], ["h"], name="hsig", alpha=0.2, beta=0.5),
+             helper.make_node("Mul", ["c", "h"], ["y"], name="scale")]
+    inits = [("W", _w(8, 3, 3, 3)), ("W1", _w(4, 8, 1, 1)), ("B1", _w(4)), ("W2", _w(8, 4, 1, 1, scale=2.0)),
+             ("B2", _w(8))]
+    return _model(nodes, [("x", [1, 3, 8, 8])], ["y"], inits)
+
+
+def silu_sub_div_graph():
+    """SiLU (x * sigmoid(x)), then Sub and Div by constants (a normalisation written out)."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),
+             helper.make_node("Mul", ["c", "s"], ["m"], name="silu"),
+             helper.make_node("Sub", ["m", "mu"], ["d"], name="sub"),
+             helper.make_node("Div", ["d", "sd"], ["y"], name="div")]
+    inits = [("W", _w(6, 4, 1, 1, scale=0.8)), ("mu", _w(6, 1, 1)), ("sd", 1 + np.abs(_w(1, 6, 1, 1)))]
+    return _model(nodes, [("x", [1, 4, 5, 5])], ["y"], inits)
+
+
+def conv_transpose_graph(pads=(0, 0, 0, 0), k=2):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("ConvTranspose", ["c", "T", "TB"], ["y"], name="up", strides=[2, 2],
+                              kernel_shape=[k, k], pads=list(pads))]
+    inits = [("W", _w(4, 3, 1, 1)), ("T", _w(4, 6, k, k)), ("TB", _w(6))]
+    return _model(nodes, [("x", [1, 3, 5, 5])], ["y"], inits)
+
+
+def split_slice_graph():
+    """Split on channels (YOLOv8's C2f), Slice of H and W, Concat back, a Pad and a Transpose."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("Split", ["c", "sizes"], ["a", "b"], name="split", axis=1),
+             helper.make_node("Slice", ["a", "starts", "ends", "axes"], ["sa"], name="slice"),
+             helper.make_node("Slice", ["b", "starts", "ends", "axes"], ["sb"], name="slice2"),
+             helper.make_node("Concat", ["sb", "sa"], ["cat"], name="concat", axis=1),
+             helper.make_node("Pad", ["cat", "pads"], ["p"], name="pad"),
+             helper.make_node("Transpose", ["p"], ["y"], name="transpose", perm=[0, 2, 3, 1])]
+    inits = [("W", _w(6, 3, 1, 1)), ("sizes", np.array([2, 4], np.int64)), ("starts", np.array([1, 0], np.int64)),
+             ("ends", np.array([5, -1], np.int64)), ("axes", np.array([2, 3], np.int64)),
+             ("pads", np.array([0, 0, 1, 0, 0, 0, 0, 2], np.int64))]
+    return _model(nodes, [("x", [1, 3, 6, 6])], ["y"], inits)
+
+
+def reduce_mean_graph(keepdims=1):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("ReduceMean", ["c"], ["y"], name="mean", axes=[2, 3], keepdims=keepdims)]
+    return _model(nodes, [("x", [1, 3, 6, 6])], ["y"], [("W", _w(5, 3, 1, 1))], opset=17)
+
+
 CASES = {
     "conv_bias": lambda: conv_graph(),
     "conv_no_bias": lambda: conv_graph(bias=False),
@@ -266,6 +320,13 @@ CASES = {
     "tanh": lambda: unary_graph("Tanh"),
     "hard_swish": lambda: unary_graph("HardSwish"),
     "leaky_relu": lambda: unary_graph("LeakyRelu", alpha=0.1),
+    "se_block_hard_sigmoid": se_block_graph,
+    "silu_sub_div": silu_sub_div_graph,
+    "conv_transpose_valid": conv_transpose_graph,
+    "conv_transpose_same": lambda: conv_transpose_graph(pads=(0, 0, 1, 1), k=3),
+    "split_slice_concat_pad_transpose": split_slice_graph,
+    "reduce_mean_keepdims": reduce_mean_graph,
+    "reduce_mean_to_2d": lambda: reduce_mean_graph(keepdims=0),
 }
 
 
@@ -362,7 +423,7 @@ def test_refused_ops_raise_one_line_naming_node_op_and_reason():
     with pytest.raises(LoweringError) as info:
         lower_to_tflite(erf)
     assert "\n" not in str(info.value)
-    assert str(info.value).startswith("node 'erf1' (Erf): TFLite lowering of Erf is not written")
+    assert str(info.value).startswith("node 'erf1' (Erf): no TFLite lowering is written for Erf")
     grouped = conv_graph(group=2, c_in=8, c_out=16)
     with pytest.raises(LoweringError) as info:
         lower_to_tflite(grouped)

@@ -132,11 +132,19 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    """Every tensor's static shape by onnx's inference (a graph output declared with a free or
+    negative dim is inferred again)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for out in probe.graph.output:
+        dims = out.type.tensor_type.shape.dim
+        if not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+            out.type.tensor_type.ClearField("shape")
+    inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
     shapes = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         dims = vi.type.tensor_type.shape.dim
-        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
             shapes[vi.name] = tuple(int(d.dim_value) for d in dims)
     return shapes
 
@@ -277,12 +285,12 @@ class Lowering:
         reason = None
         if not self.fuse_activations:
             reason = "activations are not fused in this lowering (fuse_activations=False)"
+        elif code is None:
+            reason = "TFLite fuses only RELU, RELU6 and RELU_N1_TO_1 (Relu, Clip(0, 6), Clip(-1, 1))"
         elif len(users) > 1:
             reason = f"its producer's output '{output}' has {len(users)} consumers"
         elif output in self.g.output_names:
             reason = f"its producer's output '{output}' is a graph output"
-        elif code is None:
-            reason = "TFLite fuses only RELU, RELU6 and RELU_N1_TO_1 (Relu, Clip(0, 6), Clip(-1, 1))"
         elif code not in self.epilogues.get(builtin, ()):
             reason = f"{_name(builtin)} runs no fused {_act_name(code)}"
         if reason is not None:
