@@ -107,10 +107,11 @@ def quantise(model, tmp_path: Path, keep_activations=False) -> onnx.ModelProto:
     extra = {"WeightSymmetric": True, "ActivationSymmetric": False}
     if keep_activations:
         extra["QDQKeepRemovableActivations"] = True
-    # every op type quantised: ONNX Runtime's registry leaves Tanh and HardSwish float otherwise
+    # every op type quantised (the registry leaves Tanh and HardSwish float otherwise) but Slice
+    ops = {n.op_type for n in model.graph.node} - {"Slice"}  # ONNX Runtime's default leaves Slice float
     quantize_static(str(src), str(dst), _Reader(model), quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                    op_types_to_quantize=sorted({n.op_type for n in model.graph.node}), extra_options=extra)
+                    op_types_to_quantize=sorted(ops), extra_options=extra)
     return onnx.load(dst)
 
 
@@ -289,6 +290,24 @@ def reduce_mean_graph(keepdims=1):
     return _model(nodes, [("x", [1, 3, 6, 6])], ["y"], [("W", _w(5, 3, 1, 1))], opset=17)
 
 
+def focus_graph():
+    """YOLOX's Focus: the graph input sliced into four phases and concatenated before the first
+    conv; ONNX Runtime's quantiser leaves the Slice/Concat float (a move: same integers)."""
+    nodes = [helper.make_node("Slice", ["x", "s0", "end", "ax3", "st"], ["a"], name="slice_w0"),
+             helper.make_node("Slice", ["x", "s1", "end", "ax3", "st"], ["b"], name="slice_w1"),
+             helper.make_node("Slice", ["a", "s0", "end", "ax2", "st"], ["a0"], name="slice_a0"),
+             helper.make_node("Slice", ["a", "s1", "end", "ax2", "st"], ["a1"], name="slice_a1"),
+             helper.make_node("Slice", ["b", "s0", "end", "ax2", "st"], ["b0"], name="slice_b0"),
+             helper.make_node("Slice", ["b", "s1", "end", "ax2", "st"], ["b1"], name="slice_b1"),
+             helper.make_node("Concat", ["a0", "b0", "a1", "b1"], ["f"], name="focus", axis=1),
+             helper.make_node("Conv", ["f", "W"], ["y"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    big = np.iinfo(np.int64).max
+    inits = [("s0", np.array([0], np.int64)), ("s1", np.array([1], np.int64)), ("end", np.array([big], np.int64)),
+             ("ax2", np.array([2], np.int64)), ("ax3", np.array([3], np.int64)), ("st", np.array([2], np.int64)),
+             ("W", _w(8, 12, 3, 3))]
+    return _model(nodes, [("x", [1, 3, 8, 8])], ["y"], inits)
+
+
 CASES = {
     "conv_bias": lambda: conv_graph(),
     "conv_no_bias": lambda: conv_graph(bias=False),
@@ -327,6 +346,7 @@ CASES = {
     "split_slice_concat_pad_transpose": split_slice_graph,
     "reduce_mean_keepdims": reduce_mean_graph,
     "reduce_mean_to_2d": lambda: reduce_mean_graph(keepdims=0),
+    "focus_strided_slices_at_the_input": focus_graph,
 }
 
 

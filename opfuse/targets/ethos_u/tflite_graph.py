@@ -22,7 +22,7 @@ import onnx
 from ai_edge_litert import schema_py_generated as schema
 from onnx import numpy_helper
 
-from opfuse.core.ops import ACTIVATION_OPS
+from opfuse.core.ops import ACTIVATION_OPS, OPS
 from opfuse.targets.ethos_u.tflite_writer import Quant, TfliteWriter
 
 _ACT = schema.ActivationFunctionType
@@ -125,10 +125,33 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
         for i, name in enumerate(node.input):
             if name in alias:
                 node.input[i] = alias[name]
+    _spread_through_moves(kept, constants, quant)
     outputs = [alias.get(o.name, o.name) for o in graph.output]
     output_names = {alias.get(o.name, o.name): o.name for o in graph.output}
     inputs = [i.name for i in graph.input if i.name not in constants]
     return QdqGraph(kept, constants, qconsts, quant, inputs, outputs, output_names, quantised)
+
+
+def _spread_through_moves(nodes: list[onnx.NodeProto], constants: dict, quant: dict[str, Quant]) -> None:
+    """A float tensor the quantiser left between an int8 tensor and an op that only moves values
+    (the op table's ``int8="move"``: Slice, Concat, Reshape...) takes that tensor's quantisation:
+    quantising before or after a move gives the same integers (ONNX Runtime leaves such chains
+    float at a graph input: YOLOX's Slice/Concat "Focus"). Resize is left out (bilinear mixes)."""
+    moves = [n for n in nodes if OPS.get(n.op_type) is not None and OPS[n.op_type].int8 == "move"
+             and n.op_type != "Resize"]
+    changed = True
+    while changed:
+        changed = False
+        for node in moves:
+            data = [i for i in (node.input if node.op_type == "Concat" else node.input[:1])
+                    if i and i not in constants]
+            known = [quant[t] for t in (*node.output, *data) if t in quant]
+            if not known:
+                continue
+            for t in (*node.output, *data):
+                if t and t not in quant:
+                    quant[t] = known[0]
+                    changed = True
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
