@@ -90,6 +90,7 @@ LOWERINGS = {
     "Slice": tflite_layout.slice_,
     "HardSigmoid": tflite_ops.hard_sigmoid,
     "ConvTranspose": tflite_ops.transpose_conv,
+    "BatchNormalization": tflite_ops.batch_norm,
 }
 
 

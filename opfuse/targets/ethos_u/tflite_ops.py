@@ -11,6 +11,7 @@ state and writes its TFLite op(s). Conventions (the module docstring of ``lower`
 - Gemm / MatMul with a constant weight -> FULLY_CONNECTED with weights [N, K].
 - Pools: MaxPool pads are written as PAD/PADV2 with the lowest value; AveragePool's pads as
   SAME (count_include_pad=0, SAME pads), or PAD then VALID (count_include_pad=1).
+- BatchNormalization (left unfolded) -> MUL and ADD by [C] constants.
 - ConvTranspose -> TRANSPOSE_CONV (weights [C_out, kH, kW, C_in]); HardSigmoid -> a 1x1
   DEPTHWISE_CONV_2D (alpha, beta) and its clamp.
 - int8 ops whose TFLite kernel fixes its output quantisation (SOFTMAX, LOGISTIC: 1/256, -128;
@@ -24,7 +25,7 @@ The layout ops (Reshape, Transpose, Concat, Pad, Split, Slice, Resize) are in
 from __future__ import annotations
 
 __all__ = ["emit", "requantised", "make_options", "conv", "fully_connected", "binary", "activation", "unary",
-           "identity", "pool", "reduce_mean", "softmax", "transpose_conv", "hard_sigmoid"]
+           "identity", "pool", "reduce_mean", "softmax", "transpose_conv", "hard_sigmoid", "batch_norm"]
 
 import math
 
@@ -475,3 +476,31 @@ def transpose_conv(L: Lowering, node) -> None:
     L.w.op(OP.TRANSPOSE_CONV, [size, weight, x.index, bias], [out.index],
            make_options(schema.TransposeConvOptionsT, padding=padding, strideH=strides[0], strideW=strides[1]),
            OPT.TransposeConvOptions)
+
+
+def batch_norm(L: Lowering, node) -> None:
+    """BatchNormalization (inference) unfolded: MUL by ``s = gamma / sqrt(var + eps)`` then ADD
+    ``t = beta - mean * s``, both [C] constants (the ADD takes a following activation). int8: the
+    product's quantisation covers the output's range less ``t`` (every value the ADD can still
+    write), 256 steps."""
+    x = L.value(node.input[0])
+    if len(x.shape) != 4:
+        raise L.refuse(f"BatchNormalization of a rank-{len(x.shape)} tensor (lowered for rank 4)")
+    gamma, beta, mean, var = (L.constant(n).astype(np.float64) for n in node.input[1:5])
+    s = gamma / np.sqrt(var + float(attr(node, "epsilon", 1e-5)))
+    t = beta - mean * s
+    act, out_name = L.fused_activation(OP.ADD, node.output[0])
+    out = L.new_value(out_name)
+    mid_quant = None
+    if L.g.quantised:
+        scale, zp = out.quant.scalar()
+        lo, hi = scale * (-128 - zp) - float(t.max()), scale * (127 - zp) - float(t.min())
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        step = (hi - lo) / 255.0 or 1.0
+        mid_quant = Quant(np.array([step]), np.array([int(np.clip(np.round(-128 - lo / step), -128, 127))]), 0)
+    mid = L.temp(out, f"{node.name}/scaled", quant=mid_quant)
+    cs = L.const_operand(f"{node.name}/scale", 4, NCHW_TO_NHWC, real=s.reshape(1, -1, 1, 1))
+    ct = L.const_operand(f"{node.name}/shift", 4, NCHW_TO_NHWC, real=t.reshape(1, -1, 1, 1))
+    L.w.op(OP.MUL, [x.index, cs.index], [mid.index], make_options(schema.MulOptionsT), OPT.MulOptions)
+    L.w.op(OP.ADD, [mid.index, ct.index], [out.index], make_options(schema.AddOptionsT, fusedActivationFunction=act),
+           OPT.AddOptions)
