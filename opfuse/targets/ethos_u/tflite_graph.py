@@ -102,7 +102,8 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
             if zp.dtype != np.int8:
                 raise LoweringError(node, f"zero point of type {zp.dtype}, not int8 (TFLite's int8 conventions)")
             if scale.size != 1:
-                raise LoweringError(node, "an activation quantised per channel (TFLite quantises activations per tensor)")
+                raise LoweringError(node, "an activation quantised per channel "
+                                          "(TFLite quantises activations per tensor)")
             q = Quant(scale.reshape(1), zp.reshape(1), 0)
             if source in quant and not np.array_equal(quant[source].scale, q.scale):
                 raise LoweringError(node, f"tensor '{source}' is quantised twice with different scales")
@@ -230,19 +231,15 @@ class Lowering:
                               "has no float ops; quantise every op's output")
         return self.g.quant[name]
 
-    def new_value(self, name: str, shape: tuple[int, ...] | None = None, quant: Quant | None = None,
-                  layout: tuple[int, ...] | None = None, register: bool = True, suffix: str = "") -> Value:
-        """A new activation tensor for ONNX tensor ``name`` (NHWC when rank 4)."""
-        shape = tuple(self.shape(name) if shape is None else shape)
-        if layout is None:
-            layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
-        if quant is None and not suffix:
-            quant = self.quant_of(name)
-        tname = self.g.output_names.get(name, name) + suffix
-        index = self.w.tensor(tname, [shape[a] for a in layout], self.dtype, quant=quant)
-        v = Value(index, shape, tuple(layout), quant)
-        if register:
-            self.values[name] = v
+    def new_value(self, name: str) -> Value:
+        """The TFLite tensor of ONNX tensor ``name`` (NHWC when rank 4), in its quantisation."""
+        shape = tuple(self.shape(name))
+        layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
+        quant = self.quant_of(name)
+        index = self.w.tensor(self.g.output_names.get(name, name), [shape[a] for a in layout], self.dtype,
+                              quant=quant)
+        v = Value(index, shape, layout, quant)
+        self.values[name] = v
         return v
 
     def temp(self, like: Value, name: str, shape=None, layout=None, quant="same") -> Value:

@@ -90,7 +90,7 @@ def _spatial_padding(node, in_hw, out_hw, kernel, strides, dilations,
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     n = len(in_hw)
     pads = list(attr(node, "pads", [0] * (2 * n)))
-    begins, ends = pads[:n], pads[n:]
+    begins = pads[:n]  # the end pads are what the windows read (``after`` below)
     explicit = []
     same = valid = True
     for i in range(n):
@@ -194,7 +194,6 @@ def conv(L: Lowering, node) -> None:
     x = _explicit_pad(L, x, explicit, "zero")
     builtin = OP.DEPTHWISE_CONV_2D if depthwise else OP.CONV_2D
     if depthwise:
-        real = w.reshape(c_out, kh, kw).transpose(1, 2, 0)[None]
         data, wq = _weights(L, node.input[1], w, 0)
         data = data.reshape(c_out, kh, kw).transpose(1, 2, 0)[None]
         wq = wq and Quant(wq.scale, wq.zero_point, 3)
