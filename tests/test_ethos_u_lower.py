@@ -6,7 +6,7 @@ Float: the TFLite run in LiteRT's interpreter against ONNX Runtime on the same O
 Int8: the QDQ model ONNX Runtime's ``quantize_static`` writes (QDQ, int8 asymmetric activations,
 int8 symmetric per-channel weights), run on ONNX Runtime, against its int8 TFLite in LiteRT.
 Tolerance: at least 98% of the output elements within 1 step of the output scale, and none
-beyond 3 steps. Why not exact: ONNX Runtime runs the QDQ graph as float ops between
+beyond 2 steps (measured: every element of every case within 1 step, most cases exact). Why not exact: ONNX Runtime runs the QDQ graph as float ops between
 DequantizeLinear and QuantizeLinear (one float rounding, half to even, per op), while LiteRT's
 int8 kernels requantise with a fixed-point multiplier and shift (rounding half away from zero,
 and LOGISTIC/TANH/SOFTMAX through lookup tables), so a value near a rounding boundary can land one
@@ -120,7 +120,7 @@ def output_scales(flatbuffer: bytes) -> list[float]:
     return [d["quantization"][0] for d in interp.get_output_details()]
 
 
-def assert_int8_close(flatbuffer, qdq, feeds, within_one=0.98, worst=3):
+def assert_int8_close(flatbuffer, qdq, feeds, within_one=0.98, worst=2):
     expected = run_ort(qdq, feeds)
     got = run_tflite(flatbuffer, feeds)
     for e, g, scale in zip(expected, got, output_scales(flatbuffer)):
@@ -404,7 +404,9 @@ def test_batchnorm_as_mul_add_writes_per_channel_vectors():
 
 def test_relu_fuses_into_its_producer_and_unfused_when_asked():
     model = residual_graph()
+    before = model.SerializeToString()
     assert tflite_ops(lower_to_tflite(model)) == ["CONV_2D", "CONV_2D", "ADD"]
+    assert model.SerializeToString() == before  # the caller's model is not modified
     refusals = []
     tfl = lower_to_tflite(model, refusals=refusals, fuse_activations=False)
     assert tflite_ops(tfl) == ["CONV_2D", "RELU", "CONV_2D", "ADD", "RELU"]
