@@ -550,3 +550,14 @@ def test_resnet18_folded_and_quantised_runs_in_litert_close_to_the_qdq_model(tmp
     assert sqnr["float"] > sqnr["qdq_vs_float"] - 1.0  # as accurate as the QDQ model, within 1 dB
     float_tfl = lower_to_tflite(model)
     assert_float_close(float_tfl, model, _feeds(model, seed=7))
+
+
+def test_int8_clip_0_6_kept_by_the_quantiser_fuses_as_relu6(tmp_path):
+    from ai_edge_litert import schema_py_generated as schema
+    qdq = quantise(conv_graph(act="relu6"), tmp_path, keep_activations=True)
+    assert any(n.op_type == "Clip" for n in qdq.graph.node)
+    tfl = lower_to_tflite(qdq)
+    model = schema.ModelT.InitFromPackedBuf(tfl, 0)
+    (op,) = model.subgraphs[0].operators
+    assert op.builtinOptions.fusedActivationFunction == schema.ActivationFunctionType.RELU6
+    assert_int8_close(tfl, qdq, _feeds(qdq))
