@@ -10,6 +10,9 @@
 ``qnn``                   Qualcomm's HTP NPU (ONNX Runtime's QNN provider): static
                           shapes, folding, standard-op patterns (Gelu as QNN takes it),
                           ops QNN cannot run unfused (:mod:`opfuse.targets.qnn`)
+``ethos-u``               Arm's Ethos-U NPUs: static shapes, folding, standard-op
+                          patterns, the norms TFLite has no op for unfused; lowered
+                          to int8 TFLite, compiled by Vela (:mod:`opfuse.targets.ethos_u`)
 ========================  ===========================================================
 
 A target module holds one :class:`~opfuse.targets.kernels.Target` named ``TARGET``: the
@@ -17,7 +20,8 @@ kernels it executes and its fuse / keep / unfuse policy per pattern. Adding a ta
 adding a module and a row here.
 
 What a graph costs on a target, modelled (memory traffic, an accelerator's latency), is
-:mod:`opfuse.cost`; a target's device code sits beside it (``targets/qnn/``).
+:mod:`opfuse.cost`; a target's device code sits beside it (``targets/qnn/``,
+``targets/ethos_u/``).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ TARGET_MODULES: dict[str, str] = {
     "onnx": "opfuse.targets.onnx",
     "onnxruntime": "opfuse.targets.onnxruntime",
     "qnn": "opfuse.targets.qnn",
+    "ethos-u": "opfuse.targets.ethos_u",
 }
 # target -> the passes ``opfuse optimize --target T`` runs when --passes is not given
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
     "onnx": _FOLDS + ("reshape-dims", "fuse-patterns"),
     "onnxruntime": _FOLDS + ("reshape-dims", "fuse-patterns", "fuse-epilogue"),
     "qnn": _FOLDS + ("reshape-dims", "fuse-patterns"),
+    "ethos-u": _FOLDS + ("reshape-dims", "fuse-patterns"),
 }
 TARGETS = tuple(TARGET_MODULES)
 
