@@ -59,13 +59,11 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from opfuse.core.ops import ELEMENTWISE_KINDS, MS_DOMAIN, ONNX_DOMAINS, is_onnx, is_op, op_kind
 from opfuse.passes.patterns import constant_array, model_opset, opset_problem
 
 TITLE = "rotary->RotaryEmbedding"
-_MS = "com.microsoft"
-_ELEMENTWISE = frozenset({"Cast", "Identity", "Cos", "Sin", "Neg"})  # one-input ops a table may pass through
-_SCALED = frozenset({"Mul", "Div", "Add", "Sub"})  # ... or with a one-element constant beside it
-_TABLE_HOPS = 8
+_TABLE_HOPS = 8  # element-wise ops looked through between a table and its Concat(freqs, freqs)
 
 
 def _int(value) -> int | None:
@@ -94,9 +92,9 @@ def _same_dim(a, b) -> bool:
 
 
 def _table_problem(table4: ir.Value, what: str) -> tuple[ir.Value | None, str | None]:
-    """The rank-3 table under ``Unsqueeze(table, 1)``, or why it is not one whose halves are equal."""
+    """The rank-3 table under ``Unsqueeze(table, 1)``, or why there is none."""
     node = table4.producer()
-    if node is None or node.op_type != "Unsqueeze" or node.domain not in ("", "ai.onnx"):
+    if node is None or node.op_type != "Unsqueeze" or node.domain not in ONNX_DOMAINS:
         return None, f"its {what} table is not Unsqueeze(table, 1) of a [batch, seq, dim] table"
     axes = node.attributes.get("axes")
     axes = [int(a) for a in axes.value] if axes is not None else (
@@ -107,7 +105,7 @@ def _table_problem(table4: ir.Value, what: str) -> tuple[ir.Value | None, str | 
         return None, f"its {what} table is unsqueezed at axes {axes}, not [1] (the heads axis of [B, H, S, D])"
     if table.shape is None or len(table.shape) != 3:
         return None, f"its {what} table is not known to be rank 3 [batch, seq, dim]"
-    return table, _halves_problem(table, what)
+    return table, None
 
 
 def _halves_problem(table: ir.Value, what: str) -> str | None:
@@ -115,23 +113,19 @@ def _halves_problem(table: ir.Value, what: str) -> str | None:
     value = table
     for _ in range(_TABLE_HOPS):
         node = value.producer()
-        if node is None or node.domain not in ("", "ai.onnx"):
+        if node is None:
             break
-        if node.op_type == "Concat":
+        if is_op(node, "Concat"):
             axis = node.attributes.get_int("axis", 0)
             if len(node.inputs) == 2 and node.inputs[0] is node.inputs[1] and axis in (-1, 2):
                 return None
             return (f"its {what} table is not one tensor of angles repeated in both halves "
                     "(Concat(freqs, freqs) on the last axis), so the fused op's half-width cache would differ")
-        if node.op_type in _ELEMENTWISE:
-            value = node.inputs[0]
+        # an element-wise op whose other operands are one-element constants keeps equal halves equal
+        others = [v for v in node.inputs if (lambda c: c is None or c.size != 1)(constant_array(v))]
+        if is_onnx(node) and op_kind(node) in ELEMENTWISE_KINDS and len(others) == 1 and others[0] is not None:
+            value = others[0]
             continue
-        if node.op_type in _SCALED and len(node.inputs) == 2:
-            a, b = node.inputs
-            small = [v for v in (a, b) if (lambda c: c is not None and c.size == 1)(constant_array(v))]
-            if len(small) == 1:
-                value = b if small[0] is a else a
-                continue
         break
     array = constant_array(value)
     if array is not None and array.shape and array.shape[-1] % 2 == 0:
@@ -184,7 +178,6 @@ class RotateHalf(pattern.RewriteRuleClassBase):
             return f"the second slice ends at {e2}, before 2h = {2 * h}"
         if x.shape[3] != 2 * h:
             return f"x's last axis is {x.shape[3]}, not known to be 2h = {2 * h}"
-        tables = []
         for value, what in ((cos, "cos"), (sin, "sin")):
             table, problem = _table_problem(value, what)
             if problem:
@@ -193,7 +186,9 @@ class RotateHalf(pattern.RewriteRuleClassBase):
                     and _same_dim(table.shape[2], x.shape[3])):
                 return (f"its {what} table is {list(table.shape)} and x is {list(x.shape)}: the table's batch and "
                         "sequence are not provably x's axes 0 and 2, as the fused op's cache must be")
-            tables.append(table)
+            problem = _halves_problem(table, what)
+            if problem:
+                return problem
         if self._form == "standard":
             return opset_problem(context, "RotaryEmbedding", 23)
         self._contrib = model_opset(context) < 23  # (read by the rewrite that follows this check)
@@ -211,7 +206,7 @@ class RotateHalf(pattern.RewriteRuleClassBase):
         batch_seq = op.Slice(op.Shape(cos_half), _ints(op, [0]), _ints(op, [2]), _ints(op, [0]))
         positions = op.Reshape(positions, batch_seq)
         heads = x.shape[1] if isinstance(x.shape[1], int) else 0
-        return op.RotaryEmbedding(x, positions, cos_2d, sin_2d, num_heads=heads, _domain=_MS)
+        return op.RotaryEmbedding(x, positions, cos_2d, sin_2d, num_heads=heads, _domain=MS_DOMAIN)
 
 
 def _ints(op, values: list[int]):
@@ -253,7 +248,7 @@ class PartialRotary(pattern.RewriteRuleClassBase):
             problem = "its parts are joined along another axis than the last"
         elif node.attributes.get_int("rotary_embedding_dim", 0) or node.attributes.get_int("interleaved", 0):
             problem = "the rotary op already rotates part of its input, or interleaved"
-        elif self._domain == _MS and not isinstance(x.shape[1], int):
+        elif self._domain == MS_DOMAIN and not isinstance(x.shape[1], int):
             problem = "ONNX Runtime's RotaryEmbedding needs the head count (x's axis 1) static for a partial rotation"
         return result.fail(problem) if problem else result
 
@@ -272,4 +267,4 @@ def stages(form: str, approximate: bool = False):
     written = "RotaryEmbedding" if form == "standard" else "RotaryEmbedding (com.microsoft below opset 23)"
     return [[RotateHalf.rule(f"rotate-half->{written}", form)],
             [PartialRotary.rule("partial rotary->RotaryEmbedding", ""),
-             PartialRotary.rule("partial rotary->com.microsoft RotaryEmbedding", _MS)]]
+             PartialRotary.rule("partial rotary->com.microsoft RotaryEmbedding", MS_DOMAIN)]]
