@@ -53,7 +53,8 @@ def rotary_model(opset=18, rotary_dim=D, scaling=None, cast=False, sign="second"
     cos, sin = "cos0", "sin0"
     if scaling is not None:
         inits.append(tensor("scaling", np.float32(scaling)))
-        nodes += [helper.make_node("Mul", [cos, "scaling"], ["cos1"]), helper.make_node("Mul", [sin, "scaling"], ["sin1"])]
+        nodes += [helper.make_node("Mul", [cos, "scaling"], ["cos1"]),
+                  helper.make_node("Mul", [sin, "scaling"], ["sin1"])]
         cos, sin = "cos1", "sin1"
     if cast:
         nodes += [helper.make_node("Cast", [cos], ["cos2"], to=TensorProto.FLOAT),
@@ -63,7 +64,8 @@ def rotary_model(opset=18, rotary_dim=D, scaling=None, cast=False, sign="second"
         nodes += [helper.make_node("Slice", [cos, "zero", "one", "zero"], ["cos3"]),
                   helper.make_node("Slice", [sin, "zero", "one", "zero"], ["sin3"])]
         cos, sin = "cos3", "sin3"
-    nodes += [helper.make_node("Unsqueeze", [cos, "one"], ["cos4"]), helper.make_node("Unsqueeze", [sin, "one"], ["sin4"])]
+    nodes += [helper.make_node("Unsqueeze", [cos, "one"], ["cos4"]),
+              helper.make_node("Unsqueeze", [sin, "one"], ["sin4"])]
     x = "q"
     if rotary_dim < D:
         nodes += [helper.make_node("Slice", ["q", "zero", "r", "last"], ["q_rot"]),
@@ -181,7 +183,8 @@ def _export(module, args, names, dynamic, path, exporter, opset):
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
-            shapes = {name: {axis: torch.export.Dim(dim) for axis, dim in axes.items()} for name, axes in dynamic.items()}
+            shapes = {name: {axis: torch.export.Dim(dim) for axis, dim in axes.items()}
+                      for name, axes in dynamic.items()}
             torch.onnx.export(module, args, str(path), dynamo=True, opset_version=opset, external_data=False,
                               input_names=names, dynamic_shapes=tuple(shapes[n] for n in names))
         else:
