@@ -16,10 +16,11 @@ LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 def export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: int = 18,
-                      mask: str = "none") -> pathlib.Path:
+                      mask: str = "none", positions: bool = False) -> pathlib.Path:
     """The logits of a tiny random Llama for ``input_ids`` [batch, seq]. ``mask``: "input" (an
     ``attention_mask`` input too), "ones" (a mask of ones made inside: TorchScript needs one, as
-    without it transformers traces ``torch.diff``, which it cannot export) or "none"."""
+    without it transformers traces ``torch.diff``, which it cannot export) or "none".
+    ``positions``: a ``position_ids`` input [batch, seq] last (else transformers makes [1, seq] inside)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -30,14 +31,21 @@ def export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: in
             super().__init__()
             self.net = net
 
-        def forward(self, input_ids, attention_mask=None):
+        def forward(self, input_ids, second=None, third=None):  # (mask and/or positions, in that order)
+            attention_mask = second if mask == "input" else None
+            position_ids = (third if mask == "input" else second) if positions else None
             if mask == "ones":
                 attention_mask = torch.ones_like(input_ids)
-            return self.net(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            return self.net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).logits
 
-    names = ["input_ids", "attention_mask"] if mask == "input" else ["input_ids"]
     ids = torch.randint(0, 100, (2, 8))
-    args = (ids, torch.ones_like(ids)) if mask == "input" else (ids,)
+    names, args = ["input_ids"], [ids]
+    if mask == "input":
+        names, args = [*names, "attention_mask"], [*args, torch.ones_like(ids)]
+    if positions:
+        names, args = [*names, "position_ids"], [*args, torch.arange(8).repeat(2, 1)]
+    args = tuple(args)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         if exporter == "dynamo":

@@ -127,8 +127,8 @@ class PatternFusionPass(OpfusePass):
         _constants_second(model)
         _scalar_constants(model, names)
         infer_shapes(model)  # the rules check dtypes and shapes
-        if "attention" in patterns:
-            infer_symbolic_shapes(model)  # attention's checks compare [B, S, H, Dh] dims by name
+        if {"attention", "rotary"} & set(patterns):
+            infer_symbolic_shapes(model)  # attention's and rotary's checks compare [B, H, S, Dh] dims by name
         modified = False
         tracer = _Refusals()
         for name in patterns:

@@ -12,6 +12,7 @@ the opset that would have it in the reason; ``--opset N`` upgrades the model fir
     silu         Swish                           24
     rms-norm     RMSNormalization                23
     attention    Attention (4-D form)            23
+    rotary       RotaryEmbedding                 23
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PATTERNS: dict[str, str] = {
     "hardswish": "fuse",
     "silu": "fuse",
     "rms-norm": "fuse",
+    "rotary": "fuse",
     "attention": "fuse",
     "matmul-add": "fuse",
 }

@@ -27,7 +27,9 @@ alpha folded into a MatMul); opfuse reads it in the runtime's graphs and never e
 Multi-op patterns (:data:`PATTERNS`, :mod:`opfuse.passes.patterns`) become the contrib
 ops the CPU provider runs: LayerNormalization, SkipLayerNormalization, Gelu, FastGelu,
 BiasGelu, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, QuickGelu (SiLU is
-QuickGelu with alpha 1), MultiHeadAttention and Attention.
+QuickGelu with alpha 1), MultiHeadAttention and Attention, and RotaryEmbedding (the contrib op,
+its caches the graph's own cos/sin tables with position ids over them; the standard op where
+the model's opset is 23: :mod:`opfuse.passes.patterns.rotary`).
 
 Except in a KV-cache decode step (:data:`EXCEPTIONS`, :func:`decode_step_sites`): there
 MultiHeadAttention ran slower than the graph as written (``benchmarks/decoders.py``, timed
@@ -119,6 +121,7 @@ PATTERNS: dict[str, str] = {
     "bias-gelu": "fuse",
     "silu": "fuse",
     "hardswish": "fuse",
+    "rotary": "fuse",
     "attention": "fuse",
     "matmul-add": "fuse",
 }

@@ -13,6 +13,8 @@ pattern            what it matches                               becomes (standa
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
 ``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
 ``hardswish``      x * HardSigmoid(x; 1/6, 1/2); Clip forms      HardSwish (14+)
+``rotary``         x * cos + Concat(-x2, x1) * sin [, partial:   RotaryEmbedding (23+) /
+                   Concat(., x[R:])]                             RotaryEmbedding (contrib)
 ``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
                                                                  MultiHeadAttention, Attention
 ``matmul-add``     MatMul (2-D) then Add(bias)                   Gemm / Gemm
@@ -53,6 +55,7 @@ PATTERN_MODULES: dict[str, str] = {
     "bias-gelu": "opfuse.passes.patterns.bias_gelu",
     "silu": "opfuse.passes.patterns.silu",
     "hardswish": "opfuse.passes.patterns.hardswish",
+    "rotary": "opfuse.passes.patterns.rotary",
     "attention": "opfuse.passes.patterns.attention",
     "matmul-add": "opfuse.passes.patterns.matmul_add",
 }

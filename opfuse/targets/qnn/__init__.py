@@ -34,6 +34,7 @@ So, per pattern (:data:`PATTERNS`):
     silu             fuse     Swish (24+); below, x * Sigmoid(x) already runs whole
     matmul-add       fuse     Gemm
     attention        keep     written out, QNN runs it; MultiHeadAttention it does not
+    rotary           keep     written out (its Mul, Slice, Concat run; RotaryEmbedding unmeasured)
     skip-layer-norm  keep     (SkipLayerNormalization falls back)
     skip-rms-norm    keep     (no SimplifiedLayerNormalization to join: QNN runs neither)
     bias-gelu        keep     (BiasGelu falls back)
@@ -68,6 +69,7 @@ PATTERNS: dict[str, str] = {
     "silu": "fuse",
     "matmul-add": "fuse",
     "attention": "keep",
+    "rotary": "keep",
     "skip-layer-norm": "keep",
     "skip-rms-norm": "keep",
     "bias-gelu": "keep",
