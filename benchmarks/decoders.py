@@ -53,9 +53,10 @@ original export; the original again (the A/A control: its ratio is the run's noi
 ONNX Runtime's transformers optimizer (``optimize_model``, model type ``gpt2``, else ``bert``: the first
 that verifies); onnxslim. Every written model is checked equal to the original on the timing inputs
 (the tolerance above) before it is timed: a tool that fails or writes a model that is not equal is a
-row with its reason, not timed. Printed per row: the median ms, min-max, the paired ratio (median over rounds of its time / the original's in the
-same round; below 1 is faster) with its interquartile range, the node count and a histogram of the
-contrib ops, the fused default-domain ops and the MatMuls (``GQA 4, SkipSLN 8, MatMul 21``).
+row with its reason, not timed. Printed per row: the median ms, min-max, the paired ratio (median over
+rounds of its time / the original's in the same round; below 1 is faster) with its interquartile range,
+the node count and a histogram of the contrib ops, the fused default-domain ops and the MatMuls
+(``GQA 4, SkipSLN 8, MatMul 21``).
 
 The anchor of issue 40 (``genai builder``, :mod:`genai_anchor`): onnxruntime-genai's model builder at
 fp32 for CPU on the same config and weights (``save_pretrained`` to a folder with a WordLevel tokenizer;
@@ -64,8 +65,9 @@ step reads position 256), built once and kept beside the exports. It is timed in
 run on its own inputs (the same tokens and mask; the same past in a decode step, an empty one in prefill)
 after its logits are checked against the original's; ``opfuse ... vs builder`` lines give the paired
 ratio of each opfuse row to it. The builder builds Llama, Qwen2, Phi3 and Mistral; GPT-2 is a row with
-its error, T5 is not run. The verify-only mode never builds it. Exit 1 if an opfuse
-row is not ok; ``--json`` keeps every row with its samples.
+its error, T5 is not run. The verify-only mode never builds it.
+
+Exit 1 if an opfuse row is not ok; ``--json`` keeps every row with its samples.
 """
 
 from __future__ import annotations
