@@ -53,11 +53,21 @@ original export; the original again (the A/A control: its ratio is the run's noi
 ONNX Runtime's transformers optimizer (``optimize_model``, model type ``gpt2``, else ``bert``: the first
 that verifies); onnxslim. Every written model is checked equal to the original on the timing inputs
 (the tolerance above) before it is timed: a tool that fails or writes a model that is not equal is a
-row with its reason, not timed. Printed per row: the node count of the file, the fused ops written,
-the median ms, min-max, and the paired ratio (median over rounds of its time / the original's in the
-same round; below 1 is faster). The onnxruntime-genai model builder's graph (the anchor of issue 40) is
-a row only where ``onnxruntime_genai`` is installed; its timing is not written yet. Exit 1 if an opfuse
-row is not ok; ``--json`` keeps every row with its samples.
+row with its reason, not timed. Printed per row: the median ms, min-max, the paired ratio (median over
+rounds of its time / the original's in the same round; below 1 is faster) with its interquartile range,
+the node count and a histogram of the contrib ops, the fused default-domain ops and the MatMuls
+(``GQA 4, SkipSLN 8, MatMul 21``).
+
+The anchor of issue 40 (``genai builder``, :mod:`genai_anchor`): onnxruntime-genai's model builder at
+fp32 for CPU on the same config and weights (``save_pretrained`` to a folder with a WordLevel tokenizer;
+``max_position_embeddings`` raised to 512 there, since its cos/sin caches are sized by it and the decode
+step reads position 256), built once and kept beside the exports. It is timed in the same interleaved
+run on its own inputs (the same tokens and mask; the same past in a decode step, an empty one in prefill)
+after its logits are checked against the original's; ``opfuse ... vs builder`` lines give the paired
+ratio of each opfuse row to it. The builder builds Llama, Qwen2, Phi3 and Mistral; GPT-2 is a row with
+its error, T5 is not run. The verify-only mode never builds it.
+
+Exit 1 if an opfuse row is not ok; ``--json`` keeps every row with its samples.
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ import onnx
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path[1:1] = [str(REPO)]  # opfuse from this tree; benchmarks/ (sys.path[0]) stays for wild's helpers
 
+import genai_anchor  # noqa: E402
 from wild import count_nodes  # noqa: E402
 
 OPSET = 18
@@ -600,15 +611,25 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
         else:
             rows[label] = {"status": "; ".join(tried)[:300]}
         rows[label]["tried"] = tried
+    progress(genai_anchor.ROW)
+    own_feeds = {}
+    rows[genai_anchor.ROW] = _anchor(decoder, path, graph, inputs, reference, files, own_feeds)
     for label, file in files.items():
         written = onnx.load(str(file), load_external_data=False)
         rows[label]["nodes"] = count_nodes(written)
+        rows[label]["ops"] = op_counts(written)
         if label not in ("original", "original (A/A)"):
             rows[label]["fused"] = fused_ops(before, op_counts(written))
     progress(f"timing {len(files)} sessions, {rounds} rounds")
-    variants = [Variant(label, label, str(file), level="all", kind="control" if "(A/A)" in label else "config")
+    variants = [Variant(label, label, str(file), level="all", kind="control" if "(A/A)" in label else "config",
+                        feeds=own_feeds.get(label), exact=label not in own_feeds)
                 for label, file in files.items()]
     result = measure(variants, inputs, threads=1, rounds=rounds, baseline="original")
+    for label in files:
+        paired = result.paired(label, genai_anchor.ROW) if label in OPFUSE_ROWS else []
+        if paired:
+            rows[label].update(vs_builder=float(np.median(paired)),
+                               vs_builder_iqr=[float(q) for q in np.percentile(paired, [25, 75])])
     for label in files:
         timing, row = result.timings.get(label), rows[label]
         if timing is not None:
@@ -625,50 +646,51 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
     return [{"target": label, "shape": shape, "rounds": rounds, **row} for label, row in rows.items()]
 
 
-def builder_anchor(decoder: Decoder, graph: str, rounds: int, workdir: pathlib.Path) -> dict:
-    """onnxruntime-genai's model builder at fp32 for CPU on the same config and weights, timed against the
-    original in its own interleaved run (its inputs differ); "not run" with the reason if it cannot be."""
-    import importlib.util
-
-    if importlib.util.find_spec("onnxruntime_genai") is None:
-        return {"target": "genai builder",
-                "status": "not run: onnxruntime-genai is not installed (pip install onnxruntime-genai)"}
-    if decoder.seq2seq or graph != "decode":
-        return {"target": "genai builder", "status": "not run: the anchor is timed on decoder-only decode steps"}
+def _anchor(decoder: Decoder, path: pathlib.Path, graph: str, inputs: dict, reference: dict, files: dict,
+            own_feeds: dict) -> dict:
+    """The anchor's row (``genai_anchor``): built or cached beside the exports, its logits checked against
+    the original's on the timing inputs; added to ``files`` (and its inputs to ``own_feeds``) to be timed."""
+    why = genai_anchor.available() or ("not run: the builder writes decoder-only graphs" if decoder.seq2seq else "")
+    if why:
+        return {"status": why}
+    built, error = genai_anchor.built(decoder, path.parent.parent)
+    if built is None:
+        return {"status": error}
     try:
-        from tokenizers import Tokenizer, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-
-        folder, out = workdir / "hf", workdir / "genai"
-        decoder.build().save_pretrained(folder)
-        vocab = {f"t{i}": i for i in range(decoder.config["vocab_size"])}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0").save_pretrained(folder)
-        proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder),
-                               "-o", str(out), "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            lines = [x for x in proc.stderr.splitlines() if x.strip()]
-            last = lines[-1] if lines else ""
-            return {"target": "genai builder", "status": f"builder exit {proc.returncode}: {last}"}
-        return {"target": "genai builder", "status": "built; timing against it is not implemented yet",
-                "nodes": count_nodes(onnx.load(str(out / "model.onnx"), load_external_data=False))}
+        feeds_ = genai_anchor.anchor_feeds(built, inputs, graph)
+        row = genai_anchor.check_logits(built, feeds_, reference, compare)
     except Exception as e:  # noqa: BLE001 - the anchor's failure is a row
-        return {"target": "genai builder", "status": f"failed: {_first_line(e)}"}
+        return {"status": f"run failed: {_first_line(e)}"}
+    row["status"] = "ok" if row["logits_equal"] else row["check"]
+    files[genai_anchor.ROW], own_feeds[genai_anchor.ROW] = built, feeds_
+    return row
 
 
-TIMED_HEADER = (f"{'model':<10} {'exporter':<11} {'graph':<7} {'row':<15} {'nodes':>5} {'median ms':>9} "
-                f"{'min-max':>15} {'ratio':>6}  {'status':<12} fused ops")
+TIMED_HEADER = (f"{'model':<8} {'exporter':<11} {'graph':<7} {'row':<15} {'median ms':>9} {'min-max':>13} "
+                f"{'ratio [IQR]':>21}  {'nodes':>5} {'status':<6} ops (contrib/fused, MatMul)")
+# short names in the op histogram (others: the op type)
+SHORT = {"GroupQueryAttention": "GQA", "MultiHeadAttention": "MHA", "SkipSimplifiedLayerNormalization": "SkipSLN",
+         "SimplifiedLayerNormalization": "SLN", "SkipLayerNormalization": "SkipLN", "LayerNormalization": "LN",
+         "RotaryEmbedding": "Rotary", "RMSNormalization": "RMSNorm"}
+WRITTEN_OUT = {"MatMul", "Gemm", "Attention", "LayerNormalization", "RMSNormalization", "RotaryEmbedding",
+               "SimplifiedLayerNormalization", "Gelu"}  # default-domain ops a fusion writes, and the MatMuls
+
+
+def op_histogram(ops: dict[str, int]) -> str:
+    """"GQA 4, SkipSLN 8, MatMul 21": every contrib (non-default domain) op and the fused or MatMul kinds."""
+    kept = {k.rsplit(".", 1)[-1]: n for k, n in ops.items() if "." in k or k in WRITTEN_OUT}
+    return ", ".join(f"{SHORT.get(op, op)} {n}" for op, n in sorted(kept.items(), key=lambda kv: -kv[1])) or "-"
 
 
 def timed_line(row: dict) -> str:
-    head = f"{row['model']:<10} {row['exporter']:<11} {row['graph']:<7} {row.get('as', row['target']):<15}"
+    head = f"{row['model']:<8} {row['exporter']:<11} {row['graph']:<7} {row.get('as', row['target']):<15}"
+    ops = op_histogram(row["ops"]) if "ops" in row else ""
     if "median_ms" not in row:
-        return f"{head} {row.get('nodes', ''):>5} {'':>9} {'':>15} {'':>6}  {row['status']}"
-    fused = ", ".join(f"{op} {n}" for op, n in row.get("fused", {}).items()) or "-"
+        return f"{head} {'':>9} {'':>13} {'':>21}  {row.get('nodes', ''):>5} {ops}  {row['status']}"
+    lo, hi = row["ratio_iqr"]
+    ratio = f"{row['ratio']:.3f} [{lo:.3f}-{hi:.3f}]"
     spread = f"{row['min_ms']:.2f}-{row['max_ms']:.2f}"
-    return (f"{head} {row['nodes']:>5} {row['median_ms']:>9.2f} {spread:>15} {row['ratio']:>6.3f}  "
-            f"{row['status']:<12} {fused}")
+    return f"{head} {row['median_ms']:>9.2f} {spread:>13} {ratio:>21}  {row['nodes']:>5} {row['status']:<6} {ops}"
 
 
 def _selected(models: list[str], exporters: list[str], graphs: list[str]):
@@ -695,7 +717,6 @@ def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache:
                                                                 pathlib.Path(tmp))]
                 except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
                     found = [{**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}]
-                found.append({**base, **builder_anchor(decoder, graph, rounds, pathlib.Path(tmp))})
         for row in found:
             rows.append(row)
             show(row)
@@ -704,6 +725,12 @@ def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache:
             print(f"{'':<30} noise floor: the A/A control's ratio {control['ratio']:.3f} "
                   f"(IQR {control['ratio_iqr'][0]:.3f}-{control['ratio_iqr'][1]:.3f}); shape "
                   f"{control['shape']}", flush=True)
+        for r in found:
+            if "check" in r:
+                print(f"{'':<30} {r['target']}: {r['check']} on the timing inputs", flush=True)
+            if "vs_builder" in r:
+                lo, hi = r["vs_builder_iqr"]
+                print(f"{'':<30} {r['target']} vs builder: {r['vs_builder']:.3f} (IQR {lo:.3f}-{hi:.3f})", flush=True)
     return rows
 
 

@@ -680,3 +680,25 @@ def test_an_unwritable_destination_fails_before_measuring(flag, tmp_path, monkey
     assert main(["bench", "--model", "resnet18", flag, str(target)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0], err
+
+
+# -- measure: a variant with its own inputs ------------------------------------------------
+
+def _doubler(input_name: str) -> bytes:
+    node = helper.make_node("Mul", [input_name, "two"], ["out"])
+    return model([node], [vinfo(input_name, [2, 3])], [vinfo("out", [2, 3])],
+                 [tensor("two", np.array(2.0, np.float32))]).SerializeToString()
+
+
+def test_a_variant_runs_on_its_own_feeds_and_is_compared_with_the_baseline():
+    from opfuse.bench.measure import Variant, measure
+
+    x = rng(0).normal(size=(2, 3)).astype(np.float32)
+    variants = [Variant("a", "a", _doubler("x")),
+                Variant("b", "b", _doubler("y"), feeds={"y": x}),  # same values under another name: equal
+                Variant("c", "c", _doubler("y"), feeds={"y": x + 1})]  # other values: flagged
+    result = measure(variants, {"x": x}, threads=1, warmup=1, rounds=2)
+    assert result.errors == {}
+    assert set(result.timings) == {"a", "b", "c"} and len(result.timings["b"].samples_ms) == 2
+    assert "b" not in result.mismatches
+    assert "out" in result.mismatches["c"]

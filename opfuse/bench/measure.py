@@ -7,6 +7,8 @@
 - ``intra_op_num_threads`` is configurable (default 2), one inter-op thread, sequential
   execution, and thread spinning off (``session.intra_op.allow_spinning = 0``) so idle
   sessions do not steal the cores the measured one needs.
+- A variant may bring its own inputs (``Variant.feeds``: a graph with other input names, such as a
+  model builder's); the others run on the shared ``feeds``.
 - Warm-up runs first; then rounds: each round runs every session once, in an order that
   rotates from round to round, so slow drifts of a shared machine hit every variant alike.
 - Statistics per variant: median, min and max in ms, and the **paired ratio**: the median
@@ -68,6 +70,7 @@ class Variant:
     kind: str = "config"  # "config" | "control" | "runtime" | "reference" | "int8" | "peer"
     note: str = ""
     exact: bool = True  # False: outputs are not compared with the baseline's (an int8 model)
+    feeds: Mapping[str, np.ndarray] | None = None  # its own inputs; None: the feeds given to measure()
 
 
 @dataclasses.dataclass
@@ -207,12 +210,12 @@ def measure(
             tick(f"session {v.label}")
 
     names = [v.name for v in variants if v.name in sessions]
-    feeds = dict(feeds)
+    inputs = {v.name: dict(feeds if v.feeds is None else v.feeds) for v in variants}
     outputs: dict[str, dict[str, np.ndarray]] = {}
     for w in range(warmup):
         for name in names:
             try:
-                result = sessions[name].run(None, feeds)
+                result = sessions[name].run(None, inputs[name])
             except Exception as e:  # noqa: BLE001
                 errors[name] = first_line(e)
                 continue
@@ -240,7 +243,7 @@ def measure(
         this_round: dict[str, float] = {}
         for name in order:
             start = time.perf_counter()
-            sessions[name].run(None, feeds)
+            sessions[name].run(None, inputs[name])
             this_round[name] = (time.perf_counter() - start) * 1e3
         for name, ms in this_round.items():
             samples[name].append(ms)
