@@ -119,6 +119,7 @@ PATTERNS: dict[str, str] = {
     "bias-gelu": "fuse",
     "silu": "fuse",
     "hardswish": "fuse",
+    "self-attention": "fuse",
     "attention": "fuse",
     "matmul-add": "fuse",
 }

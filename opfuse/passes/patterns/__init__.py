@@ -13,6 +13,8 @@ pattern            what it matches                               becomes (standa
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
 ``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
 ``hardswish``      x * HardSigmoid(x; 1/6, 1/2); Clip forms      HardSwish (14+)
+``self-attention`` x Wq|Wk|Wv + b, head split, q k / c [+ mask],   - / Attention (packed QKV)
+                   Softmax, v, head merge (TorchScript's encoders)
 ``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
                                                                  MultiHeadAttention, Attention
 ``matmul-add``     MatMul (2-D) then Add(bias)                   Gemm / Gemm
@@ -53,6 +55,7 @@ PATTERN_MODULES: dict[str, str] = {
     "bias-gelu": "opfuse.passes.patterns.bias_gelu",
     "silu": "opfuse.passes.patterns.silu",
     "hardswish": "opfuse.passes.patterns.hardswish",
+    "self-attention": "opfuse.passes.patterns.self_attention",
     "attention": "opfuse.passes.patterns.attention",
     "matmul-add": "opfuse.passes.patterns.matmul_add",
 }
