@@ -40,9 +40,11 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from opfuse.core.ops import MS_DOMAIN
 from opfuse.passes.patterns import constant_array
 
 TITLE = "self-attention->Attention"
+_SCALINGS = ("Div", "Mul")  # how the exporter scales the scores: by 1 / c or by c
 
 
 def _split(shape, hidden: int) -> tuple[int, int] | str:
@@ -155,7 +157,7 @@ class SelfAttention(pattern.RewriteRuleClassBase):
             if self._broadcast:
                 mask = self._broadcast_queries(op, mask)
             inputs += [None, None, mask]  # (mask_index, past: none)
-        return op.Attention(*inputs, num_heads=self._heads, scale=self._scale, _domain="com.microsoft")
+        return op.Attention(*inputs, num_heads=self._heads, scale=self._scale, _domain=MS_DOMAIN)
 
     def _broadcast_queries(self, op, mask: ir.Value) -> ir.Value:
         """``mask`` [B, H|1, 1, T] as [B, H|1, T, T] (T = S here), made once per mask."""
@@ -172,4 +174,4 @@ class SelfAttention(pattern.RewriteRuleClassBase):
 def stages(form: str, approximate: bool = False):
     if form != "onnxruntime":
         return []
-    return [[SelfAttention.rule(scaled_by=s, masked=m) for s in ("Div", "Mul") for m in (True, False)]]
+    return [[SelfAttention.rule(scaled_by=s, masked=m) for s in _SCALINGS for m in (True, False)]]
