@@ -174,6 +174,8 @@ def test_fresh_names_take_constant_time_per_name():
 # (whose lists are what each target runs). Each is a rule of its own module, not a fact about
 # the ops; a new one must be added here with the reason it is not a column of the op table.
 OWN_RULES = {
+    ("passes/patterns/self_attention.py", "_SCALINGS"): "the two ways an export scales the scores (its rules)",
+    ("passes/reshape_dims.py", "_SHAPE_ARITHMETIC"): "the shape arithmetic a constant target leaves dead",
     ("core/activations.py", frozenset({"Relu", "Clip"})): "the clamp-merging rule",
     ("bench/table.py", frozenset({"BatchNormalization", "Relu", "Clip", "Add"})): "columns the table shows",
     ("passes/equalize.py", "BETWEEN"): "how each op commutes with a channel scale (the pass's algebra)",

@@ -8,8 +8,9 @@ Reshape's target as shape arithmetic::
 Reshape's rule for a 0 in its target (``allowzero`` 0, the default) is "copy this axis of
 the input". So an element that is provably equal to the input's own dim at that position
 can be written 0, and a static one as its value; when every element of the target is then a
-constant, the target is one constant and the Shape / Gather / Unsqueeze / Concat chain dies
-(clean-up removes it). The result is the same Reshape, and the attention and shape rules
+constant, the target is one constant and the Shape / Gather / Unsqueeze / Concat chain dies:
+it is removed at once (a pattern rule after this pass must see the reshaped tensor used by
+its Reshape alone, not by a dead Shape). The result is the same Reshape, and the attention and shape rules
 that need a constant target can match.
 
 Legality, each failure leaves the Reshape as it is:
@@ -63,6 +64,7 @@ class ReshapeDimsPass(OpfusePass):
             model.graph.register_initializer(value)
             removed = node.inputs[1].producer()
             node.replace_input_with(1, value)
+            _drop_dead(removed)
             self.report.records.append(FusionRecord(
                 pattern="computed Reshape target->constant", node=node_label(node),
                 removed=(node_label(removed),), produced=f"Reshape target {target}", graph="main",
@@ -70,6 +72,22 @@ class ReshapeDimsPass(OpfusePass):
                 output=node.outputs[0].name or ""))
             modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+_SHAPE_ARITHMETIC = frozenset({"Concat", "Unsqueeze", "Gather", "Shape", "Constant", "Cast", "Squeeze", "Slice"})
+
+
+def _drop_dead(node: ir.Node | None) -> None:
+    """Remove ``node`` and the shape arithmetic behind it while nothing reads their outputs."""
+    pending = [node]
+    while pending:
+        node = pending.pop()
+        if (node is None or node.graph is None or not is_op(node, *_SHAPE_ARITHMETIC)
+                or any(v.uses() or v.is_graph_output() for v in node.outputs)):
+            continue
+        sources = [v.producer() for v in node.inputs if v is not None]
+        node.graph.remove(node, safe=True)
+        pending += sources
 
 
 def _constant_target(node: ir.Node) -> list[int] | None:

@@ -122,6 +122,7 @@ PATTERNS: dict[str, str] = {
     "silu": "fuse",
     "hardswish": "fuse",
     "rotary": "fuse",
+    "self-attention": "fuse",
     "attention": "fuse",
     "matmul-add": "fuse",
 }

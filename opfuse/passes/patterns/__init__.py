@@ -15,6 +15,8 @@ pattern            what it matches                               becomes (standa
 ``hardswish``      x * HardSigmoid(x; 1/6, 1/2); Clip forms      HardSwish (14+)
 ``rotary``         x * cos + Concat(-x2, x1) * sin [, partial:   RotaryEmbedding (23+) /
                    Concat(., x[R:])]                             RotaryEmbedding (contrib)
+``self-attention`` x Wq|Wk|Wv + b, head split, q k / c [+ mask],   - / Attention (packed QKV)
+                   Softmax, v, head merge (TorchScript's encoders)
 ``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
                                                                  MultiHeadAttention, Attention
 ``matmul-add``     MatMul (2-D) then Add(bias)                   Gemm / Gemm
@@ -56,6 +58,7 @@ PATTERN_MODULES: dict[str, str] = {
     "silu": "opfuse.passes.patterns.silu",
     "hardswish": "opfuse.passes.patterns.hardswish",
     "rotary": "opfuse.passes.patterns.rotary",
+    "self-attention": "opfuse.passes.patterns.self_attention",
     "attention": "opfuse.passes.patterns.attention",
     "matmul-add": "opfuse.passes.patterns.matmul_add",
 }
