@@ -336,4 +336,5 @@ TARGET = Target(
     run_fusion=run_fusion,
     reads=_RUNTIME_KERNELS,
     exceptions=EXCEPTIONS,
+    runs_here=True,
 )
