@@ -16,7 +16,7 @@ written:
    positions end at 255), those sizes are halved until it does, and the log says so.
 2. **One interleaved run** (:mod:`opfuse.tune.timing`) at the runtime level the user
    targets (``--runtime-level``, default all), one intra-op thread unless asked otherwise:
-   the input, its A/A control (a second session of it), the **reference** (every family on,
+   each session's fastest of :data:`REPEAT` runs per round: the input, its A/A control (a second session of it), the **reference** (every family on,
    attention written out), the reference with each family off in turn, each candidate form
    of attention, and every family off (the folds alone). A variant that writes the same
    graph as the reference is not timed ("not in this graph").
@@ -62,6 +62,7 @@ from opfuse.verify.inputs import describe_sizes, find_sizes, make_feeds, past_ca
 NOISE_FLOOR = 0.02  # added to the A/A's distance from 1: what a family must beat
 DECODE_PAST, PREFILL_SEQ = 256, 128  # the default shapes: a decode step's past, any other graph's free dims
 DEFAULT_BUDGET_S = 5.0  # of timing rounds, per interleaved run
+REPEAT = 3  # runs per session per round, the fastest taken (timing.measure)
 ENVIRONMENT = "OPFUSE_TUNE"  # "off": the default is not to time (test suites)
 
 
@@ -275,7 +276,8 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
                 timing.Variant("original (A/A)", "the input (A/A)", original, level=level, kind="control")]
     order = [base, *timed] + ([folds] if timed and folds not in timed else [])
     variants += [timing.Variant(names[c], names[c], models[c], level=level, exact=exact) for c in order]
-    run = measure(variants, fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s)
+    run = measure(variants, fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s,
+                        repeat=REPEAT)
     record.rounds = run.rounds
     aa = run.paired("original (A/A)", "original")
     record.aa = Spread.of(aa)
@@ -291,7 +293,8 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
             ratios = run.paired(names[config], names[base])
         else:
             ratios = run.paired(names[base], names[config])
-        kept, why = (False, problem) if problem else judge(ratios, record.noise, record.aa.median if record.aa else None)
+        aa_median = record.aa.median if record.aa else None
+        kept, why = (False, problem) if problem else judge(ratios, record.noise, aa_median)
         subject = f"{candidate}" if family == "attention" else "on"
         if family == "attention":
             text = (f"{candidate} written: {why}" if kept else f"kept written out: {candidate} {why}")
@@ -319,7 +322,8 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         models[final] = build(final)
         again = measure([variants[0], variants[1], timing.Variant("chosen", "chosen", models[final], level=level,
                                                                   exact=exact)],
-                        fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s)
+                        fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s,
+                        repeat=REPEAT)
         record.rounds += again.rounds
         final_ratios = again.paired("chosen", "original")
         record.noise = max(record.noise, noise_of(again.paired("original (A/A)", "original")))

@@ -9,8 +9,8 @@ benchmarks (:mod:`opfuse.bench.measure`, which re-exports it) run:
   thread spinning off (``session.intra_op.allow_spinning = 0``) so idle sessions do not
   steal the cores the measured one needs.
 - Warm-up runs first; then rounds: each round runs every session once, in an order that
-  rotates from round to round, so slow drifts of a shared machine hit every variant alike.
-  ``rounds`` may be left to a time budget: as many rounds as the last warm-up pass says fit
+  rotates from round to round, so slow drifts of a shared machine hit every variant alike;
+  within a round a session may run ``repeat`` times, its fastest run taken. ``rounds`` may be left to a time budget: as many rounds as the last warm-up pass says fit
   in ``budget_s``, between ``min_rounds`` and ``max_rounds``.
 - Statistics per variant: median, min and max in ms, and the **paired ratio**: the median
   over rounds of (this variant / the baseline in the same round), which cancels what the
@@ -164,12 +164,15 @@ def measure(
     budget_s: float = 5.0,
     min_rounds: int = 7,
     max_rounds: int = 41,
+    repeat: int = 1,
 ) -> Measurement:
     """Interleaved latency measurement of ``variants`` on the same ``feeds``.
 
     ``progress(stage, done, total)`` is called as sessions are created and rounds complete.
     ``baseline`` (default: the first variant) is what paired ratios and output checks use.
-    ``rounds`` None: as many as fit in ``budget_s`` (:func:`rounds_for_budget`).
+    ``rounds`` None: as many as fit in ``budget_s`` (:func:`rounds_for_budget`). ``repeat``:
+    runs per session per round, the fastest taken (a burst of another process's work on a
+    shared machine lengthens one run, rarely all of them).
     """
     baseline = baseline or variants[0].name
     sessions: dict[str, Any] = {}
@@ -221,7 +224,7 @@ def measure(
         pass_s = time.perf_counter() - start_pass
         tick("warm-up")
     if rounds is None:
-        rounds = rounds_for_budget(pass_s, budget_s, min_rounds, max_rounds)
+        rounds = rounds_for_budget(pass_s * repeat, budget_s, min_rounds, max_rounds)
 
     mismatches: dict[str, str] = {}
     inexact = {v.name for v in variants if not v.exact}
@@ -240,9 +243,12 @@ def measure(
         order = names[shift:] + names[:shift]
         this_round: dict[str, float] = {}
         for name in order:
-            start = time.perf_counter()
-            sessions[name].run(None, fed[name])
-            this_round[name] = (time.perf_counter() - start) * 1e3
+            best = float("inf")
+            for _ in range(repeat):
+                start = time.perf_counter()
+                sessions[name].run(None, fed[name])
+                best = min(best, time.perf_counter() - start)
+            this_round[name] = best * 1e3
         for name, ms in this_round.items():
             samples[name].append(ms)
             if baseline in this_round:
