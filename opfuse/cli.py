@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--tune-threads", type=int, default=1, metavar="N",
                      help="intra-op threads while timing (default: %(default)s)")
     opt.add_argument("--tune-budget", type=float, default=5.0, metavar="SECONDS",
-                     help="seconds of timing rounds per interleaved run (7 to 41 rounds; default: %(default)s)")
+                     help="seconds of timing rounds per interleaved run (7 to 151 rounds; default: %(default)s)")
     opt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
     ext = opt.add_mutually_exclusive_group()
     ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,

@@ -45,6 +45,13 @@ def test_the_noise_is_the_aa_distance_or_its_median_uncertainty_plus_a_floor():
     assert noise_of([0.5, 2.0] * 10 + [1.0]) > 0.5  # a wild control: its median is no estimate
 
 
+def test_a_ratio_less_certain_than_the_control_must_beat_its_own_uncertainty():
+    wild = [0.3, 1.3] * 5 + [0.8]  # median 0.8, but no estimate of anything
+    assert judge([0.8] * 11, noise=0.05)[0]
+    kept, why = judge(wild, noise=0.05)
+    assert not kept and "no gain beyond noise" in why
+
+
 def _fake_measure(cost):
     """A deterministic timer: each variant's time per round is ``cost(variant)`` times a drift
     shared by the round (which the paired ratio cancels)."""

@@ -15,14 +15,16 @@ written:
    position ids after the past). Where the input model does not run there (GPT-2's learned
    positions end at 255), those sizes are halved until it does, and the log says so.
 2. **One interleaved run** (:mod:`opfuse.tune.timing`) at the runtime level the user
-   targets (``--runtime-level``, default all), one intra-op thread unless asked otherwise:
-   each session's fastest of :data:`REPEAT` runs per round: the input, its A/A control (a second session of it), the **reference** (every family on,
-   attention written out), the reference with each family off in turn, each candidate form
-   of attention, and every family off (the folds alone). A variant that writes the same
+   targets (``--runtime-level``, default all), one intra-op thread unless asked otherwise,
+   each session's fastest of :data:`REPEAT` runs per round: the input, its A/A control (a
+   second session of it), the **reference** (every family on, attention written out), the
+   reference with each family off in turn, each candidate form of attention, and every
+   family off (the folds alone). A variant that writes the same
    graph as the reference is not timed ("not in this graph").
 3. **Decisions** (:func:`judge`). The noise (:func:`noise_of`) is the A/A's distance from
-   1, or the half-width of its median's 95% confidence interval where that is wider, plus a
-   floor (:data:`NOISE_FLOOR`). A family's ratio is the median over rounds of the reference's time
+   1, or the half-width of a 95% interval for its median where that is wider, plus a floor
+   (:data:`NOISE_FLOOR`); a ratio whose own median is less certain than that must beat its
+   own. A family's ratio is the median over rounds of the reference's time
    over the reference-without-it's in the same round; it is kept only below 1 - noise, else
    turned off with the ratio and its spread in the reason ("slower", or "no gain beyond
    noise"). Attention takes the fastest candidate below 1 - noise, else stays written out.
@@ -38,7 +40,7 @@ the target's default policy applies and the report says so (:func:`untimed`).
 
 from __future__ import annotations
 
-__all__ = ["tune", "judge", "tuning_feeds", "untimed", "Tuning", "FamilyResult", "Spread", "NOISE_FLOOR",
+__all__ = ["tune", "judge", "noise_of", "median_uncertainty", "tuning_feeds", "untimed", "Tuning", "FamilyResult", "Spread", "NOISE_FLOOR",
            "DEFAULT_BUDGET_S", "tune_by_default"]
 
 import dataclasses
@@ -63,6 +65,7 @@ NOISE_FLOOR = 0.02  # added to the A/A's distance from 1: what a family must bea
 DECODE_PAST, PREFILL_SEQ = 256, 128  # the default shapes: a decode step's past, any other graph's free dims
 DEFAULT_BUDGET_S = 5.0  # of timing rounds, per interleaved run
 REPEAT = 3  # runs per session per round, the fastest taken (timing.measure)
+MIN_ROUNDS, MAX_ROUNDS = 7, 151  # the budget decides between them (a small model gets many: a tight A/A)
 ENVIRONMENT = "OPFUSE_TUNE"  # "off": the default is not to time (test suites)
 
 
@@ -149,26 +152,33 @@ def untimed(target_name: str, why: str, *, measured_policy: bool) -> Tuning:
     return Tuning(False, f"not timed ({why}): followed the {target_name} target's default policy{which}")
 
 
+def median_uncertainty(ratios: list[float]) -> float:
+    """The half-width of a 95% interval for the median of ``ratios``, from their spread
+    (1.96 x 1.2533 x IQR / 1.349 / sqrt(rounds): the normal approximation, read off the
+    interquartile range so a few disturbed rounds do not widen it)."""
+    if len(ratios) < 2:
+        return 0.0
+    q1, q3 = np.percentile(ratios, [25, 75])
+    return float(1.82 * (q3 - q1) / np.sqrt(len(ratios)))
+
+
 def noise_of(aa: list[float]) -> float:
-    """What a ratio must beat: the A/A control's distance from 1, or the half-width of the 95%
-    distribution-free confidence interval of its median (order statistics) where that is wider
-    (a busy machine: the median of few rounds moves), plus :data:`NOISE_FLOOR`."""
+    """What a ratio must beat: the A/A control's distance from 1, or the uncertainty of its
+    median (:func:`median_uncertainty`) where that is wider (a busy machine, few rounds), plus
+    :data:`NOISE_FLOOR`."""
     if not aa:
         return NOISE_FLOOR
-    ordered, n = sorted(aa), len(aa)
-    median = statistics.median(ordered)
-    low = max(int(np.floor((n - 1.96 * np.sqrt(n)) / 2)), 1)
-    high = min(int(np.ceil((n + 1.96 * np.sqrt(n)) / 2)) + 1, n)
-    half = max(median - ordered[low - 1], ordered[high - 1] - median)
-    return max(abs(median - 1), half) + NOISE_FLOOR
+    return max(abs(statistics.median(aa) - 1), median_uncertainty(aa)) + NOISE_FLOOR
 
 
 def judge(ratios: list[float], noise: float, aa: float | None = None) -> tuple[bool, str]:
-    """Keep a rewrite only where its paired ratio (with / without) is below 1 - ``noise``:
-    (kept, why) with the measured ratio, its spread and the A/A's median in the reason."""
+    """Keep a rewrite only where its paired ratio (with / without) is below 1 - noise, the
+    noise being the A/A's (``noise``) or this ratio's own median uncertainty plus the floor,
+    whichever is wider: (kept, why) with the ratio, its spread and the A/A's median in the reason."""
     spread = Spread.of(ratios)
     if spread is None:
         return False, "not measured"
+    noise = max(noise, median_uncertainty(ratios) + NOISE_FLOOR)
     measured = f"measured {str(spread)[:-1]}{f', A/A {aa:.2f}' if aa is not None else ''})"
     if spread.median < 1 - noise:
         return True, f"{measured}: faster beyond the noise ({noise:.2f})"
@@ -246,91 +256,44 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
     fed, shapes = feeds if feeds is not None else tuning_feeds(original, dims, level=level, seed=seed, bound=bound)
     record = Tuning(True, shapes=shapes, level=level, threads=threads)
     base = base_configuration(opset_given)
-
-    def variant(**change) -> Configuration:
-        return tuple((f, change.get(f, o)) for f, o in base)
-
-    folds = variant(**{f: OFF for f, o in base if f != "attention"})
-    candidates: dict[Configuration, tuple[str, str]] = {}  # config -> (family, candidate)
-    for family, option in base:
-        if family == "attention":
-            for form in forms_for(target):
-                if form.name != WRITTEN_OUT:
-                    candidates[variant(attention=form.name)] = ("attention", form.name)
-        else:
-            candidates[variant(**{family: OFF})] = (family, option)
-    models = {base: build(base)}
-    signature = {base: _signature(models[base])}
-    results: dict[Configuration, FamilyResult] = {}
-    for config, (family, candidate) in candidates.items():
-        models[config] = build(config)
-        signature[config] = _signature(models[config])
-        if signature[config] == signature[base]:
-            results[config] = FamilyResult(family, candidate, "not in this graph", "not in this graph")
+    candidates, folds = _candidates(base, target)
+    models = {config: build(config) for config in (base, *candidates)}
+    same = "not in this graph: it writes the same graph as the reference (nothing it fuses here, or not at this opset)"
+    results = {c: FamilyResult(*candidates[c], "not in this graph", same)
+               for c in candidates if _signature(models[c]) == _signature(models[base])}
     timed = [c for c in candidates if c not in results]
     if timed and folds not in models:
         models[folds] = build(folds)
-    names = {base: "reference", folds: "folds alone",
-             **{c: label(c, base) for c in candidates}}
-    variants = [timing.Variant("original", "the input", original, level=level, kind="reference"),
-                timing.Variant("original (A/A)", "the input (A/A)", original, level=level, kind="control")]
-    order = [base, *timed] + ([folds] if timed and folds not in timed else [])
-    variants += [timing.Variant(names[c], names[c], models[c], level=level, exact=exact) for c in order]
-    run = measure(variants, fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s,
-                        repeat=REPEAT)
-    record.rounds = run.rounds
-    aa = run.paired("original (A/A)", "original")
-    record.aa = Spread.of(aa)
-    record.noise = noise_of(aa)
-    broken = {**{k: f"did not run: {v}" for k, v in run.errors.items()},
-              **{k: f"computes something else: {v}" for k, v in run.mismatches.items()}}
-    chosen = dict(base)
-    best_attention: tuple[float, str] | None = None
-    for config in timed:
-        family, candidate = candidates[config]
-        problem = broken.get(names[config]) or broken.get(names[base])
-        if family == "attention":
-            ratios = run.paired(names[config], names[base])
-        else:
-            ratios = run.paired(names[base], names[config])
-        aa_median = record.aa.median if record.aa else None
-        kept, why = (False, problem) if problem else judge(ratios, record.noise, aa_median)
-        subject = f"{candidate}" if family == "attention" else "on"
-        if family == "attention":
-            text = (f"{candidate} written: {why}" if kept else f"kept written out: {candidate} {why}")
-        else:
-            text = f"kept: {why}" if kept else f"turned off: {why}"
-        results[config] = FamilyResult(family, subject, "kept" if kept else "refused", text, Spread.of(ratios))
-        if family == "attention" and kept:
-            median = Spread.of(ratios).median
-            if best_attention is None or median < best_attention[0]:
-                best_attention = (median, candidate)
-        elif family != "attention" and not kept:
-            chosen[family] = OFF
-    if best_attention is not None:
-        chosen["attention"] = best_attention[1]
-        for config, result in results.items():
-            if result.family == "attention" and result.decision == "kept" and result.candidate != best_attention[1]:
-                result.decision = "refused"
-                result.reason = f"not written: {best_attention[1]} was faster; {result.reason}"
+    names = {base: "reference", folds: "folds alone", **{c: label(c, base) for c in candidates}}
+
+    def timed_run(configs: list[Configuration]) -> timing.Measurement:
+        variants = [timing.Variant("original", "the input", original, level=level, kind="reference"),
+                    timing.Variant("original (A/A)", "the input (A/A)", original, level=level, kind="control")]
+        variants += [timing.Variant(names.get(c, "chosen"), names.get(c, "chosen"), models[c], level=level,
+                                    exact=exact) for c in configs]
+        found = measure(variants, fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s,
+                        repeat=REPEAT, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS)
+        record.rounds += found.rounds
+        return found
+
+    run = timed_run([base, *timed] + ([folds] if timed and folds not in timed else []))
+    record.aa = Spread.of(run.paired("original (A/A)", "original"))
+    record.noise = noise_of(run.paired("original (A/A)", "original"))
+    final_noise = record.noise
+    final = _decide(run, record, base, candidates, timed, names, results)
     record.families = [results[c] for c in candidates]
-    final: Configuration = tuple(chosen.items())
     record.chosen = label(final, base) if final != base else label(base)
-    if final in models and names.get(final) in run.timings:
+    if names.get(final) in run.timings:
         final_ratios = run.paired(names[final], "original")
-    else:
+    else:  # a configuration no variant was: timed against the input on its own
         models[final] = build(final)
-        again = measure([variants[0], variants[1], timing.Variant("chosen", "chosen", models[final], level=level,
-                                                                  exact=exact)],
-                        fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s,
-                        repeat=REPEAT)
-        record.rounds += again.rounds
+        again = timed_run([final])
         final_ratios = again.paired("chosen", "original")
-        record.noise = max(record.noise, noise_of(again.paired("original (A/A)", "original")))
+        final_noise = max(final_noise, noise_of(again.paired("original (A/A)", "original")))
     record.final = Spread.of(final_ratios)
     written: Configuration | None = final
     record.written = f"the configuration chosen ({record.chosen})"
-    if record.final is not None and record.final.median > 1 + record.noise:
+    if record.final is not None and record.final.median > 1 + final_noise:  # never slower than the input
         folded = Spread.of(run.paired(names[folds], "original")) if names[folds] in run.timings else None
         if folded is not None and folded.median <= 1 + record.noise and final != folds:
             written, record.final = folds, folded
@@ -342,6 +305,56 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
                               "slower beyond the noise")
     record.seconds = time.perf_counter() - start
     return written, record
+
+
+def _candidates(base: Configuration, target: str) -> tuple[dict[Configuration, tuple[str, str]], Configuration]:
+    """Each configuration timed against ``base`` -> (family, candidate): every family off in turn,
+    every form of attention; and the folds alone (every family off)."""
+
+    def variant(**change) -> Configuration:
+        return tuple((f, change.get(f, o)) for f, o in base)
+
+    candidates: dict[Configuration, tuple[str, str]] = {}
+    for family, option in base:
+        if family == "attention":
+            candidates.update({variant(attention=form.name): ("attention", form.name)
+                               for form in forms_for(target) if form.name != WRITTEN_OUT})
+        else:
+            candidates[variant(**{family: OFF})] = (family, option)
+    return candidates, variant(**{f: OFF for f, _ in base if f != "attention"})
+
+
+def _decide(run: timing.Measurement, record: Tuning, base: Configuration, candidates: dict,
+            timed: list[Configuration], names: dict, results: dict) -> Configuration:
+    """Each timed family judged (:func:`judge`) into ``results``; the configuration they make:
+    the families kept on, attention in its fastest form that is faster beyond the noise."""
+    broken = {**{k: f"did not run: {v}" for k, v in run.errors.items()},
+              **{k: f"computes something else: {v}" for k, v in run.mismatches.items()}}
+    chosen = dict(base)
+    best: tuple[float, str] | None = None
+    aa = record.aa.median if record.aa else None
+    for config in timed:
+        family, candidate = candidates[config]
+        problem = broken.get(names[config]) or broken.get(names[base])
+        # a family: the reference (with it) over the reference without it; a form: it over written out
+        ratios = (run.paired(names[config], names[base]) if family == "attention"
+                  else run.paired(names[base], names[config]))
+        kept, why = (False, problem) if problem else judge(ratios, record.noise, aa)
+        if family == "attention":
+            text = f"{candidate} written: {why}" if kept else f"kept written out: {candidate} {why}"
+            if kept and (best is None or Spread.of(ratios).median < best[0]):
+                best = (Spread.of(ratios).median, candidate)
+        else:
+            text = f"kept: {why}" if kept else f"turned off: {why}"
+            chosen[family] = chosen[family] if kept else OFF
+        results[config] = FamilyResult(family, candidate, "kept" if kept else "refused", text, Spread.of(ratios))
+    if best is not None:
+        chosen["attention"] = best[1]
+        for result in results.values():
+            if result.family == "attention" and result.decision == "kept" and result.candidate != best[1]:
+                result.decision = "refused"
+                result.reason = f"not written: {best[1]} was faster; {result.reason}"
+    return tuple(chosen.items())
 
 
 def _signature(model: ir.Model) -> tuple:

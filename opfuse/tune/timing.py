@@ -10,8 +10,9 @@ benchmarks (:mod:`opfuse.bench.measure`, which re-exports it) run:
   steal the cores the measured one needs.
 - Warm-up runs first; then rounds: each round runs every session once, in an order that
   rotates from round to round, so slow drifts of a shared machine hit every variant alike;
-  within a round a session may run ``repeat`` times, its fastest run taken. ``rounds`` may be left to a time budget: as many rounds as the last warm-up pass says fit
-  in ``budget_s``, between ``min_rounds`` and ``max_rounds``.
+  within a round a session may run ``repeat`` times, its fastest run taken. ``rounds`` may
+  be left to a time budget: as many rounds as the last warm-up pass says fit in
+  ``budget_s``, between ``min_rounds`` and ``max_rounds``.
 - Statistics per variant: median, min and max in ms, and the **paired ratio**: the median
   over rounds of (this variant / the baseline in the same round), which cancels what the
   machine was doing during that round (:meth:`Measurement.paired` pairs any two).
