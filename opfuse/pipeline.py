@@ -30,7 +30,7 @@ from opfuse.prepare.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.passes.constant_branches import RESOLVED
-from opfuse.report import FusionReport
+from opfuse.report import FusionReport, Refusal
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.cost.accelerator import fusion_veto
 from opfuse.targets.kernels import Target, load_target
@@ -308,7 +308,22 @@ def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
     build(chosen)
     run = runs[chosen]
     run.report.tuning = tuning
+    if chosen is not None:
+        run.report.refusals.extend(_declined(runs, tuning))
     return run
+
+
+def _declined(runs: Mapping, tuning) -> list[Refusal]:
+    """One refusal per site of each fusion the measured choice declined: the rewrites the
+    configuration with it made and the one without it did not, with the measured reason."""
+    out = []
+    for with_it, without, reason in tuning.declined:
+        if with_it not in runs or without not in runs:
+            continue
+        kept = {(r.pattern, r.node) for r in runs[without].report.records}
+        out += [Refusal(r.pattern, r.node, reason, graph=r.graph, also=r.removed)
+                for r in runs[with_it].report.records if (r.pattern, r.node) not in kept]
+    return out
 
 
 def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:

@@ -83,6 +83,7 @@ def test_a_slower_multiheadattention_is_kept_written_out_and_attention_23_writte
     assert families["epilogues", "on"].decision == "not in this graph"  # (its out_proj MatMul is 3-D)
     counts = op_counts(written)
     assert counts.get("Attention", 0) == 1 and "MultiHeadAttention" not in str(counts)
+    assert not [r for r in report.refusals if r.reason.startswith("measured choice")]  # attention is written
     assert report.verification.ok
     assert report.tuning.final.median == pytest.approx(0.7)
     data = json.loads(report.to_json())["tuning"]
@@ -96,6 +97,8 @@ def test_a_form_within_the_noise_is_refused_as_no_gain(monkeypatch):
     assert a23.decision == "refused" and "kept written out: Attention-23 measured 1.01x" in a23.reason
     assert "no gain beyond noise" in a23.reason
     assert "Attention" not in {key.split(".")[-1] for key in op_counts(written)}
+    site = [r for r in report.refusals if r.reason.startswith("measured choice: kept written out: Attention-23")]
+    assert site and site[0].also  # one refusal per attention site, its nodes named
 
 
 def test_when_every_rewrite_is_slower_the_input_is_written_unchanged(monkeypatch):

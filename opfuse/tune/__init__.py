@@ -40,8 +40,8 @@ the target's default policy applies and the report says so (:func:`untimed`).
 
 from __future__ import annotations
 
-__all__ = ["tune", "judge", "noise_of", "median_uncertainty", "tuning_feeds", "untimed", "Tuning", "FamilyResult", "Spread", "NOISE_FLOOR",
-           "DEFAULT_BUDGET_S", "tune_by_default"]
+__all__ = ["tune", "judge", "noise_of", "median_uncertainty", "tuning_feeds", "untimed", "Tuning", "FamilyResult",
+           "Spread", "NOISE_FLOOR", "DEFAULT_BUDGET_S", "tune_by_default"]
 
 import dataclasses
 import os
@@ -126,10 +126,15 @@ class Tuning:
     chosen: str = ""  # the configuration written, as a label
     final: Spread | None = None  # the written model / the input
     written: str = ""  # "the configuration chosen", "the folds alone", "the input unchanged"
+    # each refused decision as (configuration with it, configuration without it, the reason): the
+    # pipeline turns the rewrites only the first has into refusals, one per site (not serialised)
+    declined: list[tuple[Configuration, Configuration, str]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["families"] = [f.to_dict() for f in self.families]
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "declined"}
+        out.update(families=[f.to_dict() for f in self.families],
+                   aa=None if self.aa is None else dataclasses.asdict(self.aa),
+                   final=None if self.final is None else dataclasses.asdict(self.final))
         return out
 
     def lines(self) -> list[str]:
@@ -344,12 +349,17 @@ def _decide(run: timing.Measurement, record: Tuning, base: Configuration, candid
             text = f"{candidate} written: {why}" if kept else f"kept written out: {candidate} {why}"
             if kept and (best is None or Spread.of(ratios).median < best[0]):
                 best = (Spread.of(ratios).median, candidate)
+            elif not kept:
+                record.declined.append((config, base, f"measured choice: {text}"))
         else:
             text = f"kept: {why}" if kept else f"turned off: {why}"
             chosen[family] = chosen[family] if kept else OFF
+            if not kept:
+                record.declined.append((base, config, f"measured choice: {text}"))
         results[config] = FamilyResult(family, candidate, "kept" if kept else "refused", text, Spread.of(ratios))
-    if best is not None:
+    if best is not None:  # attention is written: its refused forms are no site's refusal
         chosen["attention"] = best[1]
+        record.declined = [d for d in record.declined if dict(d[1]).get("attention") == dict(d[0]).get("attention")]
         for result in results.values():
             if result.family == "attention" and result.decision == "kept" and result.candidate != best[1]:
                 result.decision = "refused"
