@@ -140,3 +140,16 @@ def test_the_environment_default_is_said_too(monkeypatch):
     monkeypatch.setenv("OPFUSE_TUNE", "off")
     _, report = optimize(decode_step(), target="onnx")
     assert report.tuning.reason.startswith("not timed (OPFUSE_TUNE=off): followed the onnx target's default policy")
+
+
+def test_attention_23_keeps_the_opset_raise_it_needs_at_the_onnx_target(monkeypatch):
+    def cost(v):
+        if "Attention" in _ops(v):
+            return 0.7
+        return 1.2 if v.model.opset_imports.get("", 0) >= 23 else 1.0  # the raise alone made slower
+
+    monkeypatch.setattr(timing, "measure", _fake_measure(cost))
+    written, report = optimize(decode_step(), target="onnx", opset=23, tune=True)
+    families = {f.family: f for f in report.tuning.families}
+    assert families["opset"].decision == "kept" and families["opset"].reason.startswith("kept: Attention-23 needs it")
+    assert "Attention" in op_counts(written) and report.verification.ok

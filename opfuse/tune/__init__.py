@@ -57,7 +57,7 @@ from opfuse.core.dims import free_dims
 from opfuse.core.ops import first_line
 from opfuse.runtime import create_session
 from opfuse.tune import timing
-from opfuse.tune.families import (FAMILIES, OFF, WRITTEN_OUT, Configuration, base_configuration, forms_for,
+from opfuse.tune.families import (FAMILIES, OFF, ON, WRITTEN_OUT, Configuration, base_configuration, forms_for,
                                   label)
 from opfuse.verify.inputs import describe_sizes, find_sizes, make_feeds, past_cache
 
@@ -360,6 +360,12 @@ def _decide(run: timing.Measurement, record: Tuning, base: Configuration, candid
     if best is not None:  # attention is written: its refused forms are no site's refusal
         chosen["attention"] = best[1]
         record.declined = [d for d in record.declined if dict(d[1]).get("attention") == dict(d[0]).get("attention")]
+        if chosen.get("opset") == OFF and best[1].startswith("Attention-"):  # the form needs the opset asked for
+            chosen["opset"] = ON
+            record.declined = [d for d in record.declined if dict(d[1]).get("opset") != OFF]
+            for result in results.values():
+                if result.family == "opset":
+                    result.decision, result.reason = "kept", f"kept: {best[1]} needs it; {result.reason}"
         for result in results.values():
             if result.family == "attention" and result.decision == "kept" and result.candidate != best[1]:
                 result.decision = "refused"

@@ -33,7 +33,7 @@ the opset the user gave (portable ONNX keeps the model's opset unless asked).
 
 from __future__ import annotations
 
-__all__ = ["Family", "AttentionForm", "FAMILIES", "ATTENTION_FORMS", "WRITTEN_OUT", "Configuration",
+__all__ = ["Family", "AttentionForm", "FAMILIES", "ATTENTION_FORMS", "WRITTEN_OUT", "ON", "OFF", "Configuration",
            "configure", "base_configuration", "label"]
 
 import dataclasses
