@@ -280,18 +280,21 @@ def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
     branch), and the run it chooses; the input unchanged (no pass) when nothing chosen beats it."""
     runs: dict = {}
 
-    def build(config):
+    def configured(config, verify: bool = False) -> _Run:
+        if config is None:  # the input as given: no pass, no clean-up, no opset raise
+            o = dataclasses.replace(options, opset=None, cleanup=False, verify=verify)
+            p = dataclasses.replace(plan, names=[], fusion=[], inexact=[])
+        else:
+            chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
+            o = dataclasses.replace(options, opset=opset, verify=verify)
+            p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
+        run = _prepare(model, o, p)
+        _rewrite(run, o, p)
+        return run
+
+    def build(config):  # a variant to time: no reference kept for verification
         if config not in runs:
-            if config is None:  # the input as given: no pass, no clean-up, no opset raise
-                o = dataclasses.replace(options, opset=None, cleanup=False)
-                p = dataclasses.replace(plan, names=[], fusion=[], inexact=[])
-            else:
-                chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
-                o = dataclasses.replace(options, opset=opset)
-                p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
-            run = _prepare(model, o, p)
-            _rewrite(run, o, p)
-            runs[config] = run
+            runs[config] = configured(config)
         return runs[config].work
 
     original, _ = load_model(model)
@@ -305,8 +308,7 @@ def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
         _rewrite(run, options, plan)
         run.report.tuning = untimed(options.target, str(e), measured_policy=bool(plan.chosen.exceptions))
         return run
-    build(chosen)
-    run = runs[chosen]
+    run = configured(chosen, verify=options.verify)  # again, with verification's reference
     run.report.tuning = tuning
     if chosen is not None:
         run.report.refusals.extend(_declined(runs, tuning))
