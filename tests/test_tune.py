@@ -18,6 +18,7 @@ import json
 import pytest
 
 from decoder_nets import decode_step
+from graphs import conv_bn_model
 from opfuse.cli import main
 from opfuse.core.analysis import op_counts
 from opfuse.pipeline import optimize
@@ -153,3 +154,19 @@ def test_attention_23_keeps_the_opset_raise_it_needs_at_the_onnx_target(monkeypa
     families = {f.family: f for f in report.tuning.families}
     assert families["opset"].decision == "kept" and families["opset"].reason.startswith("kept: Attention-23 needs it")
     assert "Attention" in op_counts(written) and report.verification.ok
+
+
+def test_a_graph_without_attention_has_no_attention_candidate(monkeypatch):
+    """Attention-23 raises the opset at onnxruntime: on a CNN that writes no attention it is no candidate."""
+    timed = []
+
+    def measure(variants, feeds, **kw):
+        timed.extend(v.name for v in variants)
+        return _fake_measure(lambda v: 1.0)(variants, feeds, **kw)
+
+    monkeypatch.setattr(timing, "measure", measure)
+    written, report = optimize(conv_bn_model(), target="onnxruntime", tune=True)
+    attention = [f for f in report.tuning.families if f.family == "attention"]
+    assert attention and all(f.decision == "not in this graph" for f in attention)
+    assert not [name for name in timed if "attention" in name]
+    assert report.verification.ok and "BatchNormalization" not in op_counts(written)
