@@ -472,8 +472,9 @@ def fused_ops(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 def check(path: pathlib.Path, padded: bool, target: str, reference: dict, workdir: pathlib.Path) -> dict:
-    """One row: opfuse on ``path`` for ``target``, then the written model loaded and compared."""
-    row = optimise(path, target, workdir)
+    """One row: opfuse on ``path`` for ``target``, then the written model loaded and compared (with
+    ``--no-tune``: the target's default policy, nothing timed; the timed mode runs opfuse as a user does)."""
+    row = optimise(path, target, workdir, ("--no-tune",))
     original = onnx.load(str(path), load_external_data=False)
     row["nodes_before"] = count_nodes(original)
     if row["rc"] != 0 or not row["written"]:

@@ -211,7 +211,7 @@ def peers_scaling(blocks_list: list[int]) -> None:
     print(f"   {'blocks':>7} {'opfuse s':>9} {'onnxscript s':>13} {'onnxslim s':>11}")
     for blocks in [b for b in blocks_list if b <= 2000]:
         proto = chain(blocks)
-        t = timed(lambda: optimize(proto, verify=False))
+        t = timed(lambda: optimize(proto, verify=False, tune=False))
         t_os = timed(lambda: onnxscript.optimizer.optimize(ir.serde.deserialize_model(proto)))
         t_sl = timed(lambda: onnxslim.slim(proto))
         print(f"   {blocks:7d} {t:9.2f} {t_os:13.2f} {t_sl:11.2f}")

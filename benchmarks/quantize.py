@@ -319,7 +319,7 @@ def at_least_13(proto: onnx.ModelProto, per_channel: bool) -> tuple[onnx.ModelPr
 
 
 def fold(proto: onnx.ModelProto) -> onnx.ModelProto:
-    folded, _ = opfuse.optimize(proto, verify=False)
+    folded, _ = opfuse.optimize(proto, verify=False, tune=False)
     return ir.serde.serialize_model(folded)
 
 
@@ -376,7 +376,7 @@ def flow_lifted(case: Case, out: pathlib.Path, per_channel: bool) -> pathlib.Pat
     """The diagnostic row: opfuse's clean-up only (``passes=[]``: Constant nodes lifted into
     initializers, constant subexpressions folded), BatchNormalization left in place."""
     if "lifted" not in case.graphs:
-        lifted, _ = opfuse.optimize(onnx.load(case.path), passes=[], verify=False)
+        lifted, _ = opfuse.optimize(onnx.load(case.path), passes=[], verify=False, tune=False)
         case.graphs["lifted"] = ir.serde.serialize_model(lifted)
     model, suffix = at_least_13(case.graphs["lifted"], per_channel)
     return ort_static(model, out, case, per_channel, "lifted" + suffix)

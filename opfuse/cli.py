@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_npu_options(opt)
     opt.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs")
     opt.add_argument("--no-verify", action="store_true", help="skip running both models on ONNX Runtime")
+    opt.add_argument("--tune", action=argparse.BooleanOptionalAction, default=None,
+                     help="time each fusion family (attention's form, the norms, the activations, the epilogues, "
+                          "the opset raise) on and off on ONNX Runtime here, at --runtime-level and the --dim "
+                          "sizes (default: a decode step at past 256, else 128 per free dimension), and keep only "
+                          "those faster beyond an A/A control's noise; never write a model slower than the input. "
+                          "--no-tune follows the target's default policy (default: on, unless OPFUSE_TUNE=off)")
+    opt.add_argument("--tune-threads", type=int, default=1, metavar="N",
+                     help="intra-op threads while timing (default: %(default)s)")
+    opt.add_argument("--tune-budget", type=float, default=5.0, metavar="SECONDS",
+                     help="seconds of timing rounds per interleaved run (7 to 151 rounds; default: %(default)s)")
     opt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
     ext = opt.add_mutually_exclusive_group()
     ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,
@@ -296,6 +306,9 @@ def _optimize(args) -> int:
         require_npu=args.require_npu,
         htp_options=_device_options(args),
         context=args.context,
+        tune=args.tune,
+        tune_threads=args.tune_threads,
+        tune_budget_s=args.tune_budget,
     )
     _, report = optimize(args.input, options=options)
     return _print_result(args, report, print_report, time.perf_counter() - start)

@@ -30,7 +30,7 @@ from opfuse.prepare.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.passes.constant_branches import RESOLVED
-from opfuse.report import FusionReport
+from opfuse.report import FusionReport, Refusal
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.cost.accelerator import fusion_veto
 from opfuse.targets.kernels import Target, load_target
@@ -44,6 +44,8 @@ from opfuse.save import (
     restore_declared_types,
     write_text_atomic,
 )
+from opfuse.tune import DEFAULT_BUDGET_S, ENVIRONMENT, tune, tune_by_default, untimed
+from opfuse.tune.families import configure
 from opfuse.verify import verify_models
 
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
@@ -176,6 +178,11 @@ class OptimizeOptions:
     rewrite to its result and reports its output SQNR against the input model. ``require_npu``,
     ``htp_options``, ``context`` and ``compile_for_device`` are for a target with a device
     (``qnn``): compile for it, with these backend options, writing this context binary.
+    ``tune`` (None: on, unless ``OPFUSE_TUNE=off`` is in the environment) times each fusion
+    family on and off where the target's runtime is on this machine and keeps only those that
+    make the model faster (:mod:`opfuse.tune`), at ``tune_threads`` intra-op threads, in rounds
+    that fit ``tune_budget_s`` seconds per interleaved run; the shapes are ``dims`` or the
+    defaults the log states. Off, the target's default policy applies.
     """
 
     passes: Iterable[str] | str | None = None  # None: the target's default passes
@@ -199,6 +206,9 @@ class OptimizeOptions:
     htp_options: Mapping[str, str] | None = None
     context: str | os.PathLike | None = None
     compile_for_device: bool = True
+    tune: bool | None = None  # None: tune_by_default() (on unless OPFUSE_TUNE=off)
+    tune_threads: int = 1
+    tune_budget_s: float = DEFAULT_BUDGET_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,10 +254,78 @@ def optimize(model: ModelSource, *, options: OptimizeOptions | None = None,
     """
     options = dataclasses.replace(options or OptimizeOptions(), **keywords)
     plan = _plan(model, options)
-    run = _prepare(model, options, plan)
-    _rewrite(run, options, plan)
+    untimed_because = _untimed_because(options, plan)
+    if untimed_because is None:
+        run = _tuned(model, options, plan)
+    else:
+        run = _prepare(model, options, plan)
+        _rewrite(run, options, plan)
+        run.report.tuning = untimed(options.target, untimed_because, measured_policy=bool(plan.chosen.exceptions))
     _verify_and_write(run, options, plan)
     return run.work, run.report
+
+
+def _untimed_because(options: OptimizeOptions, plan: _Plan) -> str | None:
+    """Why the fusion families are not timed (None: they are)."""
+    if not (tune_by_default() if options.tune is None else options.tune):
+        return "--no-tune" if options.tune is False else f"{ENVIRONMENT}=off"
+    if not plan.chosen.runs_here or plan.device is not None:
+        return f"the {options.target} target's runtime is not on this machine"
+    return None
+
+
+def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
+    """The rewrites run once per configuration of the fusion families that :func:`opfuse.tune.tune`
+    times (a configuration is the target's policy with families set to ``keep``: data, not a
+    branch), and the run it chooses; the input unchanged (no pass) when nothing chosen beats it."""
+    runs: dict = {}
+
+    def configured(config, verify: bool = False) -> _Run:
+        if config is None:  # the input as given: no pass, no clean-up, no opset raise
+            o = dataclasses.replace(options, opset=None, cleanup=False, verify=verify)
+            p = dataclasses.replace(plan, names=[], fusion=[], inexact=[])
+        else:
+            chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
+            o = dataclasses.replace(options, opset=opset, verify=verify)
+            p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
+        run = _prepare(model, o, p)
+        _rewrite(run, o, p)
+        return run
+
+    def build(config):  # a variant to time: no reference kept for verification
+        if config not in runs:
+            runs[config] = configured(config)
+        return runs[config].work
+
+    original, _ = load_model(model)
+    try:
+        chosen, tuning = tune(original, build, target=options.target, opset_given=options.opset is not None,
+                              dims=options.dims, bound=resolve_constant_inputs(original, options.constant_inputs),
+                              level=options.runtime_level, threads=options.tune_threads,
+                              budget_s=options.tune_budget_s, seed=options.seed, exact=not plan.inexact)
+    except BadInputError as e:  # the input runs at no size tried: nothing to time
+        run = _prepare(model, options, plan)
+        _rewrite(run, options, plan)
+        run.report.tuning = untimed(options.target, str(e), measured_policy=bool(plan.chosen.exceptions))
+        return run
+    run = configured(chosen, verify=options.verify)  # again, with verification's reference
+    run.report.tuning = tuning
+    if chosen is not None:
+        run.report.refusals.extend(_declined(runs, tuning))
+    return run
+
+
+def _declined(runs: Mapping, tuning) -> list[Refusal]:
+    """One refusal per site of each fusion the measured choice declined: the rewrites the
+    configuration with it made and the one without it did not, with the measured reason."""
+    out = []
+    for with_it, without, reason in tuning.declined:
+        if with_it not in runs or without not in runs:
+            continue
+        kept = {(r.pattern, r.node) for r in runs[without].report.records}
+        out += [Refusal(r.pattern, r.node, reason, graph=r.graph, also=r.removed)
+                for r in runs[with_it].report.records if (r.pattern, r.node) not in kept]
+    return out
 
 
 def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:
@@ -459,6 +537,6 @@ def inspect_model(model: ModelSource, **options) -> Inspection:
     """Dry run: which candidates would fold, what blocks the others, and the BN epsilons."""
     work, display = load_model(model)
     epsilons = epsilon_census(work)
-    _, report = optimize(work, verify=False, **options)
+    _, report = optimize(work, verify=False, **{"tune": False, **options})
     report.model = display
     return Inspection(report=report, epsilons=epsilons)

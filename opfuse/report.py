@@ -140,6 +140,8 @@ class FusionReport:
     verification: Verification | None = None
     # a device compiler's own log of the result (opfuse.targets.qnn.compile.HtpCompileLog: to_dict, render)
     device: Any = None
+    # the measured fusion choice (opfuse.tune.Tuning: to_dict, lines): what was timed and decided
+    tuning: Any = None
 
     # -- queries ---------------------------------------------------------------------
     def applied(self, pattern: str | None = None) -> list[FusionRecord]:
@@ -186,6 +188,7 @@ class FusionReport:
                 "ok": self.verification.ok,
             },
             **({"device": self.device.to_dict()} if self.device is not None else {}),
+            **({"tuning": self.tuning.to_dict()} if self.tuning is not None else {}),
         }
 
     def to_json(self, indent: int = 2) -> str:
@@ -294,6 +297,10 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
 
     if report.device is not None:
         report.device.render(console)
+
+    if report.tuning is not None:
+        for line in report.tuning.lines():
+            console.print(f"[cyan]tuning:[/cyan] {line}")
 
     v = report.verification
     if v is not None:

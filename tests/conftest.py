@@ -4,12 +4,22 @@
 on the graphs built here and minutes on the built-in models: a test of another step asks for
 ``reconstruct=False`` (``--reconstruct off``) in its own call, and the tests of reconstruction
 set ``reconstruction_budget_s`` and ``reconstruction_iterations`` where they need to.
+
+``optimize``'s measured fusion choice (``tune``, :mod:`opfuse.tune`) times every fusion family on
+ONNX Runtime: seconds per model, and on a shared machine a decision that is noise. The suite runs
+with ``OPFUSE_TUNE=off`` in the environment (set here, so the CLI run in a subprocess sees it too):
+every test follows the target's default policy, as ``--no-tune`` does, and the tests of tuning
+(``test_tune.py``) ask for ``tune=True`` in their own calls.
 """
 
 from __future__ import annotations
 
+import os
+
 import onnx
 import pytest
+
+os.environ["OPFUSE_TUNE"] = "off"
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""A tiny decoder LLM for the tests: a random Hugging Face Llama (RMSNorm, SiLU-gated MLP,
-grouped-query attention) exported as a prefill graph by either torch exporter. Nothing is
+"""Tiny decoders for the tests: a random Hugging Face Llama (RMSNorm, SiLU-gated MLP,
+grouped-query attention) exported as a prefill graph by either torch exporter, and one
+attention block of a KV-cache decode step built in code (:func:`decode_step`). Nothing is
 downloaded; the larger corpus is ``benchmarks/decoders.py``."""
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ import io
 import pathlib
 import warnings
 
+import numpy as np
 import pytest
+from onnx import TensorProto, helper
+
+from graphs import model, rng, tensor, vinfo
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=100, max_position_embeddings=64, use_cache=False)
@@ -56,3 +61,62 @@ def export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: in
             torch.onnx.export(Logits(), args, str(path), dynamo=False, opset_version=opset, input_names=names,
                               output_names=["logits"], dynamic_axes={n: {0: "batch", 1: "seq"} for n in names})
     return path
+
+
+H, DH = 2, 4
+D = H * DH
+MAXPOS = 700  # the cos table covers every past length the size search tries (640 + 1)
+PRESENT = "past_seq + 1"
+
+
+def _heads(name: str, source: str, weight: str) -> list:
+    """source [b, 1, D] @ weight -> [b, H, 1, DH]."""
+    return [helper.make_node("MatMul", [source, weight], [f"{name}_p"], name=f"{name}_proj"),
+            helper.make_node("Reshape", [f"{name}_p", "heads_shape"], [f"{name}_r"], name=f"{name}_split"),
+            helper.make_node("Transpose", [f"{name}_r"], [name], perm=[0, 2, 1, 3], name=f"{name}_heads")]
+
+
+def decode_step(mask_dim=PRESENT):
+    """One decode step of attention: keys = Concat(past, new) [b, H, past_seq + 1, DH];
+    the mask [b, past_seq + 1] becomes an additive bias reshaped to the keys' length (from
+    Shape(keys): no broadcast can absorb a wrong length); q is scaled by cos(position) from
+    a table made by Cos; y = MatMul(ctx, wo) + bo (a MatMul+Add rewrite to verify)."""
+    r = rng(38)
+    nodes = [helper.make_node("Cos", ["angles"], ["table"], name="cos_of_angles"),
+             helper.make_node("Gather", ["table", "position_ids"], ["cos"], axis=0, name="rotary_gather"),
+             helper.make_node("Mul", ["x", "cos"], ["x_rot"], name="rotate"),
+             *_heads("q", "x_rot", "wq"), *_heads("k_new", "x_rot", "wk"),
+             helper.make_node("Concat", ["past_key", "k_new"], ["present_key"], axis=2, name="append"),
+             helper.make_node("Transpose", ["present_key"], ["kt"], perm=[0, 1, 3, 2], name="kt"),
+             helper.make_node("MatMul", ["q", "kt"], ["qk"], name="qk"),
+             helper.make_node("Mul", ["qk", "scale"], ["scores"], name="scale"),
+             helper.make_node("Cast", ["attention_mask"], ["mf"], to=TensorProto.FLOAT, name="mask_float"),
+             helper.make_node("Sub", ["one", "mf"], ["hidden"], name="invert"),
+             helper.make_node("Mul", ["hidden", "minus_big"], ["bias"], name="bias"),
+             helper.make_node("Shape", ["present_key"], ["kshape"], name="kshape"),
+             helper.make_node("Slice", ["kshape", "s0", "s1"], ["kb"], name="kb"),
+             helper.make_node("Slice", ["kshape", "s2", "s3"], ["kl"], name="kl"),
+             helper.make_node("Concat", ["kb", "ones2", "kl"], ["bias_shape"], axis=0, name="bias_shape"),
+             helper.make_node("Reshape", ["bias", "bias_shape"], ["bias4"], name="bias_to_keys"),
+             helper.make_node("Add", ["scores", "bias4"], ["masked"], name="add_mask"),
+             helper.make_node("Softmax", ["masked"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("MatMul", ["p", "present_key"], ["ctx"], name="pv"),
+             helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3], name="merge_t"),
+             helper.make_node("Reshape", ["ctx_t", "merged_shape"], ["ctx2"], name="merge"),
+             helper.make_node("MatMul", ["ctx2", "wo"], ["proj"], name="out_proj"),
+             helper.make_node("Add", ["proj", "bo"], ["y"], name="out_bias")]
+    inits = [tensor("wq", r.normal(0, 0.3, (D, D)).astype(np.float32)),
+             tensor("wk", r.normal(0, 0.3, (D, D)).astype(np.float32)),
+             tensor("wo", r.normal(0, 0.3, (D, D)).astype(np.float32)),
+             tensor("bo", r.normal(0, 0.1, D).astype(np.float32)),
+             tensor("angles", np.outer(np.arange(MAXPOS), 1.0 / 10000 ** (np.arange(D) / D)).astype(np.float32)),
+             tensor("scale", np.array(DH ** -0.5, np.float32)),
+             tensor("heads_shape", np.array([0, 1, H, DH], np.int64)),
+             tensor("merged_shape", np.array([0, 1, D], np.int64)),
+             tensor("ones2", np.array([1, 1], np.int64)),
+             tensor("one", np.array(1.0, np.float32)), tensor("minus_big", np.array(-1e4, np.float32)),
+             *(tensor(f"s{i}", np.array([i], np.int64)) for i in range(4))]
+    inputs = [vinfo("x", ["batch", 1, D]), vinfo("attention_mask", ["batch", mask_dim], TensorProto.INT64),
+              vinfo("position_ids", ["batch", 1], TensorProto.INT64), vinfo("past_key", ["batch", H, "past_seq", DH])]
+    outputs = [vinfo("y", ["batch", 1, D]), vinfo("present_key", ["batch", H, PRESENT, DH])]
+    return model(nodes, inputs, outputs, inits)

@@ -23,7 +23,7 @@ PACKAGE = pathlib.Path(opfuse.__file__).resolve().parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # the optimiser: everything `opfuse optimize` runs
 OPTIMISER = ("pipeline", "core", "prepare", "passes", "verify", "targets", "cost", "report", "load", "save",
-             "quantization")
+             "quantization", "tune")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -79,5 +79,6 @@ def apply_config(
         verify=verify,
         hardware=hardware,
         cleanup=bool(config.passes),  # "none" is the model as given
+        tune=False,  # a row is its configuration: the bench times it, nothing chooses for it
     )
 

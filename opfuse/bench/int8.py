@@ -135,7 +135,7 @@ def _opfuse_flow(model: ir.Model, samples, held_out: int) -> Int8Model:
         # Folded here without verification, like every bench configuration (the bench compares
         # outputs as it measures; this row reports its SQNR): opfuse.quantize then finds nothing
         # left to fold, and its own float check of the folds cannot stop the row.
-        folded, _ = optimize(model, target="onnx", verify=False)
+        folded, _ = optimize(model, target="onnx", verify=False, tune=False)
         qmodel, report = quantize(folded, samples, preset="cpu", holdout=held_out, bias_correction=False,
                                   calibrate="minmax")
     except Exception as e:  # noqa: BLE001 - the quantiser and ONNX Runtime raise many kinds

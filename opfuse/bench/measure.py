@@ -1,28 +1,16 @@
 """Measured latency on ONNX Runtime's CPU provider, done so that small differences show.
 
-- Every variant gets its own session: opfuse's configurations with the runtime's graph
-  optimisations **disabled** (so only opfuse's rewrites differ), the runtime's own levels
-  (basic / extended / all) on the original model, and an **A/A control**: a second,
-  separate session of the unfused model, whose ratio to the first is the noise floor.
-- ``intra_op_num_threads`` is configurable (default 2), one inter-op thread, sequential
-  execution, and thread spinning off (``session.intra_op.allow_spinning = 0``) so idle
-  sessions do not steal the cores the measured one needs.
-- A variant may bring its own inputs (``Variant.feeds``: a graph with other input names, such as a
-  model builder's); the others run on the shared ``feeds``.
-- Warm-up runs first; then rounds: each round runs every session once, in an order that
-  rotates from round to round, so slow drifts of a shared machine hit every variant alike.
-- Statistics per variant: median, min and max in ms, and the **paired ratio**: the median
-  over rounds of (this variant / the baseline in the same round), which cancels what the
-  machine was doing during that round.
-- The warm-up outputs are compared with the baseline's (``opfuse.verify`` tolerances), so a
-  row that computes something else is flagged rather than celebrated; an int8 variant
-  (``exact=False``) computes something else by design and reports its SQNR instead.
-- Any two variants compare the same way (:meth:`Measurement.ratio`): the int8 rows, which
-  run at ORT all, against the float model at ORT all.
-- Node counts: the graph's own for disabled optimisations; for the runtime's levels, the
-  nodes left after its optimiser (``optimized_model_filepath``), by ``domain.op_type``.
-- Optional per-op-type profile (``enable_profiling``): kernel time summed per op type, per
-  run, e.g. how much BatchNormalization, Relu and Add cost before fusion and after.
+The timing core (sessions, warm-up, interleaved rounds, the A/A control, paired ratios) is
+the optimiser's own, :mod:`opfuse.tune.timing`, re-exported here for the benchmarks: the
+benchmark's configurations run with the runtime's graph optimisations **disabled** (so only
+opfuse's rewrites differ), the runtime's own levels (basic / extended / all) on the
+original model, and an A/A control of the unfused model. Any two variants compare the same
+way (:meth:`Measurement.ratio`): the int8 rows, which run at ORT all, against the float
+model at ORT all.
+
+This module adds the optional per-op-type profile (``enable_profiling``): kernel time summed
+per op type, per run, e.g. how much BatchNormalization, Relu and Add cost before fusion and
+after.
 """
 
 from __future__ import annotations
@@ -34,233 +22,23 @@ __all__ = [
     "Measurement",
     "measure",
     "profile_op_types",
+    "summarise_profile",
 ]
 
 import bisect
-import dataclasses
 import json
 import os
 import statistics
 import tempfile
-import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import onnx
-import onnx_ir as ir
 import onnxruntime as ort
 
 from opfuse.runtime import RUNTIME_LEVELS, session_options
 from opfuse.runtime import model_source as serialize
-from opfuse.verify import compare_outputs
-from opfuse.core.ops import count_ops, first_line, is_op
-
-
-
-@dataclasses.dataclass
-class Variant:
-    """One session to measure: a model and the runtime level it runs at."""
-
-    name: str  # row key: "none", "conv-bn", "ort-all", "none (A/A)"...
-    label: str  # what the table shows
-    model: ir.Model | bytes | str  # an onnx-ir model, serialized bytes, or a path
-    level: str = "disabled"
-    kind: str = "config"  # "config" | "control" | "runtime" | "reference" | "int8" | "peer"
-    note: str = ""
-    exact: bool = True  # False: outputs are not compared with the baseline's (an int8 model)
-    feeds: Mapping[str, np.ndarray] | None = None  # its own inputs; None: the feeds given to measure()
-
-
-@dataclasses.dataclass
-class Timing:
-    """Latency samples of one variant, in milliseconds, and its paired ratio to the baseline."""
-
-    samples_ms: list[float]
-    ratios: list[float] = dataclasses.field(default_factory=list)  # per round, / baseline
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples_ms)
-
-    @property
-    def min(self) -> float:
-        return min(self.samples_ms)
-
-    @property
-    def max(self) -> float:
-        return max(self.samples_ms)
-
-    @property
-    def ratio(self) -> float:
-        """Median over rounds of this variant's time / the baseline's in the same round."""
-        return statistics.median(self.ratios) if self.ratios else float("nan")
-
-    @property
-    def ratio_spread(self) -> tuple[float, float]:
-        """The 25th and 75th percentiles of the per-round ratios."""
-        if len(self.ratios) < 2:
-            return (self.ratio, self.ratio)
-        q = np.percentile(self.ratios, [25, 75])
-        return float(q[0]), float(q[1])
-
-    def to_dict(self) -> dict[str, Any]:
-        lo, hi = self.ratio_spread
-        return {
-            "median_ms": self.median,
-            "min_ms": self.min,
-            "max_ms": self.max,
-            "ratio_to_baseline": self.ratio,
-            "ratio_iqr": [lo, hi],
-            "samples_ms": list(self.samples_ms),
-        }
-
-
-@dataclasses.dataclass
-class Measurement:
-    """Everything :func:`measure` found."""
-
-    timings: dict[str, Timing]
-    baseline: str
-    threads: int
-    warmup: int
-    rounds: int
-    op_counts: dict[str, Counter]  # variant -> node counts by domain.op_type as the runtime runs it
-    mismatches: dict[str, str]  # variant -> why its outputs differ from the baseline's
-    errors: dict[str, str]  # variant -> why it could not run
-
-    def nodes(self, name: str) -> int | None:
-        counts = self.op_counts.get(name)
-        return None if counts is None else sum(counts.values())
-
-    def paired(self, name: str, reference: str) -> list[float]:
-        """Per-round ratios of ``name``'s time to ``reference``'s (every round runs both)."""
-        a, b = self.timings.get(name), self.timings.get(reference)
-        if a is None or b is None or len(a.samples_ms) != len(b.samples_ms):
-            return []
-        return [x / y for x, y in zip(a.samples_ms, b.samples_ms) if y > 0]
-
-    def ratio(self, name: str, reference: str) -> float:
-        """Median over rounds of ``name``'s time / ``reference``'s in the same round."""
-        ratios = self.paired(name, reference)
-        return statistics.median(ratios) if ratios else float("nan")
-
-
-def _graph_op_counts(proto: onnx.ModelProto) -> Counter:
-    return count_ops(proto.graph.node)
-
-
-def _model_op_counts(model) -> Counter:
-    if isinstance(model, ir.Model):
-        return count_ops(n for n in model.graph if not is_op(n, "Constant"))
-    if isinstance(model, bytes):
-        proto = onnx.ModelProto()
-        proto.ParseFromString(model)
-    elif isinstance(model, onnx.ModelProto):
-        proto = model
-    else:
-        proto = onnx.load(model, load_external_data=False)
-    return count_ops(n for n in proto.graph.node if not is_op(n, "Constant"))
-
-
-def measure(
-    variants: Sequence[Variant],
-    feeds: Mapping[str, np.ndarray],
-    *,
-    threads: int = 2,
-    warmup: int = 3,
-    rounds: int = 20,
-    baseline: str | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
-) -> Measurement:
-    """Interleaved latency measurement of ``variants`` on the same ``feeds``.
-
-    ``progress(stage, done, total)`` is called as sessions are created and rounds complete.
-    ``baseline`` (default: the first variant) is what paired ratios and output checks use.
-    """
-    baseline = baseline or variants[0].name
-    sessions: dict[str, Any] = {}
-    op_counts: dict[str, Counter] = {}
-    errors: dict[str, str] = {}
-    total_steps = len(variants) + warmup + rounds
-    step = 0
-
-    def tick(stage: str) -> None:
-        nonlocal step
-        step += 1
-        if progress is not None:
-            progress(stage, step, total_steps)
-
-    with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
-        for i, v in enumerate(variants):
-            optimized = os.path.join(tmp, f"opt{i}.onnx") if v.level != "disabled" else None
-            try:
-                source = serialize(v.model, tmp)
-                sessions[v.name] = ort.InferenceSession(
-                    source, session_options(v.level, threads, optimized_path=optimized),
-                    providers=["CPUExecutionProvider"],
-                )
-                if optimized is not None:
-                    op_counts[v.name] = _graph_op_counts(onnx.load(optimized, load_external_data=False))
-                else:
-                    op_counts[v.name] = _model_op_counts(v.model)
-            except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
-                errors[v.name] = first_line(e)
-            tick(f"session {v.label}")
-
-    names = [v.name for v in variants if v.name in sessions]
-    inputs = {v.name: dict(feeds if v.feeds is None else v.feeds) for v in variants}
-    outputs: dict[str, dict[str, np.ndarray]] = {}
-    for w in range(warmup):
-        for name in names:
-            try:
-                result = sessions[name].run(None, inputs[name])
-            except Exception as e:  # noqa: BLE001
-                errors[name] = first_line(e)
-                continue
-            if w == 0:
-                out_names = [o.name for o in sessions[name].get_outputs()]
-                outputs[name] = dict(zip(out_names, result))
-        names = [n for n in names if n not in errors]
-        tick("warm-up")
-
-    mismatches: dict[str, str] = {}
-    inexact = {v.name for v in variants if not v.exact}
-    if baseline in outputs:
-        for name in names:
-            if name == baseline or name not in outputs or name in inexact:
-                continue
-            bad = [c for c in compare_outputs(outputs[baseline], outputs[name]) if not c.ok]
-            if bad:
-                mismatches[name] = f"output '{bad[0].name}': {bad[0].problem}"
-
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    ratios: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        shift = r % len(names) if names else 0
-        order = names[shift:] + names[:shift]
-        this_round: dict[str, float] = {}
-        for name in order:
-            start = time.perf_counter()
-            sessions[name].run(None, inputs[name])
-            this_round[name] = (time.perf_counter() - start) * 1e3
-        for name, ms in this_round.items():
-            samples[name].append(ms)
-            if baseline in this_round:
-                ratios[name].append(ms / this_round[baseline])
-        tick("measuring")
-
-    return Measurement(
-        timings={n: Timing(samples[n], ratios[n]) for n in names if samples[n]},
-        baseline=baseline,
-        threads=threads,
-        warmup=warmup,
-        rounds=rounds,
-        op_counts=op_counts,
-        mismatches=mismatches,
-        errors=errors,
-    )
+from opfuse.tune.timing import Measurement, Timing, Variant, measure
 
 
 def profile_op_types(

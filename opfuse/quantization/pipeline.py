@@ -222,7 +222,8 @@ def _fold(loaded: _Loaded, options: QuantizeOptions, settings) -> tuple[onnx.Mod
         static_note = len(notes)
         notes.append(static.note())
     folded, fusion = optimize(work, passes=passes, target=preset.target, inputs=held[0],
-                              constant_inputs=loaded.bound, compile_for_device=False)
+                              constant_inputs=loaded.bound, compile_for_device=False,
+                              tune=False)  # (the folds int8 starts from: quantisation measures its own way)
     fusion.model = loaded.display
     if static is not None and static.unknown and fusion.applied(RESOLVED):
         from opfuse.prepare.static_shapes import not_static  # (static shapes: only a target that needs them)

@@ -11,7 +11,9 @@ A :class:`Target` declares
 - its **pattern policy**: for each multi-op pattern (:mod:`opfuse.passes.patterns`),
   ``"fuse"`` (into the op the target runs), ``"keep"`` (leave as it is) or ``"unfuse"``
   (keyed by an op type: expand each such op the target cannot run into the primitives of
-  its ONNX function body, :mod:`opfuse.passes.patterns.unfuse`); and where a pattern's
+  its ONNX function body, :mod:`opfuse.passes.patterns.unfuse`), the op form its patterns
+  become (``pattern_ops``, and per pattern ``pattern_forms``: the measured fusion choice of
+  :mod:`opfuse.tune` writes Attention-23 at ONNX Runtime that way); and where a pattern's
   policy does not hold, a :class:`PolicyException`: a test of the graph (ONNX Runtime: a
   KV-cache decode step), the policy there and the measured reason;
 - whether its compiler needs **static shapes** (:mod:`opfuse.prepare.static_shapes`);
@@ -193,6 +195,8 @@ class Target:
     kernels: Mapping[str, EpilogueKernel] = dataclasses.field(default_factory=dict)  # by anchor op
     patterns: Mapping[str, str] = dataclasses.field(default_factory=dict)  # pattern -> policy
     pattern_ops: str = "standard"  # the op form its patterns become: "standard" or "onnxruntime"
+    # pattern -> the op form it becomes where not ``pattern_ops`` (measured choice: Attention-23 at onnxruntime)
+    pattern_forms: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # (model, names, report, run_passes, runtime_level, veto) -> model; None: run the passes once
     run_fusion: Callable[..., ir.Model] | None = None
     reads: tuple[EpilogueKernel, ...] = ()  # kernels the runtime writes itself (read, never emitted)
@@ -200,6 +204,7 @@ class Target:
     compiler_fuses_epilogues: bool = False  # its own compiler fuses a layer's activation from standard ops
     device: str | None = None  # the module compiling for its own backend (opfuse.targets.qnn.device's interface)
     exceptions: tuple[PolicyException, ...] = ()  # graphs where a pattern's policy does not hold
+    runs_here: bool = False  # ONNX Runtime's CPU provider runs what it writes: its fusions are timed (opfuse.tune)
 
     def __post_init__(self):
         bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}
@@ -215,6 +220,10 @@ class Target:
 
     def policy(self, pattern: str) -> str:
         return self.patterns.get(pattern, "keep")
+
+    def form(self, pattern: str) -> str:
+        """The op form ``pattern`` is written in ("standard", "onnxruntime", "qnn")."""
+        return self.pattern_forms.get(pattern, self.pattern_ops)
 
     def exception(self, pattern: str, model: ir.Model) -> tuple[PolicyException, list] | None:
         """The first exception to ``pattern``'s policy that ``model`` is, with its sites; else None."""

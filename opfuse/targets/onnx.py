@@ -32,4 +32,4 @@ PATTERNS: dict[str, str] = {
     "matmul-add": "fuse",
 }
 
-TARGET = Target(name="onnx", title="portable ONNX", patterns=PATTERNS)
+TARGET = Target(name="onnx", title="portable ONNX", patterns=PATTERNS, runs_here=True)

@@ -31,6 +31,11 @@ QuickGelu with alpha 1), MultiHeadAttention and Attention, and RotaryEmbedding (
 its caches the graph's own cos/sin tables with position ids over them; the standard op where
 the model's opset is 23: :mod:`opfuse.passes.patterns.rotary`).
 
+Those are the fusions the measured choice (:mod:`opfuse.tune`, on by default: this target's
+runtime is here) times family by family, attention's form included (written out,
+MultiHeadAttention, or the standard Attention-23 with the opset raised to 23); what follows
+is the default policy it replaces, which applies untimed (``--no-tune``).
+
 Except in a KV-cache decode step (:data:`EXCEPTIONS`, :func:`decode_step_sites`): there
 MultiHeadAttention ran slower than the graph as written (``benchmarks/decoders.py``, timed
 mode, ORT ALL, one thread: Llama dynamo decode at past 256, median paired ratio 1.10-1.16
@@ -340,4 +345,5 @@ TARGET = Target(
     run_fusion=run_fusion,
     reads=_RUNTIME_KERNELS,
     exceptions=EXCEPTIONS,
+    runs_here=True,
 )

@@ -76,7 +76,7 @@ def export(
             torch.onnx.export(folded, example_inputs, str(raw), **export_kw)
         feeds = _feeds(raw, example_inputs)
         onnx_model, report = optimize(raw, passes=passes, verify=verify, inputs=feeds,
-                                      output=None, **optimize_kw)
+                                      output=None, **{"tune": False, **optimize_kw})
         if verify and feeds is not None:
             with torch.no_grad():
                 expected = [t.detach().numpy() for t in

@@ -106,7 +106,7 @@ def _commuted(rewriter, rule) -> list:
 
 def pattern_rules(pattern: str, target, *, approximate: bool = False) -> PatternRules:
     """The onnxscript rules producing ``pattern`` for ``target``."""
-    return _rules(pattern, target.pattern_ops, approximate)
+    return _rules(pattern, target.form(pattern), approximate)
 
 
 # -- helpers the rules share ----------------------------------------------------------------

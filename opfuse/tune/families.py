@@ -1,0 +1,134 @@
+"""The fusion families the measured choice times, as data, and a configuration of them.
+
+A **family** is a group of rewrites that stand or fall together (a SkipSimplifiedLayerNorm
+needs the SimplifiedLayerNorm it joins; BiasGelu the Gelu): its patterns
+(:mod:`opfuse.passes.patterns`) and the passes that are its own (``fuse-epilogue``).
+
+=============  ==========================================  ============================
+family         rewrites                                    options
+=============  ==========================================  ============================
+attention      the ``attention`` pattern                   written out; ONNX Runtime's
+                                                           MultiHeadAttention; the
+                                                           standard Attention (opset 23)
+self-attention the ``self-attention`` pattern (encoders'   on / off
+               Attention with packed QKV)
+rotary         the ``rotary`` pattern (RotaryEmbedding)    on / off
+norms          layer-norm, rms-norm, skip-layer-norm,      on / off
+               skip-rms-norm
+activations    gelu, bias-gelu, silu, hardswish            on / off
+epilogues      matmul-add (Gemm), fuse-epilogue            on / off
+               (FusedConv / FusedGemm)
+opset          the ``--opset N`` the user asked for        on / off (only when asked)
+=============  ==========================================  ============================
+
+A **configuration** maps each family to its option; :func:`configure` turns one into what
+the optimiser runs: the target with those patterns set to ``keep`` (a policy override as
+data, :attr:`opfuse.targets.kernels.Target.patterns`), the attention pattern's op form
+(:attr:`~opfuse.targets.kernels.Target.pattern_forms`), the passes without the ones turned
+off, and the opset to raise to. In a timed configuration the attention family is chosen by
+measurement, so the target's policy exceptions (a decode step's attention kept written out
+at ONNX Runtime) do not apply: they are what the untimed default follows.
+
+The standard Attention needs opset 23: at ``--target onnxruntime`` the candidate raises the
+model's opset to 23 (ONNX Runtime runs it); at ``--target onnx`` it is a candidate only at
+the opset the user gave (portable ONNX keeps the model's opset unless asked).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Family", "AttentionForm", "FAMILIES", "ATTENTION_FORMS", "WRITTEN_OUT", "ON", "OFF", "Configuration",
+           "configure", "base_configuration", "label"]
+
+import dataclasses
+from collections.abc import Mapping
+
+from opfuse.targets.kernels import Target
+
+ON, OFF = "on", "off"
+WRITTEN_OUT = "written out"
+ATTENTION_OPSET = 23  # the standard Attention's first opset
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A group of rewrites timed on and off together."""
+
+    name: str
+    title: str  # for the log: "the norm fusions (LayerNorm, SimplifiedLayerNorm, Skip...)"
+    patterns: tuple[str, ...] = ()
+    passes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+    """One candidate form of attention: the pattern's policy, its op form, the opset it needs."""
+
+    name: str
+    policy: str  # "keep" or "fuse"
+    form: str | None = None  # the op form (None: the target's own)
+    opset: int | None = None  # the opset to raise to (None: the model's)
+    targets: tuple[str, ...] = ("onnx", "onnxruntime")  # where it is a candidate
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("attention", "attention", ("attention",)),
+    Family("self-attention", "the encoders' self-attention (Attention with packed QKV)", ("self-attention",)),
+    Family("rotary", "the rotary embeddings (RotaryEmbedding)", ("rotary",)),
+    Family("norms", "the norm fusions (LayerNorm, SimplifiedLayerNorm, SkipLayerNorm, SkipSimplifiedLayerNorm)",
+           ("layer-norm", "rms-norm", "skip-layer-norm", "skip-rms-norm")),
+    Family("activations", "the activations (Gelu, BiasGelu, SiLU, HardSwish)",
+           ("gelu", "bias-gelu", "silu", "hardswish")),
+    Family("epilogues", "the epilogues (MatMul+Add as Gemm, FusedConv, FusedGemm)", ("matmul-add",),
+           ("fuse-epilogue",)),
+    Family("opset", "the opset raise (--opset)"),
+)
+ATTENTION_FORMS: tuple[AttentionForm, ...] = (
+    AttentionForm(WRITTEN_OUT, "keep"),
+    AttentionForm("MultiHeadAttention", "fuse", "onnxruntime", targets=("onnxruntime",)),
+    AttentionForm("Attention-23", "fuse", "standard", ATTENTION_OPSET, targets=("onnxruntime",)),
+    AttentionForm("Attention-23", "fuse", "standard", targets=("onnx",)),
+)
+
+Configuration = tuple[tuple[str, str], ...]  # ((family, option), ...) in FAMILIES' order: hashable
+
+
+def base_configuration(opset_given: bool) -> Configuration:
+    """Every family on, attention written out (the measured run's reference); the opset
+    family only when the user asked for a raise."""
+    return tuple((f.name, WRITTEN_OUT if f.name == "attention" else ON) for f in FAMILIES
+                 if f.name != "opset" or opset_given)
+
+
+def label(config: Configuration, base: Configuration | None = None) -> str:
+    """What sets ``config`` apart from ``base`` ("attention MultiHeadAttention", "norms off"), or all of it."""
+    parts = [f"{family} {option}" for family, option in config if base is None or (family, option) not in base]
+    return ", ".join(parts) or "every family on, attention written out"
+
+
+def forms_for(target: str) -> list[AttentionForm]:
+    return [f for f in ATTENTION_FORMS if target in f.targets]
+
+
+def configure(target: Target, passes: list[str], opset: int | None,
+              config: Configuration | Mapping[str, str]) -> tuple[Target, list[str], int | None]:
+    """What the optimiser runs for ``config``: the target with the families turned off set to
+    ``keep`` and attention in the chosen form (no policy exception: the choice is measured),
+    the passes without the families' own, and the opset to raise to."""
+    chosen = dict(config)
+    patterns, forms, dropped = dict(target.patterns), dict(target.pattern_forms), set()
+    if chosen.get("opset") == OFF:
+        opset = None
+    for family in FAMILIES:
+        option = chosen.get(family.name)
+        if family.name == "attention" and option is not None:
+            form = next(f for f in forms_for(target.name) if f.name == option)
+            patterns["attention"] = form.policy if target.policy("attention") == "fuse" else "keep"
+            if form.form is not None:
+                forms["attention"] = form.form
+            if form.opset is not None:
+                opset = max(opset or 0, form.opset)
+        elif option == OFF:
+            patterns.update({p: "keep" for p in family.patterns if p in patterns})
+            dropped.update(family.passes)
+    configured = dataclasses.replace(target, patterns=patterns, pattern_forms=forms, exceptions=())
+    return configured, [n for n in passes if n not in dropped], opset

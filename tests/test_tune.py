@@ -1,0 +1,172 @@
+"""The measured fusion choice (opfuse.tune): each fusion family timed on and off, kept only where faster.
+
+- The decision (``judge``): a ratio below 1 - noise keeps the family; above 1 + noise it is
+  refused as slower, in between as "no gain beyond noise"; the reason carries the ratio.
+- Through ``optimize`` with a deterministic stand-in for the timer (the time of a variant read
+  off its ops): MultiHeadAttention made slower is kept written out with its ratio in the
+  reason, Attention-23 made faster is written (the opset raised to 23), a family that changes
+  nothing is turned off; the written model verifies.
+- Never slower than the input: when every rewrite is made slower, the input is written unchanged.
+- A real (timed) run on a decode-step block fills the report's tuning section; no timed assertion.
+- ``--no-tune`` and ``OPFUSE_TUNE=off`` follow the target's default policy and say so.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decoder_nets import decode_step
+from graphs import conv_bn_model
+from opfuse.cli import main
+from opfuse.core.analysis import op_counts
+from opfuse.pipeline import optimize
+from opfuse.tune import judge, noise_of, timing
+
+
+def test_faster_beyond_the_noise_is_kept():
+    kept, why = judge([0.80, 0.82, 0.79, 0.81, 0.80], noise=0.05, aa=1.0)
+    assert kept and "0.80x" in why and "A/A 1.00" in why
+
+
+def test_slower_is_refused_with_the_ratio():
+    kept, why = judge([1.21, 1.19, 1.25, 1.17, 1.22], noise=0.05)
+    assert not kept and "1.21x" in why and "slower" in why
+
+
+def test_within_the_noise_is_refused_as_no_gain():
+    kept, why = judge([0.98, 1.01, 0.97, 0.99, 1.00], noise=0.05)
+    assert not kept and "no gain beyond noise" in why
+
+
+def test_the_noise_is_the_aa_distance_or_its_median_uncertainty_plus_a_floor():
+    assert noise_of([1.10] * 11) == pytest.approx(0.12)  # a biased control: its distance from 1
+    assert noise_of([1.0] * 11) == pytest.approx(0.02)  # a quiet control: the floor
+    assert noise_of([0.5, 2.0] * 10 + [1.0]) > 0.5  # a wild control: its median is no estimate
+
+
+def test_a_ratio_less_certain_than_the_control_must_beat_its_own_uncertainty():
+    wild = [0.3, 1.3] * 5 + [0.8]  # median 0.8, but no estimate of anything
+    assert judge([0.8] * 11, noise=0.05)[0]
+    kept, why = judge(wild, noise=0.05)
+    assert not kept and "no gain beyond noise" in why
+
+
+def _fake_measure(cost):
+    """A deterministic timer: each variant's time per round is ``cost(variant)`` times a drift
+    shared by the round (which the paired ratio cancels)."""
+
+    def measure(variants, feeds, *, threads=1, rounds=None, baseline=None, budget_s=0.0, **_):
+        drift = [1.0, 1.3, 0.9, 1.1, 1.0, 1.2, 0.95, 1.05, 1.0, 1.15, 0.9]
+        timings = {v.name: timing.Timing([cost(v) * d for d in drift]) for v in variants}
+        return timing.Measurement(timings, baseline, threads, 0, len(drift), {}, {}, {})
+
+    return measure
+
+
+def _ops(variant) -> set[str]:
+    return {key.split(".")[-1] if "." in key else key for key in op_counts(variant.model)}
+
+
+def test_a_slower_multiheadattention_is_kept_written_out_and_attention_23_written(monkeypatch):
+    def cost(v):
+        ops = _ops(v)
+        return 1.0 + 0.3 * ("MultiHeadAttention" in ops) - 0.3 * ("Attention" in ops)
+
+    monkeypatch.setattr(timing, "measure", _fake_measure(cost))
+    written, report = optimize(decode_step(), target="onnxruntime", tune=True)
+    families = {(f.family, f.candidate): f for f in report.tuning.families}
+    mha = families["attention", "MultiHeadAttention"]
+    assert mha.decision == "refused" and "kept written out: MultiHeadAttention measured 1.30x" in mha.reason
+    a23 = families["attention", "Attention-23"]
+    assert a23.decision == "kept" and "0.70x" in a23.reason
+    assert families["epilogues", "on"].decision == "not in this graph"  # (its out_proj MatMul is 3-D)
+    counts = op_counts(written)
+    assert counts.get("Attention", 0) == 1 and "MultiHeadAttention" not in str(counts)
+    assert not [r for r in report.refusals if r.reason.startswith("measured choice")]  # attention is written
+    assert report.verification.ok
+    assert report.tuning.final.median == pytest.approx(0.7)
+    data = json.loads(report.to_json())["tuning"]
+    assert data["timed"] and {f["family"] for f in data["families"]} >= {"attention", "epilogues"}
+
+
+def test_a_form_within_the_noise_is_refused_as_no_gain(monkeypatch):
+    monkeypatch.setattr(timing, "measure", _fake_measure(lambda v: 1.01 if "Attention" in _ops(v) else 1.0))
+    written, report = optimize(decode_step(), target="onnxruntime", tune=True)
+    a23 = next(f for f in report.tuning.families if f.candidate == "Attention-23")
+    assert a23.decision == "refused" and "kept written out: Attention-23 measured 1.01x" in a23.reason
+    assert "no gain beyond noise" in a23.reason
+    assert "Attention" not in {key.split(".")[-1] for key in op_counts(written)}
+    site = [r for r in report.refusals if r.reason.startswith("measured choice: kept written out: Attention-23")]
+    assert site and site[0].also  # one refusal per attention site, its nodes named
+
+
+def test_when_every_rewrite_is_slower_the_input_is_written_unchanged(monkeypatch):
+    monkeypatch.setattr(timing, "measure", _fake_measure(lambda v: 1.0 if v.name.startswith("original") else 1.5))
+    original = decode_step()
+    written, report = optimize(original, target="onnxruntime", tune=True)
+    assert report.tuning.written.startswith("the input unchanged")
+    assert sum(op_counts(written).values()) == len(original.graph.node)
+    assert report.verification.ok
+
+
+def test_a_real_run_on_a_decode_step_fills_the_tuning_section(tmp_path):
+    out, report_path = tmp_path / "out.onnx", tmp_path / "report.json"
+    _, report = optimize(decode_step(), target="onnxruntime", tune=True, tune_budget_s=0.2,
+                         output=out, report_path=report_path)
+    tuning = json.loads(report_path.read_text())["tuning"]
+    assert tuning["timed"] and "decode step" in tuning["shapes"] and "past_seq=256" in tuning["shapes"]
+    assert tuning["rounds"] >= 7 and tuning["aa"]["rounds"] >= 7
+    timed = [f for f in tuning["families"] if f["decision"] != "not in this graph"]
+    assert timed and all(f["ratio"]["q1"] <= f["ratio"]["median"] <= f["ratio"]["q3"] for f in timed)
+    assert tuning["written"] and report.verification.ok and out.exists()
+
+
+def test_no_tune_follows_the_targets_default_policy_and_says_so(tmp_path, capsys):
+    import onnx
+
+    src, out, report_path = tmp_path / "in.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
+    onnx.save(decode_step(), src)
+    assert main(["optimize", str(src), "-o", str(out), "--target", "onnxruntime", "--no-tune",
+                 "--report", str(report_path)]) == 0
+    data = json.loads(report_path.read_text())
+    assert data["tuning"]["reason"] == ("not timed (--no-tune): followed the onnxruntime target's default policy, "
+                                        "which benchmarks/decoders.py measured")
+    assert any("KV-cache decode step" in r["reason"] for r in data["refused"])
+    assert "not timed (--no-tune)" in capsys.readouterr().out
+
+
+def test_the_environment_default_is_said_too(monkeypatch):
+    monkeypatch.setenv("OPFUSE_TUNE", "off")
+    _, report = optimize(decode_step(), target="onnx")
+    assert report.tuning.reason.startswith("not timed (OPFUSE_TUNE=off): followed the onnx target's default policy")
+
+
+def test_attention_23_keeps_the_opset_raise_it_needs_at_the_onnx_target(monkeypatch):
+    def cost(v):
+        if "Attention" in _ops(v):
+            return 0.7
+        return 1.2 if v.model.opset_imports.get("", 0) >= 23 else 1.0  # the raise alone made slower
+
+    monkeypatch.setattr(timing, "measure", _fake_measure(cost))
+    written, report = optimize(decode_step(), target="onnx", opset=23, tune=True)
+    families = {f.family: f for f in report.tuning.families}
+    assert families["opset"].decision == "kept" and families["opset"].reason.startswith("kept: Attention-23 needs it")
+    assert "Attention" in op_counts(written) and report.verification.ok
+
+
+def test_a_graph_without_attention_has_no_attention_candidate(monkeypatch):
+    """Attention-23 raises the opset at onnxruntime: on a CNN that writes no attention it is no candidate."""
+    timed = []
+
+    def measure(variants, feeds, **kw):
+        timed.extend(v.name for v in variants)
+        return _fake_measure(lambda v: 1.0)(variants, feeds, **kw)
+
+    monkeypatch.setattr(timing, "measure", measure)
+    written, report = optimize(conv_bn_model(), target="onnxruntime", tune=True)
+    attention = [f for f in report.tuning.families if f.family == "attention"]
+    assert attention and all(f.decision == "not in this graph" for f in attention)
+    assert not [name for name in timed if "attention" in name]
+    assert report.verification.ok and "BatchNormalization" not in op_counts(written)
