@@ -4,22 +4,22 @@ A **family** is a group of rewrites that stand or fall together (a SkipSimplifie
 needs the SimplifiedLayerNorm it joins; BiasGelu the Gelu): its patterns
 (:mod:`opfuse.passes.patterns`) and the passes that are its own (``fuse-epilogue``).
 
-=============  ==========================================  ============================
-family         rewrites                                    options
-=============  ==========================================  ============================
-attention      the ``attention`` pattern                   written out; ONNX Runtime's
-                                                           MultiHeadAttention; the
-                                                           standard Attention (opset 23)
-self-attention the ``self-attention`` pattern (encoders'   on / off
-               Attention with packed QKV)
-rotary         the ``rotary`` pattern (RotaryEmbedding)    on / off
-norms          layer-norm, rms-norm, skip-layer-norm,      on / off
-               skip-rms-norm
-activations    gelu, bias-gelu, silu, hardswish            on / off
-epilogues      matmul-add (Gemm), fuse-epilogue            on / off
-               (FusedConv / FusedGemm)
-opset          the ``--opset N`` the user asked for        on / off (only when asked)
-=============  ==========================================  ============================
+===============  ==========================================  ============================
+family           rewrites                                    options
+===============  ==========================================  ============================
+attention        the ``attention`` pattern                   written out; ONNX Runtime's
+                                                             MultiHeadAttention; the
+                                                             standard Attention (opset 23)
+self-attention   the ``self-attention`` pattern (encoders'   on / off
+                 Attention with packed QKV)
+rotary           the ``rotary`` pattern (RotaryEmbedding)    on / off
+norms            layer-norm, rms-norm, skip-layer-norm,      on / off
+                 skip-rms-norm
+activations      gelu, bias-gelu, silu, hardswish            on / off
+epilogues        matmul-add (Gemm), fuse-epilogue            on / off
+                 (FusedConv / FusedGemm)
+opset            the ``--opset N`` the user asked for        on / off (only when asked)
+===============  ==========================================  ============================
 
 A **configuration** maps each family to its option; :func:`configure` turns one into what
 the optimiser runs: the target with those patterns set to ``keep`` (a policy override as
