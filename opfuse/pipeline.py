@@ -29,6 +29,7 @@ from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.prepare.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
+from opfuse.passes.fuse_patterns import patterns_that_could_match
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.report import FusionReport, Refusal
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
@@ -302,7 +303,9 @@ def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
         chosen, tuning = tune(original, build, target=options.target, opset_given=options.opset is not None,
                               dims=options.dims, bound=resolve_constant_inputs(original, options.constant_inputs),
                               level=options.runtime_level, threads=options.tune_threads,
-                              budget_s=options.tune_budget_s, seed=options.seed, exact=not plan.inexact)
+                              budget_s=options.tune_budget_s, seed=options.seed, exact=not plan.inexact,
+                              possible=lambda patterns: bool(patterns_that_could_match(
+                                  original, plan.chosen, patterns, approximate=options.approximate)))
     except BadInputError as e:  # the input runs at no size tried: nothing to time
         run = _prepare(model, options, plan)
         _rewrite(run, options, plan)

@@ -170,3 +170,24 @@ def test_a_graph_without_attention_has_no_attention_candidate(monkeypatch):
     assert attention and all(f.decision == "not in this graph" for f in attention)
     assert not [name for name in timed if "attention" in name]
     assert report.verification.ok and "BatchNormalization" not in op_counts(written)
+
+
+def test_a_family_whose_patterns_cannot_match_is_not_built(monkeypatch):
+    """A CNN has none of the ops the attention, rotary or norm rules need: no variant is built
+    for those families (each build is a whole optimiser run), and the log says why."""
+    from opfuse import pipeline
+
+    built = []
+    real = pipeline._prepare
+
+    def counting(model, options, plan):
+        built.append(tuple(sorted(plan.chosen.patterns.items())))
+        return real(model, options, plan)
+
+    monkeypatch.setattr(timing, "measure", _fake_measure(lambda v: 1.0))
+    monkeypatch.setattr(pipeline, "_prepare", counting)
+    _, report = optimize(conv_bn_model(), target="onnxruntime", tune=True)
+    absent = {f.family for f in report.tuning.families if "finds all its ops" in f.reason}
+    assert {"attention", "self-attention", "rotary", "norms"} <= absent
+    # the reference, the epilogues off, the folds alone, the chosen one again with verification
+    assert len(built) <= 4

@@ -247,14 +247,17 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
          dims: Mapping[str, int] | None = None, bound: Mapping[str, np.ndarray] | None = None,
          level: str = "all", threads: int = 1, budget_s: float = DEFAULT_BUDGET_S, seed: int = 0,
          exact: bool = True, measure: Callable[..., timing.Measurement] | None = None,
-         feeds: tuple[dict, str] | None = None) -> tuple[Configuration | None, Tuning]:
+         feeds: tuple[dict, str] | None = None,
+         possible: Callable[[tuple[str, ...]], bool] | None = None) -> tuple[Configuration | None, Tuning]:
     """Time the families of ``build``'s configurations (module docstring) and return the
     configuration to write (None: the input unchanged) with the record of what was measured.
 
     ``build(config)`` returns the optimised model for a configuration (the pipeline caches
     them); ``measure`` is :func:`opfuse.tune.timing.measure` (None: looked up when called, so a
     test may stand a deterministic clock in for it); ``feeds`` (feeds, description) skips the
-    search for sizes.
+    search for sizes. ``possible(patterns)`` says whether any of a family's patterns could match
+    the graph at all (:func:`opfuse.passes.fuse_patterns.patterns_that_could_match`): a family
+    with no pass of its own for which it says no is "not in this graph" without a build.
     """
     measure = measure or timing.measure
     start = time.perf_counter()
@@ -262,11 +265,15 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
     record = Tuning(True, shapes=shapes, level=level, threads=threads)
     base = base_configuration(opset_given)
     candidates, folds = _candidates(base, target)
-    models = {config: build(config) for config in (base, *candidates)}
+    absent = "not in this graph: no rule of its patterns finds all its ops here"
+    results = {c: FamilyResult(*candidates[c], "not in this graph", absent) for c in candidates
+               if possible is not None and not _could_be_here(candidates[c][0], possible)}
+    models = {config: build(config) for config in (base, *candidates) if config not in results}
     same = "not in this graph: it writes the same graph as the reference (nothing it fuses here, or not at this opset)"
     # an attention form that writes no attention is no candidate, whatever opset it raised to
-    results = {c: FamilyResult(*candidates[c], "not in this graph", same) for c in candidates
-               if _signature(models[c], candidates[c][0]) == _signature(models[base], candidates[c][0])}
+    results.update({c: FamilyResult(*candidates[c], "not in this graph", same) for c in candidates
+                    if c not in results
+                    and _signature(models[c], candidates[c][0]) == _signature(models[base], candidates[c][0])})
     timed = [c for c in candidates if c not in results]
     if timed and folds not in models:
         models[folds] = build(folds)
@@ -372,6 +379,13 @@ def _decide(run: timing.Measurement, record: Tuning, base: Configuration, candid
                 result.decision = "refused"
                 result.reason = f"not written: {best[1]} was faster; {result.reason}"
     return tuple(chosen.items())
+
+
+def _could_be_here(family: str, possible: Callable[[tuple[str, ...]], bool]) -> bool:
+    """Whether a variant of ``family`` could differ from the reference: it has a pass of its own
+    (the epilogues), or the opset raise, or one of its patterns could match."""
+    found = next(f for f in FAMILIES if f.name == family)
+    return bool(found.passes) or not found.patterns or possible(found.patterns)
 
 
 def _signature(model: ir.Model, family: str) -> tuple:

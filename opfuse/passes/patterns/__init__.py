@@ -41,7 +41,8 @@ before BiasGelu takes it).
 
 from __future__ import annotations
 
-__all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "model_opset", "constant_array",
+__all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "rules_in_form", "model_opset",
+           "constant_array",
            "opset_problem", "reduce_axes", "trailing_axis"]
 
 import dataclasses
@@ -107,6 +108,11 @@ def _commuted(rewriter, rule) -> list:
 def pattern_rules(pattern: str, target, *, approximate: bool = False) -> PatternRules:
     """The onnxscript rules producing ``pattern`` for ``target``."""
     return _rules(pattern, target.form(pattern), approximate)
+
+
+def rules_in_form(pattern: str, form: str, *, approximate: bool = False) -> PatternRules:
+    """The onnxscript rules producing ``pattern`` in op ``form``, whatever a target's policy."""
+    return _rules(pattern, form, approximate)
 
 
 # -- helpers the rules share ----------------------------------------------------------------
