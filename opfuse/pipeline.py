@@ -304,8 +304,9 @@ def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
                               dims=options.dims, bound=resolve_constant_inputs(original, options.constant_inputs),
                               level=options.runtime_level, threads=options.tune_threads,
                               budget_s=options.tune_budget_s, seed=options.seed, exact=not plan.inexact,
-                              possible=lambda patterns: bool(patterns_that_could_match(
-                                  original, plan.chosen, patterns, approximate=options.approximate)))
+                              possible=lambda patterns, passes: bool(set(passes) & set(plan.names)) or bool(
+                                  patterns_that_could_match(original, plan.chosen, patterns,
+                                                            approximate=options.approximate)))
     except BadInputError as e:  # the input runs at no size tried: nothing to time
         run = _prepare(model, options, plan)
         _rewrite(run, options, plan)

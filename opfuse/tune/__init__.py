@@ -248,16 +248,17 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
          level: str = "all", threads: int = 1, budget_s: float = DEFAULT_BUDGET_S, seed: int = 0,
          exact: bool = True, measure: Callable[..., timing.Measurement] | None = None,
          feeds: tuple[dict, str] | None = None,
-         possible: Callable[[tuple[str, ...]], bool] | None = None) -> tuple[Configuration | None, Tuning]:
+         possible: Callable[[tuple[str, ...], tuple[str, ...]], bool] | None = None) -> tuple[Configuration | None, Tuning]:
     """Time the families of ``build``'s configurations (module docstring) and return the
     configuration to write (None: the input unchanged) with the record of what was measured.
 
     ``build(config)`` returns the optimised model for a configuration (the pipeline caches
     them); ``measure`` is :func:`opfuse.tune.timing.measure` (None: looked up when called, so a
     test may stand a deterministic clock in for it); ``feeds`` (feeds, description) skips the
-    search for sizes. ``possible(patterns)`` says whether any of a family's patterns could match
-    the graph at all (:func:`opfuse.passes.fuse_patterns.patterns_that_could_match`): a family
-    with no pass of its own for which it says no is "not in this graph" without a build.
+    search for sizes. ``possible(patterns, passes)`` says whether one of a family's passes runs or
+    one of its patterns could match the graph at all
+    (:func:`opfuse.passes.fuse_patterns.patterns_that_could_match`): a family for which it says
+    no is "not in this graph" without a build.
     """
     measure = measure or timing.measure
     start = time.perf_counter()
@@ -381,11 +382,11 @@ def _decide(run: timing.Measurement, record: Tuning, base: Configuration, candid
     return tuple(chosen.items())
 
 
-def _could_be_here(family: str, possible: Callable[[tuple[str, ...]], bool]) -> bool:
-    """Whether a variant of ``family`` could differ from the reference: it has a pass of its own
-    (the epilogues), or the opset raise, or one of its patterns could match."""
+def _could_be_here(family: str, possible: Callable[[tuple[str, ...], tuple[str, ...]], bool]) -> bool:
+    """Whether a variant of ``family`` could differ from the reference: the opset raise always;
+    else ``possible(patterns, passes)``: one of its passes runs, or one of its patterns could match."""
     found = next(f for f in FAMILIES if f.name == family)
-    return bool(found.passes) or not found.patterns or possible(found.patterns)
+    return (not found.patterns and not found.passes) or possible(found.patterns, found.passes)
 
 
 def _signature(model: ir.Model, family: str) -> tuple:
