@@ -4,8 +4,9 @@
                                         [--dim batch=4] [--constant-input sr=16000] [--no-verify]
     opfuse inspect IN.onnx [--json]
     opfuse demo [--model resnet50]
-    opfuse quantize IN.onnx -o OUT.onnx --calibration DATA [--preset cpu|per-tensor|qnn]
+    opfuse quantize IN.onnx -o OUT.onnx --calibration DATA [--preset cpu|per-tensor|qnn|ethos-u]
                                         [--equalize] [--min-sqnr DB] [--report r.json]
+                                        [--npu ethos-u55-128] [--context M_vela.tflite]
 
 Exit codes: 0 success, 1 verification failed (nothing written), 2 bad input or usage.
 Errors are one line on stderr.
@@ -164,16 +165,37 @@ def _htp_option(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _vela_option(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (system_config=Ethos_U55_High_End_Embedded, "
+                                         f"memory_mode=Shared_Sram), got {text!r}")
+    return name, value
+
+
 def _add_npu_options(p: argparse.ArgumentParser) -> None:
-    """The flags of a target compiled for an NPU (--target qnn, --preset qnn)."""
+    """The flags of a target compiled for an NPU (--target qnn|ethos-u, --preset qnn|ethos-u)."""
     p.add_argument("--require-npu", action="store_true",
-                   help="with qnn: any node QNN leaves on the CPU is an error (exit 1, nothing written)")
+                   help="with qnn or ethos-u: any node the compiler leaves on the CPU is an error (exit 1, "
+                        "nothing written)")
     p.add_argument("--htp", action="append", type=_htp_option, default=[], metavar="KEY=VALUE",
                    help="a QNN HTP option (soc_model, htp_arch, vtcm_mb, offload_graph_io_quantization, or any "
                         "provider option); default soc_model=57; KEY= unsets one")
+    p.add_argument("--npu", metavar="CONFIG",
+                   help="with ethos-u: the Ethos-U and its MAC count Vela compiles for (ethos-u55-128, "
+                        "ethos-u65-256, ethos-u85-256, or another size Vela takes; default ethos-u55-128)")
+    p.add_argument("--vela", action="append", type=_vela_option, default=[], metavar="KEY=VALUE",
+                   help="with ethos-u: system_config or memory_mode from Vela's Arm/vela.ini (default: Vela's own "
+                        "for the NPU, e.g. Ethos_U55_High_End_Embedded and Shared_Sram)")
     p.add_argument("--context", metavar="FILE",
                    help="with qnn: also write the compiled model as an EPContext ONNX a device loads "
-                        "without recompiling")
+                        "without recompiling; with ethos-u: Vela's compiled TFLite (M_vela.tflite), and the "
+                        "lowered TFLite beside it (M.tflite)")
+
+
+def _device_options(args) -> dict[str, str]:
+    """The device's KEY=VALUE options: --htp for qnn; --vela and --npu for ethos-u."""
+    return {**dict(args.htp), **dict(args.vela), **({"npu": args.npu} if args.npu else {})}
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:
@@ -186,7 +208,8 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="onnx: portable ONNX, patterns as standard ops at the model's opset (default); "
                         "onnxruntime: ONNX Runtime's contrib ops for the patterns, epilogues fused into "
                         "com.microsoft.FusedConv/FusedGemm; qnn: Qualcomm's HTP NPU (static shapes, the ops "
-                        "QNN runs, compiled on its HTP backend: needs opfuse[qnn])")
+                        "QNN runs, compiled on its HTP backend: needs opfuse[qnn]); ethos-u: Arm's Ethos-U "
+                        "(lowered to int8 TFLite, compiled by Vela: needs opfuse[ethos-u])")
     p.add_argument("--passes", default=None,
                    help=f"comma-separated passes (known: {', '.join(PASS_NAMES)}; defaults per target: {defaults})")
     p.add_argument("--runtime-level", choices=RUNTIME_LEVELS, default="all",
@@ -271,7 +294,7 @@ def _optimize(args) -> int:
         opset=args.opset,
         approximate=args.approximate,
         require_npu=args.require_npu,
-        htp_options=dict(args.htp),
+        htp_options=_device_options(args),
         context=args.context,
     )
     _, report = optimize(args.input, options=options)
@@ -368,7 +391,7 @@ def _quantize(args) -> int:
         holdout=args.holdout, max_steps=args.max_steps,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
         dims=dict(args.dim), constant_inputs=_constant_inputs(args.constant_input),
-        require_npu=args.require_npu, htp_options=dict(args.htp), context=args.context,
+        require_npu=args.require_npu, htp_options=_device_options(args), context=args.context,
     )
     _, report = quantize(args.input, args.calibration, options)
     return _print_result(args, report, print_quant_report, time.perf_counter() - start)

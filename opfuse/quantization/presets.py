@@ -10,6 +10,10 @@
 - ``qnn-a16``: ``qnn`` with uint16 activations (QNN's "w8a16": the HTP runs 16-bit
   activations natively, at a cost in speed).
 - ``qnn-a16-per-channel``: ``qnn-a16`` with ``qnn-per-channel``'s weights.
+- ``ethos-u``: TFLite's int8 conventions for Arm's Ethos-U (int8 asymmetric activations, int8
+  symmetric per-channel weights, int32 bias), every op ONNX Runtime can quantise quantised (an NPU
+  runs no float; :mod:`opfuse.targets.ethos_u.device`); the result is lowered to TFLite, compiled
+  by Vela and verified in LiteRT's interpreter. A costly layer is kept with 16-bit activations.
 
 All of them write QDQ (QuantizeLinear/DequantizeLinear pairs around float ops) through
 ONNX Runtime's quantiser, calibrated as ``--calibrate`` says (by default ``auto``: each
@@ -122,7 +126,7 @@ StepSetting = Equalize | Ranges | AdaRound | BiasCorrection | MixedPrecision | R
 class Preset:
     name: str
     summary: str
-    activation: Literal["uint8", "uint16"]
+    activation: Literal["uint8", "uint16", "int8"]
     weight: Literal["int8", "uint8"]
     per_channel: bool
     steps: tuple[StepSetting, ...]  # in order
@@ -166,6 +170,7 @@ _CPU_STEPS = (Ranges(), BiasCorrection(), MixedPrecision(), Reconstruction())
 _PER_TENSOR_STEPS = (Equalize("equalize-homogeneous"), Ranges(), AdaRound(), BiasCorrection(), MixedPrecision(),
                      Reconstruction())
 _QNN_STEPS = (Ranges(), BiasCorrection(), MixedPrecision(), Reconstruction("search", QNN_FIT_FACTOR))
+_ETHOS_U_STEPS = _CPU_STEPS  # opfuse's own calibration and rounding, as for the CPU
 
 PRESETS: dict[str, Preset] = {
     "cpu": Preset("cpu", "int8 symmetric per-channel weights, uint8 activations",
@@ -182,5 +187,8 @@ PRESETS: dict[str, Preset] = {
     "qnn-a16-per-channel": Preset("qnn-a16-per-channel", "as qnn-a16 with int8 symmetric per-channel weights",
                                   "uint16", "int8", per_channel=True, steps=_QNN_STEPS, target="qnn",
                                   keep_as="int16"),
+    "ethos-u": Preset("ethos-u", "TFLite's int8 for Arm Ethos-U: int8 asymmetric activations, int8 symmetric "
+                      "per-channel weights, lowered to TFLite and compiled by Vela", "int8", "int8", per_channel=True,
+                      steps=_ETHOS_U_STEPS, target="ethos-u", keep_as="int16"),
 }
 DEFAULT_PRESET = "cpu"

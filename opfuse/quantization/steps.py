@@ -120,7 +120,8 @@ class RangesStep:
 
     def apply(self, state: QuantState) -> StepOutcome:
         report, preset, calibrate = state.report, state.preset, state.options.calibrate
-        if calibrate == "auto" and preset.activation != "uint8":  # auto judges ranges by their 8-bit round trip
+        # auto judges ranges by their 8-bit round trip (int8 asymmetric: the same 255 steps, the zero point moved)
+        if calibrate == "auto" and preset.activation not in ("uint8", "int8"):
             calibrate = "minmax"
             report.notes.append(f"--calibrate auto reads MinMax ranges for {preset.activation} activations: its "
                                 "per-tensor search judges a range by the 8-bit round trip")

@@ -23,13 +23,14 @@ and reads what it writes (:class:`VelaResult`):
   'NAME'" and the lines of "Reason: ..." that follow (:func:`cpu_reasons`).
 
 Vela failing (a malformed TFLite, an internal error) is :class:`VelaError`, with the last line
-of its log. :func:`require_vela` is the install check: one line with the command (exit 2).
+of its log. :class:`EthosOptions` are the NPU and Vela's options as ``--npu`` and ``--vela``
+give them; :func:`require_vela` is the install check: one line with the command (exit 2).
 """
 
 from __future__ import annotations
 
 __all__ = ["NPUS", "DEFAULTS", "INSTALL_COMMAND", "VelaError", "VelaOp", "VelaResult", "available",
-           "require_vela", "compile_with_vela", "cpu_reasons", "default_configs"]
+           "require_vela", "compile_with_vela", "cpu_reasons", "default_configs", "EthosOptions"]
 
 import csv
 import dataclasses
@@ -40,6 +41,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 
 from opfuse.errors import BadInputError, OpfuseError
 
@@ -82,6 +84,45 @@ def default_configs(npu: str) -> tuple[str, str]:
     if npu not in NPUS:
         raise BadInputError(f"unknown Ethos-U configuration {npu!r}; choose from {', '.join(NPUS)}")
     return DEFAULTS[npu.rsplit("-", 1)[0]]
+
+
+@dataclasses.dataclass(frozen=True)
+class EthosOptions:
+    """The NPU and Vela's system configuration and memory mode (None: Vela's default for the NPU)."""
+
+    npu: str = "ethos-u55-128"
+    system_config: str | None = None
+    memory_mode: str | None = None
+
+    KEYS = ("npu", "system_config", "memory_mode")
+
+    @classmethod
+    def parse(cls, items: Mapping[str, str] | None) -> EthosOptions:
+        """From KEY=VALUE pairs (``--npu X`` is ``npu=X``); an empty value or ``default`` unsets a key."""
+        fields = {}
+        for key, value in (items or {}).items():
+            if key not in cls.KEYS:
+                raise BadInputError(f"--vela {key}={value}: unknown option; choose from {', '.join(cls.KEYS)}")
+            fields[key] = None if value in ("", "default") else value
+        if fields.get("npu") is None:
+            fields.pop("npu", None)
+        options = cls(**fields)
+        if options.npu not in NPUS:
+            raise BadInputError(f"--npu {options.npu}: unknown Ethos-U configuration; choose from {', '.join(NPUS)}")
+        return options
+
+    @property
+    def resolved(self) -> tuple[str, str]:
+        system, memory = default_configs(self.npu)
+        return self.system_config or system, self.memory_mode or memory
+
+    def describe(self) -> str:
+        system, memory = self.resolved
+        return f"{self.npu}, {system}, {memory}"
+
+    def to_dict(self) -> dict:
+        system, memory = self.resolved
+        return {"npu": self.npu, "system_config": system, "memory_mode": memory}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""The device interface of the ``ethos-u`` target (:attr:`opfuse.targets.kernels.Target.device`).
+
+The names :mod:`opfuse.targets.qnn.device` lists, for Arm's Ethos-U through Vela:
+
+- ``require_backend()``: ``ethos-u-vela`` and ``ai-edge-litert`` installed, or one line with
+  ``pip install 'opfuse[ethos-u]'`` (exit 2; :func:`.vela.require_vela`);
+- ``Options.parse(pairs)``: :class:`EthosOptions` from ``--npu`` and ``--vela KEY=VALUE`` pairs
+  (``npu``, ``system_config``, ``memory_mode``; the defaults are Vela's own per NPU family,
+  :data:`.vela.DEFAULTS`; :class:`.vela.EthosOptions`);
+- ``compile(...)``: lowered to TFLite, compiled by Vela, the report's ``device`` section
+  (:func:`.compile.compile_for_ethos_u`);
+- ``quantizer_config(...)``: TFLite's int8 conventions as ``quantize_static``'s keywords
+  (:func:`quantizer_config`);
+- ``Runner``: the lowered TFLite in LiteRT's interpreter (:class:`.runner.TfliteRunner`);
+- ``accuracy(...)``: the held-out SQNRs, TFLite vs float, QDQ vs float, TFLite vs QDQ
+  (:func:`.runner.tflite_accuracy`; in the interface's names ``htp_vs_float``, ``cpu_vs_float``,
+  ``htp_vs_cpu``).
+
+TFLite's int8 quantisation conventions (the TFLite converter's full-integer mode, which
+TFLite Micro and Vela expect): activations int8 asymmetric, one scale and zero point per
+tensor; weights int8 symmetric (zero point 0), per output channel for the layers with weights;
+bias int32 at the input scale times the weight scale, zero point 0. ONNX Runtime's quantiser
+writes that with ``activation_type=QInt8``, ``weight_type=QInt8``, ``per_channel=True``,
+``ActivationSymmetric`` False and ``WeightSymmetric`` True; its bias is int32 at that scale
+already. Every op it can quantise is quantised: the NPU runs no float. A layer the
+mixed-precision search keeps goes to 16-bit activations, symmetric (TFLite's 16x8 mode).
+"""
+
+from __future__ import annotations
+
+__all__ = ["TITLE", "NAME", "EthosOptions", "Options", "require_backend", "compile", "quantizer_config",
+           "Runner", "accuracy"]
+
+import pathlib
+
+import onnx
+
+from opfuse.targets.ethos_u.compile import compile_for_ethos_u as compile  # noqa: A001 - the interface's name
+from opfuse.targets.ethos_u.runner import TfliteRunner as Runner
+from opfuse.targets.ethos_u.runner import tflite_accuracy as accuracy
+from opfuse.targets.ethos_u.vela import EthosOptions
+from opfuse.targets.ethos_u.vela import require_vela as require_backend
+
+TITLE = "Arm Ethos-U through Vela"
+NAME = "Ethos-U (the lowered TFLite in LiteRT)"
+
+
+Options = EthosOptions  # (the interface's name)
+
+
+def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
+                     method, extra: dict, sixteen: list[str], excluded: list[str]) -> dict:
+    """``quantize_static``'s keyword arguments by TFLite's int8 conventions (module docstring);
+    ``sixteen``: tensors kept with 16-bit symmetric activations, ``excluded``: nodes kept in float."""
+    from onnxruntime import quantization as ortq  # (the quantiser: heavy, on use)
+
+    overrides = {t: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True}] for t in sixteen}
+    options = {"ActivationSymmetric": False, "WeightSymmetric": True, **extra}
+    if overrides:
+        options["TensorQuantOverrides"] = overrides
+    return dict(calibration_data_reader=reader, quant_format=ortq.QuantFormat.QDQ,
+                activation_type=ortq.QuantType.QInt8, weight_type=ortq.QuantType.QInt8,
+                per_channel=preset.per_channel, calibrate_method=method, op_types_to_quantize=None,
+                nodes_to_exclude=list(excluded), extra_options=options)
