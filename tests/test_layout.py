@@ -191,7 +191,8 @@ OWN_RULES = {
     ("passes/leftovers.py", "PATTERN_PRIMITIVES"): "which pattern a primitive left over belongs to (for its note)",
     ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",
 }
-TARGET_MODULES = {"targets/onnxruntime.py", "targets/onnx.py", "targets/qnn/__init__.py"}
+TARGET_MODULES = {"targets/onnxruntime.py", "targets/onnx.py", "targets/qnn/__init__.py",
+                  "targets/ethos_u/tflite_ops.py"}
 
 
 def _op_name_collections(path: pathlib.Path):

@@ -1,0 +1,566 @@
+"""The ONNX ops the Ethos-U lowering writes as TFLite: one function per op, in :data:`LOWERINGS`.
+
+Each function reads one ONNX node through the :class:`~opfuse.targets.ethos_u.lower.Lowering`
+state and writes its TFLite op(s). Conventions (the module docstring of ``lower`` gives the layout):
+
+- Conv: weights OIHW -> OHWI (CONV_2D, int8 per-channel ``quantized_dimension`` 0); a
+  depthwise conv (group == C_in, C_out = C_in x M, one input channel per group) -> DEPTHWISE_CONV_2D
+  with weights 1HW(C*M) (``quantized_dimension`` 3) and ``depth_multiplier`` M; any other group
+  count is refused. Pads equal to TFLite's SAME (or zero: VALID) are written as that padding,
+  any other pads as an explicit PAD before a VALID conv (int8: padded with the zero point, real 0).
+- Gemm / MatMul with a constant weight -> FULLY_CONNECTED with weights [N, K].
+- Pools: MaxPool pads are written as PAD/PADV2 with the lowest value; AveragePool's pads as
+  SAME (count_include_pad=0, SAME pads), or PAD then VALID (count_include_pad=1).
+- int8 ops whose TFLite kernel fixes its output quantisation (SOFTMAX, LOGISTIC: 1/256, -128;
+  TANH: 1/128, 0) or needs it equal to the input's (pools, RESHAPE, TRANSPOSE, PAD, RESIZE,
+  CONCATENATION inputs) write that quantisation and a QUANTIZE (int8 -> int8 rescale) to the QDQ
+  model's own, when they differ.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LOWERINGS"]
+
+import math
+
+import numpy as np
+from ai_edge_litert import schema_py_generated as schema
+
+from opfuse.core.ops import ONNX_DOMAINS
+from opfuse.targets.ethos_u.tflite_graph import NCHW_TO_NHWC, Lowering, Value, attr
+from opfuse.targets.ethos_u.tflite_writer import Quant
+
+OP = schema.BuiltinOperator
+OPT = schema.BuiltinOptions
+ACT = schema.ActivationFunctionType
+PAD = schema.Padding
+
+
+def _options(cls, **fields):
+    o = cls()
+    for k, v in fields.items():
+        setattr(o, k, v)
+    return o
+
+
+def _same_quant(a: Quant | None, b: Quant | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(np.allclose(a.scale, b.scale, rtol=1e-6) and np.array_equal(a.zero_point, b.zero_point))
+
+
+def emit(L: Lowering, builtin: int, inputs: list[int], out: Value, options=None, options_type=0,
+         quant: Quant | None = None) -> None:
+    """Write ``builtin`` into ``out``; when the kernel needs quantisation ``quant`` and ``out``
+    has another, through a temporary with ``quant`` and a QUANTIZE (rescale) to ``out``."""
+    if quant is None or not L.g.quantised or _same_quant(quant, out.quant):
+        L.w.op(builtin, inputs, [out.index], options, options_type)
+        return
+    tmp = L.temp(out, f"{L.w._tensors[out.index].name}/requant", quant=quant)
+    L.w.op(builtin, inputs, [tmp.index], options, options_type)
+    L.w.op(OP.QUANTIZE, [tmp.index], [out.index])
+
+
+def requantised(L: Lowering, x: Value, quant: Quant | None, name: str) -> Value:
+    """``x`` in quantisation ``quant`` (itself when it already is)."""
+    if quant is None or _same_quant(x.quant, quant):
+        return x
+    tmp = L.temp(x, f"{name}/requant", quant=quant)
+    L.w.op(OP.QUANTIZE, [x.index], [tmp.index])
+    return tmp
+
+
+def _fixed(scale: float, zero_point: int) -> Quant:
+    return Quant(np.array([scale]), np.array([zero_point]), 0)
+
+
+# --- padding ---------------------------------------------------------------------------------
+def _spatial_padding(node, in_hw, out_hw, kernel, strides, dilations,
+                     allow_same: bool = True) -> tuple[int, list[tuple[int, int]]]:
+    """TFLite padding for ONNX pads: (SAME or VALID, explicit (before, after) per spatial dim
+    to write as a PAD first; all zero when the padding alone is exact). ``allow_same=False``:
+    SAME is not exact (an average that counts the padding)."""
+    auto_pad = attr(node, "auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    n = len(in_hw)
+    pads = list(attr(node, "pads", [0] * (2 * n)))
+    begins, ends = pads[:n], pads[n:]
+    explicit = []
+    same = valid = True
+    for i in range(n):
+        k_eff = (kernel[i] - 1) * dilations[i] + 1
+        total = (out_hw[i] - 1) * strides[i] + k_eff - in_hw[i]
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            b = max(total, 0) // 2 if auto_pad == "SAME_UPPER" else (max(total, 0) + 1) // 2
+        elif auto_pad == "VALID":
+            b = 0
+        else:
+            b = begins[i]
+        after = max(total - b, 0)  # the padding at the end the windows actually read
+        explicit.append((b, after))
+        same &= out_hw[i] == math.ceil(in_hw[i] / strides[i]) and total >= 0 and b == total // 2
+        valid &= b == 0 and out_hw[i] == (in_hw[i] - k_eff) // strides[i] + 1
+    if valid:
+        return PAD.VALID, [(0, 0)] * n
+    if same and allow_same:
+        return PAD.SAME, [(0, 0)] * n
+    return PAD.VALID, explicit
+
+
+def _explicit_pad(L: Lowering, x: Value, spatial: list[tuple[int, int]], fill: str) -> Value:
+    """``x`` (NHWC) padded on H and W; ``fill`` is "zero" (real 0) or "lowest"."""
+    if not any(b or a for b, a in spatial):
+        return x
+    n, c, h, w = x.shape
+    shape = (n, c, h + sum(spatial[0]), w + sum(spatial[1]))
+    out = L.temp(x, f"{L.w._tensors[x.index].name}/pad", shape=shape)
+    paddings = L.int_tensor(f"{L.node.name}/paddings", [[0, 0], list(spatial[0]), list(spatial[1]), [0, 0]])
+    if fill == "zero" or (L.g.quantised and int(x.quant.zero_point[0]) == -128):
+        L.w.op(OP.PAD, [x.index, paddings], [out.index], _options(schema.PadOptionsT), OPT.PadOptions)
+    else:
+        low = np.array([-128], np.int8) if L.g.quantised else np.array([np.finfo(np.float32).min], np.float32)
+        value = L.w.tensor(f"{L.node.name}/pad_value", [1], low.dtype, data=low, quant=x.quant)
+        L.w.op(OP.PADV2, [x.index, paddings, value], [out.index], _options(schema.PadV2OptionsT), OPT.PadV2Options)
+    return out
+
+
+def _spatial_attrs(L: Lowering, node, x: Value, kernel):
+    n = len(kernel)
+    strides = list(attr(node, "strides", [1] * n))
+    dilations = list(attr(node, "dilations", [1] * n))
+    out_hw = L.shape(node.output[0])[2:]
+    return strides, dilations, out_hw
+
+
+# --- convolution and fully connected ---------------------------------------------------------
+def _weights(L: Lowering, name: str, real: np.ndarray, axis: int):
+    """int8 weights (the QDQ model's integers, else quantised symmetric per channel) or float."""
+    if not L.g.quantised:
+        return real.astype(np.float32), None
+    if name in L.g.quantised_constants:
+        data, q = L.g.quantised_constants[name]
+        if np.any(q.zero_point != 0):
+            raise L.refuse(f"weight '{name}' has a non-zero zero point (TFLite int8 weights are symmetric)")
+        if data.dtype != np.int8:
+            raise L.refuse(f"weight '{name}' is {data.dtype}, not int8")
+        if q.per_channel and q.axis != axis:
+            raise L.refuse(f"weight '{name}' is quantised along axis {q.axis}, not the output channels ({axis})")
+        return data, q
+    peak = np.max(np.abs(np.moveaxis(real, axis, 0).reshape(real.shape[axis], -1)), axis=1)
+    scale = np.where(peak > 0, peak / 127.0, 1.0)
+    shape = [1] * real.ndim
+    shape[axis] = -1
+    data = np.clip(np.round(real / scale.reshape(shape)), -127, 127).astype(np.int8)
+    return data, Quant(scale, np.zeros(scale.size, np.int64), axis)
+
+
+def _bias(L: Lowering, name: str | None, n: int, x: Value, wq: Quant | None, scale: float = 1.0):
+    real = L.constant(name).reshape(-1).astype(np.float64) * scale if name else np.zeros(n)
+    if real.size != n:
+        raise L.refuse(f"bias '{name}' has {real.size} values for {n} output channels")
+    if not L.g.quantised:
+        return L.w.tensor(f"{L.node.name}/bias", [n], np.float32, data=real.astype(np.float32))
+    if name and name in L.g.quantised_constants and L.g.quantised_constants[name][0].dtype == np.int32:
+        data, q = L.g.quantised_constants[name]
+        data = data.reshape(-1)
+    else:
+        bias_scale = float(x.quant.scale[0]) * np.broadcast_to(wq.scale, (n,))
+        data = np.round(real / bias_scale).astype(np.int32)
+        q = Quant(bias_scale, np.zeros(n, np.int64), 0)
+    q = Quant(np.broadcast_to(q.scale, (n,)) if q.scale.size > 1 else q.scale, np.zeros(q.scale.size, np.int64), 0)
+    return L.w.tensor(f"{L.node.name}/bias", [n], np.int32, data=data.astype(np.int32), quant=q)
+
+
+def conv(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    if len(x.shape) != 4:
+        raise L.refuse(f"a {len(x.shape) - 2}-D convolution (only 2-D convolutions are lowered)")
+    w = L.constant(node.input[1])
+    c_out, c_per_group, kh, kw = w.shape
+    c_in = x.shape[1]
+    group = int(attr(node, "group", 1))
+    depthwise = group > 1 and group == c_in and c_per_group == 1 and c_out % c_in == 0
+    if group != 1 and not depthwise:
+        raise L.refuse(f"groups={group} is neither a plain nor a depthwise convolution "
+                       f"(C_in={c_in}, C_out={c_out}); split it into {group} convolutions first")
+    strides, dilations, out_hw = _spatial_attrs(L, node, x, (kh, kw))
+    padding, explicit = _spatial_padding(node, x.shape[2:], out_hw, (kh, kw), strides, dilations)
+    x = _explicit_pad(L, x, explicit, "zero")
+    builtin = OP.DEPTHWISE_CONV_2D if depthwise else OP.CONV_2D
+    if depthwise:
+        real = w.reshape(c_out, kh, kw).transpose(1, 2, 0)[None]
+        data, wq = _weights(L, node.input[1], w, 0)
+        data = data.reshape(c_out, kh, kw).transpose(1, 2, 0)[None]
+        wq = wq and Quant(wq.scale, wq.zero_point, 3)
+    else:
+        data, wq = _weights(L, node.input[1], w, 0)
+        data = data.transpose(0, 2, 3, 1)
+    weight = L.w.tensor(f"{node.name}/weight", data.shape, data.dtype, data=data, quant=wq)
+    bias = _bias(L, node.input[2] if len(node.input) > 2 and node.input[2] else None, c_out, x, wq)
+    act, out_name = L.fused_activation(builtin, node.output[0])
+    out = L.new_value(out_name)
+    common = dict(padding=padding, strideH=strides[0], strideW=strides[1], dilationHFactor=dilations[0],
+                  dilationWFactor=dilations[1], fusedActivationFunction=act)
+    if depthwise:
+        options = _options(schema.DepthwiseConv2DOptionsT, depthMultiplier=c_out // c_in, **common)
+        L.w.op(builtin, [x.index, weight, bias], [out.index], options, OPT.DepthwiseConv2DOptions)
+    else:
+        L.w.op(builtin, [x.index, weight, bias], [out.index], _options(schema.Conv2DOptionsT, **common),
+               OPT.Conv2DOptions)
+
+
+def fully_connected(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    if x.layout != tuple(range(len(x.shape))):
+        raise L.refuse("a MatMul of NHWC (rank-4) activations; only a 2-D or 3-D input is lowered")
+    b = L.constant(node.input[1])
+    alpha, beta = 1.0, 1.0
+    if node.op_type == "Gemm":
+        if attr(node, "transA", 0):
+            raise L.refuse("transA=1 (FULLY_CONNECTED reads its input untransposed)")
+        alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
+        trans_b = bool(attr(node, "transB", 0))
+    else:
+        trans_b = False
+        if b.ndim != 2:
+            raise L.refuse(f"a MatMul with a rank-{b.ndim} weight (FULLY_CONNECTED takes a 2-D one)")
+    if L.g.quantised and (alpha != 1.0 or beta != 1.0):
+        raise L.refuse(f"alpha={alpha}, beta={beta} in an int8 model (fold them into the weights first)")
+    data, wq = _weights(L, node.input[1], b * alpha if not L.g.quantised else b, 0 if trans_b else 1)
+    if not trans_b:
+        data = data.T
+        wq = wq and Quant(wq.scale, wq.zero_point, 0)
+    data = np.ascontiguousarray(data)
+    n = data.shape[0]
+    weight = L.w.tensor(f"{node.name}/weight", data.shape, data.dtype, data=data, quant=wq)
+    bias_name = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+    bias = _bias(L, bias_name, n, x, wq, beta)
+    act, out_name = L.fused_activation(OP.FULLY_CONNECTED, node.output[0])
+    out = L.new_value(out_name)
+    options = _options(schema.FullyConnectedOptionsT, fusedActivationFunction=act, keepNumDims=len(x.shape) > 2)
+    L.w.op(OP.FULLY_CONNECTED, [x.index, weight, bias], [out.index], options, OPT.FullyConnectedOptions)
+
+
+# --- element-wise ----------------------------------------------------------------------------
+_BINARY = {
+    "Add": (OP.ADD, schema.AddOptionsT, OPT.AddOptions),
+    "Sub": (OP.SUB, schema.SubOptionsT, OPT.SubOptions),
+    "Mul": (OP.MUL, schema.MulOptionsT, OPT.MulOptions),
+    "Div": (OP.MUL, schema.MulOptionsT, OPT.MulOptions),  # by a constant: MUL by its reciprocal
+}
+
+
+def binary(L: Lowering, node) -> None:
+    builtin, options_cls, options_type = _BINARY[node.op_type]
+    out_shape = L.shape(node.output[0])
+    rank = len(out_shape)
+    layout = NCHW_TO_NHWC if rank == 4 else tuple(range(rank))
+    operands = []
+    for i, name in enumerate(node.input[:2]):
+        if L.is_constant(name):
+            real = L.constant(name)
+            if node.op_type == "Div" and i == 1:
+                if np.any(real == 0):
+                    raise L.refuse(f"division by a constant '{name}' with zeros")
+                operands.append(L.const_operand(name, rank, layout, real=1.0 / real.astype(np.float64)))
+            else:
+                operands.append(L.const_operand(name, rank, layout))
+            continue
+        if node.op_type == "Div" and i == 1:
+            raise L.refuse("a division by a computed tensor (only a division by a constant is lowered, as MUL)")
+        v = L.value(name)
+        if len(v.shape) != rank:
+            raise L.refuse(f"input '{name}' of rank {len(v.shape)} broadcast to rank {rank} "
+                           "(only constants are broadcast across ranks)")
+        operands.append(v)
+    act, out_name = L.fused_activation(builtin, node.output[0])
+    out = L.new_value(out_name)
+    L.w.op(builtin, [v.index for v in operands], [out.index],
+           _options(options_cls, fusedActivationFunction=act), options_type)
+
+
+def activation(L: Lowering, node) -> None:
+    code = L.activation_of(node)
+    if code is None:
+        raise L.refuse("Clip bounds other than (0, 6), (-1, 1) or (0, none) have no TFLite activation op")
+    x = L.value(node.input[0])
+    out = L.new_value(node.output[0])
+    builtin = {ACT.RELU: OP.RELU, ACT.RELU6: OP.RELU6, ACT.RELU_N1_TO_1: OP.RELU_N1_TO_1}[code]
+    L.w.op(builtin, [x.index], [out.index])
+
+
+def unary(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    out = L.new_value(node.output[0])
+    if node.op_type == "Sigmoid":
+        emit(L, OP.LOGISTIC, [x.index], out, quant=_fixed(1 / 256, -128))
+    elif node.op_type == "Tanh":
+        emit(L, OP.TANH, [x.index], out, quant=_fixed(1 / 128, 0))
+    elif node.op_type == "HardSwish":
+        L.w.op(OP.HARD_SWISH, [x.index], [out.index])
+    elif node.op_type == "LeakyRelu":
+        alpha = float(attr(node, "alpha", 0.01))
+        L.w.op(OP.LEAKY_RELU, [x.index], [out.index], _options(schema.LeakyReluOptionsT, alpha=alpha),
+               OPT.LeakyReluOptions)
+
+
+def identity(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    out = L.new_value(node.output[0])
+    shape = L.int_tensor(f"{node.name}/shape", L.w.shape(out.index))
+    emit(L, OP.RESHAPE, [x.index, shape], out, _options(schema.ReshapeOptionsT, newShape=L.w.shape(out.index)),
+         OPT.ReshapeOptions, quant=x.quant)
+
+
+# --- pools and reductions --------------------------------------------------------------------
+def pool(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    if len(x.shape) != 4:
+        raise L.refuse(f"a {len(x.shape) - 2}-D pool (only 2-D pools are lowered)")
+    if node.op_type == "GlobalAveragePool":
+        return _mean(L, node, x, [1, 2], True)
+    if node.op_type == "GlobalMaxPool":
+        kernel, strides, padding, explicit = list(x.shape[2:]), [1, 1], PAD.VALID, [(0, 0)] * 2
+    else:
+        kernel = list(attr(node, "kernel_shape"))
+        strides, dilations, out_hw = _spatial_attrs(L, node, x, kernel)
+        if any(d != 1 for d in dilations):
+            raise L.refuse(f"dilations={dilations} (TFLite pools are not dilated)")
+        include_pad = node.op_type == "AveragePool" and bool(attr(node, "count_include_pad", 0))
+        padding, explicit = _spatial_padding(node, x.shape[2:], out_hw, kernel, strides, dilations,
+                                             allow_same=not include_pad)
+    if node.op_type == "AveragePool" and any(b or a for b, a in explicit):
+        if not attr(node, "count_include_pad", 0):
+            raise L.refuse("pads that are not TFLite's SAME with count_include_pad=0 (the padded "
+                           "average would count the padding)")
+        pads = list(attr(node, "pads", [0, 0, 0, 0]))
+        if [a for _, a in explicit] != pads[2:]:
+            raise L.refuse("ceil_mode windows that read past the pads with count_include_pad=1")
+        x = _explicit_pad(L, x, explicit, "zero")
+    else:
+        x = _explicit_pad(L, x, explicit, "lowest")
+    builtin = OP.AVERAGE_POOL_2D if node.op_type == "AveragePool" else OP.MAX_POOL_2D
+    out = L.new_value(node.output[0])
+    options = _options(schema.Pool2DOptionsT, padding=padding, strideH=strides[0], strideW=strides[1],
+                       filterHeight=kernel[0], filterWidth=kernel[1])
+    emit(L, builtin, [x.index], out, options, OPT.Pool2DOptions, quant=x.quant)
+
+
+def _mean(L: Lowering, node, x: Value, tflite_axes: list[int], keep: bool) -> None:
+    out = L.new_value(node.output[0])
+    axes = L.int_tensor(f"{node.name}/axes", sorted(tflite_axes))
+    L.w.op(OP.MEAN, [x.index, axes], [out.index], _options(schema.ReducerOptionsT, keepDims=keep),
+           OPT.ReducerOptions)
+
+
+def reduce_mean(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    rank = len(x.shape)
+    axes = attr(node, "axes")
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        axes = L.constant(node.input[1]).tolist()
+    if axes is None:
+        axes = list(range(rank))
+    axes = [(a + rank) % rank for a in axes]
+    keep = bool(attr(node, "keepdims", 1))
+    tflite_axes = [x.layout.index(a) for a in axes]
+    if not keep:
+        kept = [a for a in x.layout if a not in axes]
+        if kept != sorted(kept) and len(kept) == 4:
+            raise L.refuse("a reduction whose remaining axes change order in NHWC")
+        if len(kept) == 4 or kept != sorted(kept):
+            raise L.refuse("a reduction whose remaining axes change order in NHWC")
+    _mean(L, node, x, tflite_axes, keep)
+
+
+# --- layout ops ------------------------------------------------------------------------------
+def _order_kept(shape, layout) -> bool:
+    """Whether the TFLite data order of a tensor stored in ``layout`` is the ONNX order."""
+    moved = [a for a in layout if shape[a] != 1]
+    return moved == sorted(moved)
+
+
+def _transpose(L: Lowering, x: Value, perm: list[int], out: Value) -> None:
+    p = L.int_tensor(f"{L.w._tensors[out.index].name}/perm", perm)
+    emit(L, OP.TRANSPOSE, [x.index, p], out, _options(schema.TransposeOptionsT), OPT.TransposeOptions,
+         quant=x.quant)
+
+
+def _reshape(L: Lowering, x: Value, out: Value) -> None:
+    new_shape = L.w.shape(out.index)
+    shape = L.int_tensor(f"{L.w._tensors[out.index].name}/shape", new_shape)
+    emit(L, OP.RESHAPE, [x.index, shape], out, _options(schema.ReshapeOptionsT, newShape=new_shape),
+         OPT.ReshapeOptions, quant=x.quant)
+
+
+def reshape(L: Lowering, node) -> None:
+    """Reshape, Flatten, Squeeze, Unsqueeze: RESHAPE in ONNX's (NCHW) data order."""
+    x = L.value(node.input[0])
+    identity_in = tuple(range(len(x.shape)))
+    if x.layout != identity_in and not _order_kept(x.shape, x.layout):
+        nchw = L.temp(x, f"{L.w._tensors[x.index].name}/nchw", layout=identity_in)
+        _transpose(L, x, [x.layout.index(k) for k in identity_in], nchw)
+        x = nchw
+    out_shape = L.shape(node.output[0])
+    out_layout = NCHW_TO_NHWC if len(out_shape) == 4 else tuple(range(len(out_shape)))
+    if out_layout != tuple(range(len(out_shape))) and not _order_kept(out_shape, out_layout):
+        out = L.new_value(node.output[0])
+        tmp = L.temp(out, f"{L.w._tensors[out.index].name}/nchw", layout=tuple(range(4)), quant=x.quant)
+        _reshape(L, x, tmp)
+        _transpose(L, tmp, list(NCHW_TO_NHWC), out)
+        return
+    _reshape(L, x, L.new_value(node.output[0]))
+
+
+def transpose(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    rank = len(x.shape)
+    perm = list(attr(node, "perm", list(reversed(range(rank)))))
+    out = L.new_value(node.output[0])
+    tflite_perm = [x.layout.index(perm[out.layout[k]]) for k in range(rank)]
+    if tflite_perm == list(range(rank)):
+        return _reshape(L, x, out)
+    _transpose(L, x, tflite_perm, out)
+
+
+def concat(L: Lowering, node) -> None:
+    out_shape = L.shape(node.output[0])
+    rank = len(out_shape)
+    axis = (int(attr(node, "axis")) + rank) % rank
+    out = L.new_value(node.output[0])
+    inputs = []
+    for name in node.input:
+        if L.is_constant(name):
+            v = L.const_operand(name, rank, out.layout, squeeze=False)
+        else:
+            v = L.value(name)
+        inputs.append(requantised(L, v, out.quant, f"{node.name}/{name}").index)
+    options = _options(schema.ConcatenationOptionsT, axis=out.layout.index(axis))
+    L.w.op(OP.CONCATENATION, inputs, [out.index], options, OPT.ConcatenationOptions)
+
+
+def pad(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    mode = attr(node, "mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        raise L.refuse(f"mode={mode} (only constant padding is lowered)")
+    rank = len(x.shape)
+    pads = attr(node, "pads")
+    if pads is None:
+        pads = L.constant(node.input[1]).tolist()
+    if len(node.input) > 3 and node.input[3]:
+        raise L.refuse("padding a subset of axes (the axes input)")
+    value = float(attr(node, "value", 0.0))
+    if len(node.input) > 2 and node.input[2]:
+        value = float(L.constant(node.input[2]).reshape(-1)[0])
+    if any(p < 0 for p in pads):
+        raise L.refuse("negative pads (a crop)")
+    paddings = [[pads[a], pads[a + rank]] for a in x.layout]
+    out = L.new_value(node.output[0])
+    p = L.int_tensor(f"{node.name}/paddings", paddings)
+    if value == 0.0:
+        emit(L, OP.PAD, [x.index, p], out, _options(schema.PadOptionsT), OPT.PadOptions, quant=x.quant)
+        return
+    if L.g.quantised:
+        s, z = x.quant.scalar()
+        fill = np.array([np.clip(np.round(value / s) + z, -128, 127)], np.int8)
+    else:
+        fill = np.array([value], np.float32)
+    v = L.w.tensor(f"{node.name}/pad_value", [1], fill.dtype, data=fill, quant=x.quant)
+    emit(L, OP.PADV2, [x.index, p, v], out, _options(schema.PadV2OptionsT), OPT.PadV2Options, quant=x.quant)
+
+
+def softmax(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    rank = len(x.shape)
+    opset = next((o.version for o in L.model.opset_import if o.domain in ONNX_DOMAINS), 13)
+    axis = (int(attr(node, "axis", -1 if opset >= 13 else 1)) + rank) % rank
+    if opset < 13 and axis != rank - 1:
+        raise L.refuse(f"opset {opset} Softmax over axis {axis}: it flattens the axes after it, TFLite's does not")
+    if x.layout[-1] != axis:
+        raise L.refuse(f"softmax over axis {axis}, which is not the last axis in TFLite's layout")
+    out = L.new_value(node.output[0])
+    emit(L, OP.SOFTMAX, [x.index], out, _options(schema.SoftmaxOptionsT, beta=1.0), OPT.SoftmaxOptions,
+         quant=_fixed(1 / 256, -128))
+
+
+def resize(L: Lowering, node) -> None:
+    x = L.value(node.input[0])
+    if len(x.shape) != 4:
+        raise L.refuse("a resize of a tensor that is not rank 4")
+    out_shape = L.shape(node.output[0])
+    if out_shape[:2] != x.shape[:2]:
+        raise L.refuse("a resize of the batch or channel axis")
+    mode = attr(node, "mode", b"nearest")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    ctm = attr(node, "coordinate_transformation_mode", b"half_pixel")
+    ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
+    nearest_mode = attr(node, "nearest_mode", b"round_prefer_floor")
+    nearest_mode = nearest_mode.decode() if isinstance(nearest_mode, bytes) else nearest_mode
+    factors = [o / i for o, i in zip(out_shape[2:], x.shape[2:])]
+    align = half = False
+    if mode == "linear":
+        if ctm == "align_corners":
+            align = True
+        elif ctm in ("half_pixel", "pytorch_half_pixel") and min(out_shape[2:]) > 1:
+            half = True
+        elif ctm != "asymmetric":
+            raise L.refuse(f"linear resize with coordinate_transformation_mode={ctm} (TFLite has align_corners, "
+                           "half_pixel_centers and asymmetric)")
+        builtin, cls, opt = OP.RESIZE_BILINEAR, schema.ResizeBilinearOptionsT, OPT.ResizeBilinearOptions
+    elif mode == "nearest":
+        integer_up = all(f == int(f) and f >= 1 for f in factors)
+        if ctm == "asymmetric" and (nearest_mode == "floor" or (
+                nearest_mode == "round_prefer_floor" and integer_up and max(factors) <= 2)):
+            pass
+        elif ctm == "half_pixel" and nearest_mode == "round_prefer_ceil":
+            half = True
+        elif ctm == "align_corners" and nearest_mode == "round_prefer_ceil":
+            align = True
+        elif ctm in ("half_pixel", "pytorch_half_pixel") and integer_up and nearest_mode in (
+                "round_prefer_floor", "floor", "round_prefer_ceil") and max(factors) <= 2:
+            half = True  # an exact integer upsampling: every rounding mode reads the same pixel
+        else:
+            raise L.refuse(f"nearest resize with coordinate_transformation_mode={ctm}, nearest_mode={nearest_mode} "
+                           f"and scale {factors} has no TFLite equivalent")
+        builtin, cls, opt = (OP.RESIZE_NEAREST_NEIGHBOR, schema.ResizeNearestNeighborOptionsT,
+                             OPT.ResizeNearestNeighborOptions)
+    else:
+        raise L.refuse(f"mode={mode} (TFLite resizes nearest or bilinear)")
+    out = L.new_value(node.output[0])
+    size = L.int_tensor(f"{node.name}/size", list(out_shape[2:]))
+    emit(L, builtin, [x.index, size], out, _options(cls, alignCorners=align, halfPixelCenters=half), opt,
+         quant=x.quant)
+
+
+LOWERINGS = {
+    "Conv": conv,
+    "Gemm": fully_connected,
+    "MatMul": fully_connected,
+    "Add": binary,
+    "Sub": binary,
+    "Mul": binary,
+    "Div": binary,
+    "Relu": activation,
+    "Clip": activation,
+    "Sigmoid": unary,
+    "Tanh": unary,
+    "HardSwish": unary,
+    "LeakyRelu": unary,
+    "Identity": identity,
+    "MaxPool": pool,
+    "AveragePool": pool,
+    "GlobalAveragePool": pool,
+    "GlobalMaxPool": pool,
+    "ReduceMean": reduce_mean,
+    "Reshape": reshape,
+    "Flatten": reshape,
+    "Squeeze": reshape,
+    "Unsqueeze": reshape,
+    "Transpose": transpose,
+    "Concat": concat,
+    "Pad": pad,
+    "Softmax": softmax,
+    "Resize": resize,
+}
