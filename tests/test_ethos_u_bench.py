@@ -69,12 +69,15 @@ def test_activation_merges_into_the_op_before_it_only_when_fusing():
     ir_model, _ = load_model(residual_net())
     calib = [make_inputs(ir_model, seed=i) for i in range(2)]
     qdq = quantize_for_ethos_u(config_float_model(ir_model, "conv-bn-act"), calib)
-    unfused = predicted_kernels(qdq, fuse=False)
-    fused = predicted_kernels(qdq, fuse=True)
+    unfused = predicted_kernels(qdq, None)
+    fused = predicted_kernels(qdq, [])  # the lowering refused none
     assert [k.op for k in unfused].count("Relu") == 2
     assert [k.op for k in fused].count("Relu") == 0
     assert sorted(k.label for k in fused if k.epilogue) == ["Add+Relu", "Conv+Relu"]
-    assert len(merge_activations(unfused, (), ())) == len(unfused)  # no host: nothing merges
+    relus = [k.name for k in unfused if k.op == "Relu"]
+    one_kept = predicted_kernels(qdq, relus[:1])  # the lowering kept the first Relu as its own op
+    assert [k.op for k in one_kept].count("Relu") == 1
+    assert len(merge_activations(unfused, ())) == len(unfused)
 
 
 def test_roofline_fit_recovers_the_rates_the_times_were_made_with():
@@ -122,10 +125,11 @@ def test_ablation_on_ethos_u55_has_five_rows_with_vela_figures_and_the_model_err
         assert r.predicted_s > 0
         assert r.model_error == pytest.approx((r.predicted_s - r.time_s) / r.time_s)
     by = {r.config: r for r in rows}
-    # folding BN removes two MULs and two ADDs; fusing removes the two RELUs
+    # folding BN removes two MULs and two ADDs (Vela runs a RELU after an op in that op's epilogue
+    # itself where it can, so fusing it first may change nothing: not asserted)
     assert by["conv-bn"].npu_ops == by["none"].npu_ops - 4
-    assert by["conv-bn-act"].npu_ops == by["conv-bn"].npu_ops - 2
-    assert by["conv-bn-act"].cycles < by["none"].cycles
+    assert by["conv-bn"].cycles < by["none"].cycles
+    assert by["conv-bn-act"].cycles <= by["conv-bn"].cycles
     out = io.StringIO()
     Console(file=out, width=200).print(vela_table(result, "ethos-u55-128"))
     text = out.getvalue()

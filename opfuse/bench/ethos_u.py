@@ -62,13 +62,12 @@ from opfuse.cost.accelerator import Kernel, kernels_of, predict
 from opfuse.cost.int8 import int8_traffic
 from opfuse.cost.profiles import HardwareProfile
 from opfuse.cost.traffic import analyse_traffic
-from opfuse.core.ops import first_line
+from opfuse.core.ops import ONNX_DOMAINS, first_line
+from opfuse.targets.ethos_u import FUSED_ACTIVATIONS
 
 CALIBRATION = 8
-# The ops the lowering runs an activation in the epilogue of (their fused_activation_function;
-# opfuse.targets.ethos_u.lower.FUSED_ACTIVATIONS), as ONNX ops
-FUSED_ACTIVATION_HOSTS = frozenset({"Conv", "Gemm", "MatMul", "Add", "Mul"})
-TFLITE_ACTIVATIONS = frozenset({"Relu", "Clip"})
+# the ONNX activations a TFLite op can carry as its fused_activation_function (the target's data)
+TFLITE_ACTIVATIONS = frozenset(op for op, _ in FUSED_ACTIVATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +103,9 @@ class VelaRow:
     time_s: float | None = None
     offchip_bytes: float | None = None
     sram_bytes: float | None = None
-    npu_ops: int | None = None
+    npu_ops: int | None = None  # Vela's NPU operations that take cycles
     cpu_ops: list[str] = dataclasses.field(default_factory=list)  # "OP: Vela's reason"
-    tflite_ops: int | None = None
+    tflite_ops: int | None = None  # ops of the TFLite Vela was given
     predicted_s: float | None = None
     predicted_offchip_bytes: float | None = None
     system: str = ""  # Vela's system config and memory mode
@@ -140,7 +139,7 @@ def decompose_batchnorm(proto: onnx.ModelProto) -> onnx.ModelProto:
     nodes = []
     for node in graph.node:
         params = [inits.get(name) for name in node.input[1:5]]
-        if (node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or len(node.output) != 1
+        if (node.op_type != "BatchNormalization" or node.domain not in ONNX_DOMAINS or len(node.output) != 1
                 or len(params) != 4 or any(p is None for p in params)):
             nodes.append(node)
             continue
@@ -176,7 +175,7 @@ def _ranks(proto: onnx.ModelProto) -> dict[str, int]:
 
 def config_float_model(model: ir.Model, name: str) -> onnx.ModelProto:
     """The float model with configuration ``name``'s structure (see the module docstring)."""
-    from opfuse.pipeline import optimize  # loads the passes
+    from opfuse.pipeline import optimize  # loads the passes; this module is read by bench.run
 
     config = ETHOS_CONFIGS[name]
     if config.passes:
@@ -190,6 +189,7 @@ def config_float_model(model: ir.Model, name: str) -> onnx.ModelProto:
 def quantize_for_ethos_u(float_proto: onnx.ModelProto, calibration: Sequence[dict[str, np.ndarray]]
                          ) -> onnx.ModelProto:
     """ONNX Runtime's ``quantize_static`` with TFLite's int8 conventions (the module docstring)."""
+    # ORT's quantiser loads a lot: only when a configuration is quantised
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
 
@@ -212,36 +212,34 @@ def quantize_for_ethos_u(float_proto: onnx.ModelProto, calibration: Sequence[dic
 
 # -- opfuse's prediction ------------------------------------------------------------------------
 
-def predicted_kernels(qdq: onnx.ModelProto, fuse: bool) -> list[Kernel]:
+def predicted_kernels(qdq: onnx.ModelProto, unfused: Iterable[str] | None = None) -> list[Kernel]:
     """The QDQ graph's int8 kernels as the TFLite runs them: no QuantizeLinear/DequantizeLinear at
-    the edges (the TFLite's IO is int8), and with ``fuse`` each activation merged into the kernel
-    before it when that kernel's output has no other use."""
+    the edges (the TFLite's IO is int8), and each activation the lowering fused (every Relu/Clip
+    not named in ``unfused``, the lowering's refusals; None: none fused) merged into the kernel
+    before it."""
     traffic = int8_traffic(analyse_traffic(qdq, batch=1))
     kernels = [k for k in kernels_of(traffic) if k.op not in ("QuantizeLinear", "DequantizeLinear")]
-    return merge_activations(kernels, FUSED_ACTIVATION_HOSTS, traffic.graph_outputs) if fuse else kernels
+    if unfused is None:
+        return kernels
+    kept = set(unfused)
+    return merge_activations(kernels, [k.name for k in kernels if k.op in TFLITE_ACTIVATIONS and k.name not in kept])
 
 
-def merge_activations(kernels: Sequence[Kernel], hosts: Iterable[str], graph_outputs: Iterable[str] = ()
-                      ) -> list[Kernel]:
-    """Each Relu/Clip kernel whose input is the only use of a ``hosts`` kernel's output runs in
-    that kernel's epilogue (TFLite's fused activation)."""
-    hosts, outputs = frozenset(hosts), set(graph_outputs)
-    uses: dict[str, int] = {}
-    for k in kernels:
-        for t in k.inputs:
-            if t is not None:
-                uses[t.name] = uses.get(t.name, 0) + 1
+def merge_activations(kernels: Sequence[Kernel], fused: Iterable[str]) -> list[Kernel]:
+    """Each kernel named in ``fused`` (an activation) runs in the epilogue of the kernel that
+    writes its input (TFLite's fused activation); one whose input has no producing kernel stays."""
+    names = set(fused)
     producer = {k.outputs[0].name: i for i, k in enumerate(kernels) if k.outputs}
     merged: list[Kernel | None] = list(kernels)
     for i, k in enumerate(kernels):
-        if k.op not in TFLITE_ACTIVATIONS or k.epilogue or not k.inputs or k.inputs[0] is None:
+        if k.name not in names or not k.inputs or k.inputs[0] is None:
             continue
-        src = k.inputs[0].name
-        j = producer.get(src)
+        j = producer.get(k.inputs[0].name)
         host = merged[j] if j is not None else None
-        if host is None or host.op not in hosts or host.epilogue or uses.get(src, 0) != 1 or src in outputs:
+        if host is None:
             continue
-        merged[j] = dataclasses.replace(host, outputs=(k.outputs[0], *host.outputs[1:]), epilogue=(k.op,))
+        merged[j] = dataclasses.replace(host, outputs=(k.outputs[0], *host.outputs[1:]),
+                                        epilogue=(*host.epilogue, k.op))
         merged[i] = None
     return [k for k in merged if k is not None]
 
@@ -261,7 +259,7 @@ def vela_ablation(
     A configuration that fails (quantisation, lowering, Vela) gives rows with ``error`` set;
     the others still run. Configurations whose TFLite is byte-identical are compiled once.
     """
-    from opfuse.targets.ethos_u.lower import lower_to_tflite  # heavy: only for an Ethos-U run
+    from opfuse.targets.ethos_u.lower import lower_to_tflite  # loads the TFLite schema: only for an Ethos-U run
 
     rows: list[VelaRow] = []
     built: dict[bytes, str] = {}
@@ -273,15 +271,18 @@ def vela_ablation(
         tflite, kernels, error = None, None, None
         try:
             qdq = quantize_for_ethos_u(config_float_model(model, name), calibration)
-            kernels = predicted_kernels(qdq, config.fuse)
-            tflite = lower_to_tflite(qdq, fuse_activations=config.fuse)
+            refusals: list[dict] = []
+            tflite = lower_to_tflite(qdq, refusals=refusals, fuse_activations=config.fuse)
+            kernels = predicted_kernels(qdq, [r["node"] for r in refusals])
         except Exception as e:  # noqa: BLE001 - the quantiser, the lowering raise many kinds
             error = first_line(e)
         same = built.get(tflite) if tflite is not None else None
+        tflite_ops = _tflite_op_count(tflite) if tflite is not None else None
         if tflite is not None and same is None:
             built[tflite] = name
         for prof in profiles:
-            row = VelaRow(name, config.label, prof.name, prof.vela.get("npu", ""), error=error, same_as=same)
+            row = VelaRow(name, config.label, prof.name, prof.vela.get("npu", ""), error=error, same_as=same,
+                          tflite_ops=tflite_ops)
             if kernels is not None:
                 prediction = predict(kernels, prof)
                 row.predicted_s = prediction.latency_s
@@ -299,13 +300,18 @@ def vela_ablation(
 
 
 def _copy_figures(src: VelaRow, dst: VelaRow) -> None:
-    for field in ("cycles", "time_s", "offchip_bytes", "sram_bytes", "npu_ops", "cpu_ops", "tflite_ops", "system",
-                  "error"):
+    for field in ("cycles", "time_s", "offchip_bytes", "sram_bytes", "npu_ops", "cpu_ops", "system", "error"):
         setattr(dst, field, getattr(src, field))
 
 
+def _tflite_op_count(tflite: bytes) -> int:
+    from ai_edge_litert import schema_py_generated as schema  # the ethos-u extra: on use
+
+    return schema.Model.GetRootAs(tflite, 0).Subgraphs(0).OperatorsLength()
+
+
 def _compile(tflite: bytes, prof: HardwareProfile, row: VelaRow) -> None:
-    from opfuse.targets.ethos_u.vela import compile_with_vela
+    from opfuse.targets.ethos_u.vela import compile_with_vela  # Vela's wrapper: only for an Ethos-U run
 
     try:
         result = compile_with_vela(tflite, npu=prof.vela["npu"], system_config=prof.vela.get("system_config"),
@@ -317,7 +323,7 @@ def _compile(tflite: bytes, prof: HardwareProfile, row: VelaRow) -> None:
     row.time_s = result.seconds
     row.offchip_bytes = result.off_chip_bytes
     row.sram_bytes = result.sram_bytes
-    row.npu_ops = len(result.npu_ops)
+    row.npu_ops = sum(1 for op in result.npu_ops if op.cycles > 0)  # a fused activation's row has none
     row.cpu_ops = [f"{name}: {reason}" for name, reason in result.cpu_ops.items()]
     row.system = f"{result.system_config}, {result.memory_mode}"
 
@@ -332,9 +338,9 @@ def vela_op_samples(tflite: bytes, result) -> list:
     and the op's work as the cost model counts it (2 x Vela's MACs, or the output's elements for an op
     without MACs; the bytes of every tensor of the TFLite op that writes the row's output). A row
     whose output is not a TFLite op's (an op Vela inserted) is left out."""
-    from ai_edge_litert import schema_py_generated as schema
+    from ai_edge_litert import schema_py_generated as schema  # the ethos-u extra: on use
 
-    from opfuse.cost.fit import OpSample
+    from opfuse.cost.fit import OpSample  # numpy-only, but only the fit needs it
 
     names = {v: k for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
     model = schema.ModelT.InitFromPackedBuf(tflite, 0)

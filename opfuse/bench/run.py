@@ -187,6 +187,7 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
         vela_rows = []
         vela_profiles = [p for p in profiles.values() if p.compiler == "vela"]
         if vela_profiles:
+            # the Ethos-U rows need ORT's quantiser, the lowering and Vela: loaded only for such a profile
             from opfuse.bench.ethos_u import CALIBRATION as VELA_CALIBRATION, ETHOS_CONFIGS, vela_ablation
 
             calibration = [make_inputs(model, dims=dims, seed=1000 + i) for i in range(VELA_CALIBRATION)]

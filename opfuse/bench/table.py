@@ -155,7 +155,8 @@ def vela_table(result, profile_name: str) -> Table:
              f"int8 TFLite per configuration), beside opfuse's cost model with the profile {prof.name} "
              "(a prediction)")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for name, justify in (("configuration", "left"), ("NPU\nops", "right"), ("CPU\nops", "right"),
+    for name, justify in (("configuration", "left"), ("TFLite\nops", "right"), ("NPU\nops", "right"),
+                          ("CPU\nops", "right"),
                           ("Vela\ncycles", "right"), ("Vela\nms", "right"), ("speed-up\nvs none", "right"),
                           ("off-chip\nMB", "right"), ("SRAM\nMB", "right"), ("model\nms", "right"),
                           ("model\nerror", "right")):
@@ -163,13 +164,13 @@ def vela_table(result, profile_name: str) -> Table:
     base = next((r for r in rows if r.config == BASELINE and r.time_s), None)
     for r in rows:
         if r.error and r.cycles is None:
-            table.add_row(r.label, "", "", f"[red]failed[/red]: {r.error}", *[""] * 6)
+            table.add_row(r.label, "", "", "", f"[red]failed[/red]: {r.error}", *[""] * 6)
             continue
         speed = f"{base.time_s / r.time_s:.2f}x" if base is not None and r.time_s else "-"
         model_ms = f"{r.predicted_s * 1e3:.2f}" if r.predicted_s is not None else "-"
         err = f"{r.model_error:+.0%}" if r.model_error is not None else "-"
         label = r.label + (f" (= {r.same_as})" if r.same_as else "")
-        table.add_row(label, _int(r.npu_ops), str(len(r.cpu_ops)), f"{r.cycles / 1e6:.2f} M",
+        table.add_row(label, _int(r.tflite_ops), _int(r.npu_ops), str(len(r.cpu_ops)), f"{r.cycles / 1e6:.2f} M",
                       f"{r.time_s * 1e3:.2f}", speed, _mb(r.offchip_bytes), _mb(r.sram_bytes), model_ms, err)
     return table
 
@@ -318,7 +319,8 @@ def footnotes(result) -> list[str]:
         lines.append("- Ethos-U tables: each configuration written as int8 TFLite keeping its structure (BN folded, "
                      "or a MUL and an ADD by per-channel constants; ReLU fused into the op before it, or a RELU op; "
                      "opfuse/bench/ethos_u.py) and compiled by Arm's Vela: cycles, ms and bytes are Vela's own "
-                     "estimate. model ms: opfuse's cost model on the same int8 graph with the profile; model "
+                     "estimate; NPU ops: Vela's NPU operations that take cycles (Vela itself runs a RELU after a "
+                     "conv or ADD in that op's epilogue where it can). model ms: opfuse's cost model on the same int8 graph with the profile; model "
                      "error = (model - Vela) / Vela")
         for r in result.vela_rows:
             if r.cpu_ops and not r.same_as:
