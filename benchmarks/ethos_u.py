@@ -8,8 +8,10 @@
 Per model, three flows from the same float ONNX model and the same calibration samples
 (:data:`CALIBRATION` seeded random inputs, :func:`opfuse.verify.make_inputs`):
 
-- **opfuse**: ``opfuse quantize M.onnx --preset ethos-u --context M_vela.tflite`` (its folds, its
-  own calibration and rounding, lowered to int8 TFLite; the lowered ``M.tflite`` beside it);
+- **opfuse**: ``opfuse quantize M.onnx --preset ethos-u --context M_vela.tflite --reconstruct off``
+  (its folds, its own calibration and rounding, lowered to int8 TFLite; the lowered ``M.tflite``
+  beside it). Block reconstruction is off: the preset's default ran it for ResNet-18 at 112x112
+  and took 14 minutes on this 2-core machine;
 - **opfuse fold + ORT**: opfuse's folds, then ONNX Runtime's ``quantize_static`` with TFLite's
   conventions (MinMax), lowered by opfuse (the flow ``opfuse bench --hardware ethos-u55-128``
   measures, :mod:`opfuse.bench.ethos_u`);
@@ -75,13 +77,17 @@ def first_line(e: BaseException | str) -> str:
 
 # -- the flows ---------------------------------------------------------------------------------
 
+OPFUSE_ARGS = ("--reconstruct", "off")  # the preset's default reconstruction took 14 min for ResNet-18 at 112 here
+
+
 def opfuse_flow(model_path: pathlib.Path, calib_npz: pathlib.Path, work: pathlib.Path, npu: str) -> bytes:
-    """``opfuse quantize --preset ethos-u --context``: the lowered TFLite it writes beside M_vela.tflite."""
+    """``opfuse quantize --preset ethos-u --context`` (with :data:`OPFUSE_ARGS`): the lowered TFLite it
+    writes beside M_vela.tflite."""
     out = work / "opfuse"
     out.mkdir(exist_ok=True)
     command = [sys.executable, "-m", "opfuse", "quantize", str(model_path), "-o", str(out / "m.q.onnx"),
                "--calibration", str(calib_npz), "--preset", "ethos-u", "--npu", npu,
-               "--context", str(out / "m_vela.tflite")]
+               "--context", str(out / "m_vela.tflite"), *OPFUSE_ARGS]
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent,
                           env={**_env(), "PYTHONPATH": str(HERE.parent)})
     lowered = out / "m.tflite"
@@ -120,21 +126,38 @@ def _env() -> dict:
 # -- measuring one TFLite ---------------------------------------------------------------------
 
 def sqnr_db(tflite: bytes, proto: onnx.ModelProto, held: list[dict]) -> float:
-    """Output SQNR of the TFLite (LiteRT) against the float model (ONNX Runtime) over ``held``."""
+    """Output SQNR of the TFLite (LiteRT's builtin kernels, no XNNPACK delegate: it refuses some
+    of the peer's int8 graphs) against the float model (ONNX Runtime) over ``held``. Inputs and
+    outputs are matched by position; a rank-4 input is transposed to the TFLite's NHWC."""
     import onnxruntime as ort
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-    from opfuse.targets.ethos_u.runner import TfliteSession
-
-    session = TfliteSession(tflite, proto)
+    interpreter = Interpreter(model_content=tflite,
+                              experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    interpreter.allocate_tensors()
+    ins, outs = interpreter.get_input_details(), interpreter.get_output_details()
     reference = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in proto.graph.output]
     signal = noise = 0.0
     for feeds in held:
         want = reference.run(names, feeds)
-        got = session.run(names, feeds)
-        for f, q in zip(want, got):
+        for detail, x in zip(ins, feeds.values()):
+            shape = tuple(detail["shape"])
+            if x.ndim == 4 and x.shape != shape:
+                x = x.transpose(0, 2, 3, 1)
+            scale, zero = detail["quantization"]
+            if scale:
+                x = np.clip(np.round(x / scale) + zero, -128, 127)
+            interpreter.set_tensor(detail["index"], np.ascontiguousarray(x.reshape(shape).astype(detail["dtype"])))
+        interpreter.invoke()
+        for detail, f in zip(outs, want):
+            q = interpreter.get_tensor(detail["index"]).astype(np.float64)
+            scale, zero = detail["quantization"]
+            q = (q - zero) * scale if scale else q
+            if q.ndim == 4 and np.asarray(f).ndim == 4 and q.shape != np.asarray(f).shape:
+                q = q.transpose(0, 3, 1, 2)
             f = np.asarray(f, np.float64).ravel()
-            q = np.asarray(q, np.float64).reshape(-1)[: f.size]
+            q = q.ravel()[: f.size]
             signal += float(np.sum(f * f))
             noise += float(np.sum((q - f) ** 2))
     return 10 * np.log10(signal / noise) if noise > 0 else float("inf")

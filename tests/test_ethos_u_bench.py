@@ -12,6 +12,7 @@ import importlib.util
 import io
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 from onnx import helper
 from rich.console import Console
@@ -136,3 +137,28 @@ def test_ablation_on_ethos_u55_has_five_rows_with_vela_figures_and_the_model_err
     for label in ("none", "Conv+BN", "Conv+ReLU", "Conv+BN+ReLU", "everything"):
         assert label in text
     assert "%" in text  # the model's error column
+
+
+@pytest.mark.skipif(not HAS_VELA, reason="Arm's Vela (ethos-u-vela) is not installed")
+def test_the_hardware_veto_of_an_ethos_u_profile_asks_vela():
+    from opfuse.cost.accelerator import fusion_veto
+    from opfuse.load import load_model
+    from opfuse.pipeline import optimize
+
+    m = residual_net()
+    folded, _ = optimize(m, passes=("fold-batchnorm",), target="onnx", verify=False)
+    ir.passes.common.ShapeInferencePass()(folded)
+    nodes = {n.name: n for n in folded.graph}
+    conv = next(n for n in folded.graph if n.op_type == "Conv" and n.outputs[0].uses()
+                and next(iter(n.outputs[0].uses())).node.op_type == "Relu")
+    relu = next(iter(conv.outputs[0].uses())).node
+    veto = fusion_veto(load_profile("ethos-u55-128"))
+    assert veto(conv, [relu]) is None  # Vela runs the RELU in the conv's epilogue either way
+    (verdict,) = veto.verdicts.values()
+    assert verdict.fused_cycles > 0 and verdict.unfused_cycles > 0, verdict.note
+    assert verdict.fused_cycles <= verdict.unfused_cycles
+    # and through the optimiser: every fusion Vela does not object to is made
+    fused, report = optimize(load_model(m)[0], target="onnxruntime", hardware="ethos-u55-128", verify=False)
+    assert not [r for r in report.refusals if "Vela" in r.reason]
+    assert any(n.op_type == "FusedConv" for n in fused.graph)
+    assert nodes  # the folded graph had its nodes named

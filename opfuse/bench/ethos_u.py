@@ -50,7 +50,6 @@ __all__ = ["CALIBRATION", "ETHOS_CONFIGS", "EthosConfig", "VelaRow", "decompose_
            "quantize_for_ethos_u", "predicted_kernels", "vela_ablation"]
 
 import dataclasses
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -62,6 +61,7 @@ from opfuse.cost.accelerator import Kernel, kernels_of, predict
 from opfuse.cost.int8 import int8_traffic
 from opfuse.cost.profiles import HardwareProfile
 from opfuse.cost.traffic import analyse_traffic
+from opfuse.cost.vela_veto import quantize_for_ethos_u
 from opfuse.core.ops import ONNX_DOMAINS, first_line
 from opfuse.targets.ethos_u import FUSED_ACTIVATIONS
 
@@ -182,32 +182,6 @@ def config_float_model(model: ir.Model, name: str) -> onnx.ModelProto:
         model, _ = optimize(model, passes=config.passes, target="onnx", runtime_level="disabled", verify=False)
     proto = ir.serde.serialize_model(model)
     return proto if config.fold_batchnorm else decompose_batchnorm(proto)
-
-
-# -- int8 ------------------------------------------------------------------------------------
-
-def quantize_for_ethos_u(float_proto: onnx.ModelProto, calibration: Sequence[dict[str, np.ndarray]]
-                         ) -> onnx.ModelProto:
-    """ONNX Runtime's ``quantize_static`` with TFLite's int8 conventions (the module docstring)."""
-    # ORT's quantiser loads a lot: only when a configuration is quantised
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
-
-    class Samples(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter(calibration)
-
-        def get_next(self):
-            return next(self.it, None)
-
-    with tempfile.TemporaryDirectory(prefix="opfuse-ethos-q-") as tmp:
-        src, dst = f"{tmp}/float.onnx", f"{tmp}/qdq.onnx"
-        onnx.save(float_proto, src)
-        quantize_static(src, dst, Samples(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
-                        weight_type=QuantType.QInt8, per_channel=True, calibrate_method=CalibrationMethod.MinMax,
-                        extra_options={"ActivationSymmetric": False, "WeightSymmetric": True,
-                                       "QDQKeepRemovableActivations": True})
-        return onnx.load(dst)
 
 
 # -- opfuse's prediction ------------------------------------------------------------------------
