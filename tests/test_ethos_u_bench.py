@@ -141,9 +141,8 @@ def test_ablation_on_ethos_u55_has_five_rows_with_vela_figures_and_the_model_err
 
 @pytest.mark.skipif(not HAS_VELA, reason="Arm's Vela (ethos-u-vela) is not installed")
 def test_the_hardware_veto_of_an_ethos_u_profile_asks_vela():
-    from opfuse.cost.accelerator import fusion_veto
     from opfuse.load import load_model
-    from opfuse.pipeline import optimize
+    from opfuse.pipeline import hardware_veto, optimize
 
     m = residual_net()
     folded, _ = optimize(m, passes=("fold-batchnorm",), target="onnx", verify=False)
@@ -152,7 +151,7 @@ def test_the_hardware_veto_of_an_ethos_u_profile_asks_vela():
     conv = next(n for n in folded.graph if n.op_type == "Conv" and n.outputs[0].uses()
                 and next(iter(n.outputs[0].uses())).node.op_type == "Relu")
     relu = next(iter(conv.outputs[0].uses())).node
-    veto = fusion_veto(load_profile("ethos-u55-128"))
+    veto = hardware_veto("ethos-u55-128")
     assert veto(conv, [relu]) is None  # Vela runs the RELU in the conv's epilogue either way
     (verdict,) = veto.verdicts.values()
     assert verdict.fused_cycles > 0 and verdict.unfused_cycles > 0, verdict.note

@@ -61,9 +61,9 @@ from opfuse.cost.accelerator import Kernel, kernels_of, predict
 from opfuse.cost.int8 import int8_traffic
 from opfuse.cost.profiles import HardwareProfile
 from opfuse.cost.traffic import analyse_traffic
-from opfuse.cost.vela_veto import quantize_for_ethos_u
 from opfuse.core.ops import ONNX_DOMAINS, first_line
 from opfuse.targets.ethos_u import FUSED_ACTIVATIONS
+from opfuse.targets.ethos_u.vela_veto import quantize_for_ethos_u
 
 CALIBRATION = 8
 # the ONNX activations a TFLite op can carry as its fused_activation_function (the target's data)

@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 import dataclasses
-import importlib.util
 import math
 import os
 from collections import OrderedDict
@@ -367,15 +366,10 @@ def fusion_veto(profile: str | os.PathLike | HardwareProfile) -> Callable[[ir.No
     The returned function takes the anchor (Conv or Gemm, shapes inferred) and the nodes it
     would absorb, and returns None when the fused kernel's working set fits the profile's
     on-chip buffer, else one sentence saying what does not fit. Unknown shapes: None (the
-    model cannot tell, so it does not object). For an Ethos-U profile with Vela installed, Vela's
-    own cycles decide instead (:func:`opfuse.cost.vela_veto.vela_fusion_veto`).
+    model cannot tell, so it does not object). For an Ethos-U profile with Vela installed, the
+    optimiser asks Vela instead (:func:`opfuse.targets.ethos_u.vela_veto.vela_fusion_veto`).
     """
     prof = load_profile(profile)
-    if prof.compiler == "vela" and importlib.util.find_spec("ethosu") is not None:
-        # an Ethos-U with Vela installed: Vela's own cycles decide (opfuse.cost.vela_veto)
-        from opfuse.cost.vela_veto import vela_fusion_veto
-
-        return vela_fusion_veto(prof)
 
     def veto(anchor: ir.Node, absorbed: list[ir.Node]) -> str | None:
         kernel = _kernel_from_nodes(anchor, absorbed)

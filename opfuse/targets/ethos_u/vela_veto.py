@@ -1,7 +1,8 @@
 """``opfuse optimize --hardware ethos-u55-128``: each fusion decided by Arm's Vela, not by the model.
 
 For an Ethos-U profile (a ``[vela]`` table, :mod:`opfuse.cost.profiles`) with Vela installed,
-:func:`vela_fusion_veto` replaces the cost model's veto (:func:`opfuse.cost.accelerator.fusion_veto`).
+:func:`vela_fusion_veto` replaces the cost model's veto (:func:`opfuse.cost.accelerator.fusion_veto`;
+the choice is :func:`opfuse.pipeline.hardware_veto`).
 For each fusion the epilogue pass proposes (a Conv or Gemm and the ops it would absorb):
 
 1. the candidate alone is written as a small float ONNX model: the anchor with its weights, then
@@ -77,7 +78,7 @@ def _signature(anchor: ir.Node, absorbed: list[ir.Node]) -> tuple | None:
 def _measure(anchor: ir.Node, absorbed: list[ir.Node], profile: HardwareProfile) -> VelaVerdict:
     # the lowering and Vela load the TFLite schema and run a subprocess: only for an Ethos-U profile
     from opfuse.targets.ethos_u.lower import lower_to_tflite
-    from opfuse.targets.ethos_u.vela import compile_with_vela
+    from opfuse.targets.ethos_u.vela import compile_with_vela  # runs Vela in a subprocess
 
     try:
         float_model = _candidate_model(anchor, absorbed)
