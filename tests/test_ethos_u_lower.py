@@ -6,7 +6,7 @@ Float: the TFLite run in LiteRT's interpreter against ONNX Runtime on the same O
 Int8: the QDQ model ONNX Runtime's ``quantize_static`` writes (QDQ, int8 asymmetric activations,
 int8 symmetric per-channel weights), run on ONNX Runtime, against its int8 TFLite in LiteRT.
 Tolerance: at least 98% of the output elements within 1 step of the output scale, and none
-beyond 3 steps. Why not exact: ONNX Runtime runs the QDQ graph as float ops between
+beyond 2 steps (measured: every element of every case within 1 step, most cases exact). Why not exact: ONNX Runtime runs the QDQ graph as float ops between
 DequantizeLinear and QuantizeLinear (one float rounding, half to even, per op), while LiteRT's
 int8 kernels requantise with a fixed-point multiplier and shift (rounding half away from zero,
 and LOGISTIC/TANH/SOFTMAX through lookup tables), so a value near a rounding boundary can land one
@@ -107,10 +107,11 @@ def quantise(model, tmp_path: Path, keep_activations=False) -> onnx.ModelProto:
     extra = {"WeightSymmetric": True, "ActivationSymmetric": False}
     if keep_activations:
         extra["QDQKeepRemovableActivations"] = True
-    # every op type quantised: ONNX Runtime's registry leaves Tanh and HardSwish float otherwise
+    # every op type quantised (the registry leaves Tanh and HardSwish float otherwise) but Slice
+    ops = {n.op_type for n in model.graph.node} - {"Slice"}  # ONNX Runtime's default leaves Slice float
     quantize_static(str(src), str(dst), _Reader(model), quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                    op_types_to_quantize=sorted({n.op_type for n in model.graph.node}), extra_options=extra)
+                    op_types_to_quantize=sorted(ops), extra_options=extra)
     return onnx.load(dst)
 
 
@@ -119,7 +120,7 @@ def output_scales(flatbuffer: bytes) -> list[float]:
     return [d["quantization"][0] for d in interp.get_output_details()]
 
 
-def assert_int8_close(flatbuffer, qdq, feeds, within_one=0.98, worst=3):
+def assert_int8_close(flatbuffer, qdq, feeds, within_one=0.98, worst=2):
     expected = run_ort(qdq, feeds)
     got = run_tflite(flatbuffer, feeds)
     for e, g, scale in zip(expected, got, output_scales(flatbuffer)):
@@ -235,6 +236,99 @@ def softmax_graph():
     return _model(nodes, [("x", [1, 16])], ["y"], [("G", _w(10, 16, scale=0.5)), ("GB", _w(10))])
 
 
+def se_block_graph():
+    """Squeeze-excitation as PP-OCR writes it: GlobalAveragePool, 1x1 convs, HardSigmoid, Mul by x."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["g"], name="gap"),
+             helper.make_node("Conv", ["g", "W1", "B1"], ["s1"], name="squeeze", kernel_shape=[1, 1]),
+             helper.make_node("Relu", ["s1"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "W2", "B2"], ["s2"], name="excite", kernel_shape=[1, 1]),
+             helper.make_node("HardSigmoid", ["s2"], ["h"], name="hsig", alpha=0.2, beta=0.5),
+             helper.make_node("Mul", ["c", "h"], ["y"], name="scale")]
+    inits = [("W", _w(8, 3, 3, 3)), ("W1", _w(4, 8, 1, 1)), ("B1", _w(4)), ("W2", _w(8, 4, 1, 1, scale=2.0)),
+             ("B2", _w(8))]
+    return _model(nodes, [("x", [1, 3, 8, 8])], ["y"], inits)
+
+
+def silu_sub_div_graph():
+    """SiLU (x * sigmoid(x)), then Sub and Div by constants (a normalisation written out)."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),
+             helper.make_node("Mul", ["c", "s"], ["m"], name="silu"),
+             helper.make_node("Sub", ["m", "mu"], ["d"], name="sub"),
+             helper.make_node("Div", ["d", "sd"], ["y"], name="div")]
+    inits = [("W", _w(6, 4, 1, 1, scale=0.8)), ("mu", _w(6, 1, 1)), ("sd", 1 + np.abs(_w(1, 6, 1, 1)))]
+    return _model(nodes, [("x", [1, 4, 5, 5])], ["y"], inits)
+
+
+def conv_transpose_graph(pads=(0, 0, 0, 0), k=2):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("ConvTranspose", ["c", "T", "TB"], ["y"], name="up", strides=[2, 2],
+                              kernel_shape=[k, k], pads=list(pads))]
+    inits = [("W", _w(4, 3, 1, 1)), ("T", _w(4, 6, k, k)), ("TB", _w(6))]
+    return _model(nodes, [("x", [1, 3, 5, 5])], ["y"], inits)
+
+
+def split_slice_graph():
+    """Split on channels (YOLOv8's C2f), Slice of H and W, Concat back, a Pad and a Transpose."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("Split", ["c", "sizes"], ["a", "b"], name="split", axis=1),
+             helper.make_node("Slice", ["a", "starts", "ends", "axes"], ["sa"], name="slice"),
+             helper.make_node("Slice", ["b", "starts", "ends", "axes"], ["sb"], name="slice2"),
+             helper.make_node("Concat", ["sb", "sa"], ["cat"], name="concat", axis=1),
+             helper.make_node("Pad", ["cat", "pads"], ["p"], name="pad"),
+             helper.make_node("Transpose", ["p"], ["y"], name="transpose", perm=[0, 2, 3, 1])]
+    inits = [("W", _w(6, 3, 1, 1)), ("sizes", np.array([2, 4], np.int64)), ("starts", np.array([1, 0], np.int64)),
+             ("ends", np.array([5, -1], np.int64)), ("axes", np.array([2, 3], np.int64)),
+             ("pads", np.array([0, 0, 1, 0, 0, 0, 0, 2], np.int64))]
+    return _model(nodes, [("x", [1, 3, 6, 6])], ["y"], inits)
+
+
+def reduce_mean_graph(keepdims=1):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("ReduceMean", ["c"], ["y"], name="mean", axes=[2, 3], keepdims=keepdims)]
+    return _model(nodes, [("x", [1, 3, 6, 6])], ["y"], [("W", _w(5, 3, 1, 1))], opset=17)
+
+
+def focus_graph():
+    """YOLOX's Focus: the graph input sliced into four phases and concatenated before the first
+    conv; ONNX Runtime's quantiser leaves the Slice/Concat float (a move: same integers)."""
+    nodes = [helper.make_node("Slice", ["x", "s0", "end", "ax3", "st"], ["a"], name="slice_w0"),
+             helper.make_node("Slice", ["x", "s1", "end", "ax3", "st"], ["b"], name="slice_w1"),
+             helper.make_node("Slice", ["a", "s0", "end", "ax2", "st"], ["a0"], name="slice_a0"),
+             helper.make_node("Slice", ["a", "s1", "end", "ax2", "st"], ["a1"], name="slice_a1"),
+             helper.make_node("Slice", ["b", "s0", "end", "ax2", "st"], ["b0"], name="slice_b0"),
+             helper.make_node("Slice", ["b", "s1", "end", "ax2", "st"], ["b1"], name="slice_b1"),
+             helper.make_node("Concat", ["a0", "b0", "a1", "b1"], ["f"], name="focus", axis=1),
+             helper.make_node("Conv", ["f", "W"], ["y"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    big = np.iinfo(np.int64).max
+    inits = [("s0", np.array([0], np.int64)), ("s1", np.array([1], np.int64)), ("end", np.array([big], np.int64)),
+             ("ax2", np.array([2], np.int64)), ("ax3", np.array([3], np.int64)), ("st", np.array([2], np.int64)),
+             ("W", _w(8, 12, 3, 3))]
+    return _model(nodes, [("x", [1, 3, 8, 8])], ["y"], inits)
+
+
+def batchnorm_graph():
+    """Conv, BatchNormalization left unfolded, Relu (an unfused graph a benchmark lowers)."""
+    c = 8
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1], kernel_shape=[3, 3]),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["n"], name="bn", epsilon=1e-5),
+             helper.make_node("Relu", ["n"], ["y"], name="relu")]
+    inits = [("W", _w(c, 4, 3, 3)), ("g", 1 + 0.3 * _w(c)), ("b", _w(c)), ("m", _w(c)), ("v", 0.5 + np.abs(_w(c)))]
+    return _model(nodes, [("x", [1, 4, 10, 10])], ["y"], inits)
+
+
+def head_graph():
+    """GlobalMaxPool, a MatMul by a constant on a rank-3 tensor, Softmax over channels of NCHW data."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("Softmax", ["c"], ["s"], name="softmax_c", axis=1),
+             helper.make_node("GlobalMaxPool", ["s"], ["g"], name="gmp"),
+             helper.make_node("Reshape", ["g", "shape"], ["r"], name="reshape"),
+             helper.make_node("MatMul", ["r", "M"], ["y"], name="matmul")]
+    inits = [("W", _w(6, 3, 1, 1, scale=1.0)), ("shape", np.array([1, 2, 3], np.int64)), ("M", _w(3, 5))]
+    return _model(nodes, [("x", [1, 3, 5, 5])], ["y"], inits)
+
+
 CASES = {
     "conv_bias": lambda: conv_graph(),
     "conv_no_bias": lambda: conv_graph(bias=False),
@@ -266,6 +360,17 @@ CASES = {
     "tanh": lambda: unary_graph("Tanh"),
     "hard_swish": lambda: unary_graph("HardSwish"),
     "leaky_relu": lambda: unary_graph("LeakyRelu", alpha=0.1),
+    "se_block_hard_sigmoid": se_block_graph,
+    "silu_sub_div": silu_sub_div_graph,
+    "conv_transpose_valid": conv_transpose_graph,
+    "conv_transpose_same": lambda: conv_transpose_graph(pads=(0, 0, 1, 1), k=3),
+    "split_slice_concat_pad_transpose": split_slice_graph,
+    "reduce_mean_keepdims": reduce_mean_graph,
+    "reduce_mean_to_2d": lambda: reduce_mean_graph(keepdims=0),
+    "focus_strided_slices_at_the_input": focus_graph,
+    "batchnorm_unfolded": batchnorm_graph,
+    "softmax_channels_gmp_matmul": head_graph,
+    "resize_nearest_half_pixel": lambda: resize_graph("nearest", "half_pixel", "round_prefer_ceil", size=(9, 9)),
 }
 
 
@@ -299,7 +404,9 @@ def test_batchnorm_as_mul_add_writes_per_channel_vectors():
 
 def test_relu_fuses_into_its_producer_and_unfused_when_asked():
     model = residual_graph()
+    before = model.SerializeToString()
     assert tflite_ops(lower_to_tflite(model)) == ["CONV_2D", "CONV_2D", "ADD"]
+    assert model.SerializeToString() == before  # the caller's model is not modified
     refusals = []
     tfl = lower_to_tflite(model, refusals=refusals, fuse_activations=False)
     assert tflite_ops(tfl) == ["CONV_2D", "RELU", "CONV_2D", "ADD", "RELU"]
@@ -362,7 +469,7 @@ def test_refused_ops_raise_one_line_naming_node_op_and_reason():
     with pytest.raises(LoweringError) as info:
         lower_to_tflite(erf)
     assert "\n" not in str(info.value)
-    assert str(info.value).startswith("node 'erf1' (Erf): TFLite lowering of Erf is not written")
+    assert str(info.value).startswith("node 'erf1' (Erf): no TFLite lowering is written for Erf")
     grouped = conv_graph(group=2, c_in=8, c_out=16)
     with pytest.raises(LoweringError) as info:
         lower_to_tflite(grouped)
@@ -390,15 +497,26 @@ def test_an_op_the_quantiser_left_float_is_refused_in_an_int8_model(tmp_path):
 
 
 # --- Vela ------------------------------------------------------------------------------------
+# A case Vela leaves on the CPU, with the reason it prints (U55: nearest resize by 2x/4x/8x only).
+VELA_CPU = {"resize_nearest_half_pixel": ("RESIZE_NEAREST_NEIGHBOR", "unsupported scale-factor=1.5")}
+
+
 @pytest.mark.skipif(VELA is None, reason="ethos-u-vela is not installed")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vela_compiles_the_int8_model_with_every_op_on_the_npu(case, tmp_path):
+    """Vela (U55-128) compiles each int8 model; every op is on the NPU but the forced fallback,
+    which Vela reports with its reason."""
     tfl = tmp_path / f"{case}.tflite"
     tfl.write_bytes(lower_to_tflite(quantise(CASES[case](), tmp_path)))
     result = subprocess.run([str(VELA), "--accelerator-config", "ethos-u55-128", str(tfl),
                              "--output-dir", str(tmp_path / "vela")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "CPU operators = 0 (0.0%)" in result.stdout, result.stdout
+    if case in VELA_CPU:
+        op, reason = VELA_CPU[case]
+        assert f"operator: {op}" in result.stdout and reason in result.stdout, result.stdout
+        assert "CPU operators = 1 (50.0%)" in result.stdout, result.stdout
+    else:
+        assert "CPU operators = 0 (0.0%)" in result.stdout, result.stdout
 
 
 # --- the built-in ResNet-18, folded and quantised --------------------------------------------
@@ -432,3 +550,14 @@ def test_resnet18_folded_and_quantised_runs_in_litert_close_to_the_qdq_model(tmp
     assert sqnr["float"] > sqnr["qdq_vs_float"] - 1.0  # as accurate as the QDQ model, within 1 dB
     float_tfl = lower_to_tflite(model)
     assert_float_close(float_tfl, model, _feeds(model, seed=7))
+
+
+def test_int8_clip_0_6_kept_by_the_quantiser_fuses_as_relu6(tmp_path):
+    from ai_edge_litert import schema_py_generated as schema
+    qdq = quantise(conv_graph(act="relu6"), tmp_path, keep_activations=True)
+    assert any(n.op_type == "Clip" for n in qdq.graph.node)
+    tfl = lower_to_tflite(qdq)
+    model = schema.ModelT.InitFromPackedBuf(tfl, 0)
+    (op,) = model.subgraphs[0].operators
+    assert op.builtinOptions.fusedActivationFunction == schema.ActivationFunctionType.RELU6
+    assert_int8_close(tfl, qdq, _feeds(qdq))

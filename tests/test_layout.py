@@ -192,7 +192,7 @@ OWN_RULES = {
     ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",
 }
 TARGET_MODULES = {"targets/onnxruntime.py", "targets/onnx.py", "targets/qnn/__init__.py",
-                  "targets/ethos_u/tflite_ops.py"}
+                  "targets/ethos_u/lower.py", "targets/ethos_u/tflite_ops.py"}
 
 
 def _op_name_collections(path: pathlib.Path):

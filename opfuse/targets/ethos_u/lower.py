@@ -35,12 +35,12 @@ flatbuffer (tensors, buffers, quantisation) in :mod:`opfuse.targets.ethos_u.tfli
 
 from __future__ import annotations
 
-__all__ = ["lower_to_tflite", "LoweringError", "FUSED_ACTIVATIONS"]
+__all__ = ["lower_to_tflite", "LoweringError", "FUSED_ACTIVATIONS", "LOWERINGS"]
 
 import onnx
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.targets.ethos_u import tflite_ops
+from opfuse.targets.ethos_u import tflite_layout, tflite_ops
 from opfuse.targets.ethos_u.tflite_graph import Lowering, LoweringError
 
 _ACT = schema.ActivationFunctionType
@@ -56,6 +56,42 @@ FUSED_ACTIVATIONS: dict[int, frozenset[int]] = {
     _OP.MUL: frozenset({_ACT.RELU, _ACT.RELU6, _ACT.RELU_N1_TO_1}),
 }
 
+# The ONNX ops the lowering writes, one function each (tflite_ops: compute, tflite_layout: layout).
+LOWERINGS = {
+    "Conv": tflite_ops.conv,
+    "Gemm": tflite_ops.fully_connected,
+    "MatMul": tflite_ops.fully_connected,
+    "Add": tflite_ops.binary,
+    "Sub": tflite_ops.binary,
+    "Mul": tflite_ops.binary,
+    "Div": tflite_ops.binary,
+    "Relu": tflite_ops.activation,
+    "Clip": tflite_ops.activation,
+    "Sigmoid": tflite_ops.unary,
+    "Tanh": tflite_ops.unary,
+    "HardSwish": tflite_ops.unary,
+    "LeakyRelu": tflite_ops.unary,
+    "Identity": tflite_ops.identity,
+    "MaxPool": tflite_ops.pool,
+    "AveragePool": tflite_ops.pool,
+    "GlobalAveragePool": tflite_ops.pool,
+    "GlobalMaxPool": tflite_ops.pool,
+    "ReduceMean": tflite_ops.reduce_mean,
+    "Reshape": tflite_layout.reshape,
+    "Flatten": tflite_layout.reshape,
+    "Squeeze": tflite_layout.reshape,
+    "Unsqueeze": tflite_layout.reshape,
+    "Transpose": tflite_layout.transpose,
+    "Concat": tflite_layout.concat,
+    "Pad": tflite_layout.pad,
+    "Softmax": tflite_ops.softmax,
+    "Resize": tflite_layout.resize,
+    "Split": tflite_layout.split,
+    "Slice": tflite_layout.slice_,
+    "HardSigmoid": tflite_ops.hard_sigmoid,
+    "ConvTranspose": tflite_ops.transpose_conv,
+    "BatchNormalization": tflite_ops.batch_norm,
+}
 
 
 def _walk(self: Lowering) -> bytes:
@@ -69,10 +105,10 @@ def _walk(self: Lowering) -> bytes:
         if id(node) in self.absorbed:
             continue
         self.node = node
-        lower = tflite_ops.LOWERINGS.get(node.op_type)
+        lower = LOWERINGS.get(node.op_type)
         if lower is None:
-            raise self.refuse(f"TFLite lowering of {node.op_type} is not written (ops lowered: "
-                              f"{', '.join(sorted(tflite_ops.LOWERINGS))})")
+            raise self.refuse(f"no TFLite lowering is written for {node.op_type} "
+                              f"({len(LOWERINGS)} ONNX ops are: opfuse.targets.ethos_u.lower.LOWERINGS)")
         lower(self, node)
     outputs = []
     for name, original in zip(self.g.outputs, (o.name for o in graph.output)):

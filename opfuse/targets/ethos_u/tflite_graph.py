@@ -22,7 +22,7 @@ import onnx
 from ai_edge_litert import schema_py_generated as schema
 from onnx import numpy_helper
 
-from opfuse.core.ops import ACTIVATION_OPS
+from opfuse.core.ops import ACTIVATION_OPS, OPS
 from opfuse.targets.ethos_u.tflite_writer import Quant, TfliteWriter
 
 _ACT = schema.ActivationFunctionType
@@ -102,7 +102,8 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
             if zp.dtype != np.int8:
                 raise LoweringError(node, f"zero point of type {zp.dtype}, not int8 (TFLite's int8 conventions)")
             if scale.size != 1:
-                raise LoweringError(node, "an activation quantised per channel (TFLite quantises activations per tensor)")
+                raise LoweringError(node, "an activation quantised per channel "
+                                          "(TFLite quantises activations per tensor)")
             q = Quant(scale.reshape(1), zp.reshape(1), 0)
             if source in quant and not np.array_equal(quant[source].scale, q.scale):
                 raise LoweringError(node, f"tensor '{source}' is quantised twice with different scales")
@@ -125,18 +126,49 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
         for i, name in enumerate(node.input):
             if name in alias:
                 node.input[i] = alias[name]
+    _spread_through_moves(kept, constants, quant)
     outputs = [alias.get(o.name, o.name) for o in graph.output]
     output_names = {alias.get(o.name, o.name): o.name for o in graph.output}
     inputs = [i.name for i in graph.input if i.name not in constants]
     return QdqGraph(kept, constants, qconsts, quant, inputs, outputs, output_names, quantised)
 
 
+def _spread_through_moves(nodes: list[onnx.NodeProto], constants: dict, quant: dict[str, Quant]) -> None:
+    """A float tensor the quantiser left between an int8 tensor and an op that only moves values
+    (the op table's ``int8="move"``: Slice, Concat, Reshape...) takes that tensor's quantisation:
+    quantising before or after a move gives the same integers (ONNX Runtime leaves such chains
+    float at a graph input: YOLOX's Slice/Concat "Focus"). Resize is left out (bilinear mixes)."""
+    moves = [n for n in nodes if OPS.get(n.op_type) is not None and OPS[n.op_type].int8 == "move"
+             and n.op_type != "Resize"]
+    changed = True
+    while changed:
+        changed = False
+        for node in moves:
+            data = [i for i in (node.input if node.op_type == "Concat" else node.input[:1])
+                    if i and i not in constants]
+            known = [quant[t] for t in (*node.output, *data) if t in quant]
+            if not known:
+                continue
+            for t in (*node.output, *data):
+                if t and t not in quant:
+                    quant[t] = known[0]
+                    changed = True
+
+
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    """Every tensor's static shape by onnx's inference (a graph output declared with a free or
+    negative dim is inferred again)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for out in probe.graph.output:
+        dims = out.type.tensor_type.shape.dim
+        if not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+            out.type.tensor_type.ClearField("shape")
+    inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
     shapes = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         dims = vi.type.tensor_type.shape.dim
-        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
             shapes[vi.name] = tuple(int(d.dim_value) for d in dims)
     return shapes
 
@@ -199,19 +231,15 @@ class Lowering:
                               "has no float ops; quantise every op's output")
         return self.g.quant[name]
 
-    def new_value(self, name: str, shape: tuple[int, ...] | None = None, quant: Quant | None = None,
-                  layout: tuple[int, ...] | None = None, register: bool = True, suffix: str = "") -> Value:
-        """A new activation tensor for ONNX tensor ``name`` (NHWC when rank 4)."""
-        shape = tuple(self.shape(name) if shape is None else shape)
-        if layout is None:
-            layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
-        if quant is None and not suffix:
-            quant = self.quant_of(name)
-        tname = self.g.output_names.get(name, name) + suffix
-        index = self.w.tensor(tname, [shape[a] for a in layout], self.dtype, quant=quant)
-        v = Value(index, shape, tuple(layout), quant)
-        if register:
-            self.values[name] = v
+    def new_value(self, name: str) -> Value:
+        """The TFLite tensor of ONNX tensor ``name`` (NHWC when rank 4), in its quantisation."""
+        shape = tuple(self.shape(name))
+        layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
+        quant = self.quant_of(name)
+        index = self.w.tensor(self.g.output_names.get(name, name), [shape[a] for a in layout], self.dtype,
+                              quant=quant)
+        v = Value(index, shape, layout, quant)
+        self.values[name] = v
         return v
 
     def temp(self, like: Value, name: str, shape=None, layout=None, quant="same") -> Value:
@@ -277,12 +305,12 @@ class Lowering:
         reason = None
         if not self.fuse_activations:
             reason = "activations are not fused in this lowering (fuse_activations=False)"
+        elif code is None:
+            reason = "TFLite fuses only RELU, RELU6 and RELU_N1_TO_1 (Relu, Clip(0, 6), Clip(-1, 1))"
         elif len(users) > 1:
             reason = f"its producer's output '{output}' has {len(users)} consumers"
         elif output in self.g.output_names:
             reason = f"its producer's output '{output}' is a graph output"
-        elif code is None:
-            reason = "TFLite fuses only RELU, RELU6 and RELU_N1_TO_1 (Relu, Clip(0, 6), Clip(-1, 1))"
         elif code not in self.epilogues.get(builtin, ()):
             reason = f"{_name(builtin)} runs no fused {_act_name(code)}"
         if reason is not None:

@@ -1,6 +1,6 @@
-"""The ONNX ops the Ethos-U lowering writes as TFLite: one function per op, in :data:`LOWERINGS`.
+"""The ONNX ops the Ethos-U lowering writes as TFLite: one function per op (its table is `lower.LOWERINGS`).
 
-Each function reads one ONNX node through the :class:`~opfuse.targets.ethos_u.lower.Lowering`
+Each function reads one ONNX node through the :class:`~opfuse.targets.ethos_u.tflite_graph.Lowering`
 state and writes its TFLite op(s). Conventions (the module docstring of ``lower`` gives the layout):
 
 - Conv: weights OIHW -> OHWI (CONV_2D, int8 per-channel ``quantized_dimension`` 0); a
@@ -11,15 +11,21 @@ state and writes its TFLite op(s). Conventions (the module docstring of ``lower`
 - Gemm / MatMul with a constant weight -> FULLY_CONNECTED with weights [N, K].
 - Pools: MaxPool pads are written as PAD/PADV2 with the lowest value; AveragePool's pads as
   SAME (count_include_pad=0, SAME pads), or PAD then VALID (count_include_pad=1).
+- BatchNormalization (left unfolded) -> MUL and ADD by [C] constants.
+- ConvTranspose -> TRANSPOSE_CONV (weights [C_out, kH, kW, C_in]); HardSigmoid -> a 1x1
+  DEPTHWISE_CONV_2D (alpha, beta) and its clamp.
 - int8 ops whose TFLite kernel fixes its output quantisation (SOFTMAX, LOGISTIC: 1/256, -128;
-  TANH: 1/128, 0) or needs it equal to the input's (pools, RESHAPE, TRANSPOSE, PAD, RESIZE,
-  CONCATENATION inputs) write that quantisation and a QUANTIZE (int8 -> int8 rescale) to the QDQ
-  model's own, when they differ.
+  TANH: 1/128, 0) or needs it equal to the input's (pools, RESHAPE) write that quantisation
+  and a QUANTIZE (int8 -> int8 rescale) to the QDQ model's own, when they differ (:func:`emit`).
+
+The layout ops (Reshape, Transpose, Concat, Pad, Split, Slice, Resize) are in
+:mod:`opfuse.targets.ethos_u.tflite_layout`; the table of both is ``lower.LOWERINGS``.
 """
 
 from __future__ import annotations
 
-__all__ = ["LOWERINGS"]
+__all__ = ["emit", "requantised", "make_options", "conv", "fully_connected", "binary", "activation", "unary",
+           "identity", "pool", "reduce_mean", "softmax", "transpose_conv", "hard_sigmoid", "batch_norm"]
 
 import math
 
@@ -36,7 +42,7 @@ ACT = schema.ActivationFunctionType
 PAD = schema.Padding
 
 
-def _options(cls, **fields):
+def make_options(cls, **fields):
     o = cls()
     for k, v in fields.items():
         setattr(o, k, v)
@@ -84,7 +90,7 @@ def _spatial_padding(node, in_hw, out_hw, kernel, strides, dilations,
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     n = len(in_hw)
     pads = list(attr(node, "pads", [0] * (2 * n)))
-    begins, ends = pads[:n], pads[n:]
+    begins = pads[:n]  # the end pads are what the windows read (``after`` below)
     explicit = []
     same = valid = True
     for i in range(n):
@@ -116,11 +122,11 @@ def _explicit_pad(L: Lowering, x: Value, spatial: list[tuple[int, int]], fill: s
     out = L.temp(x, f"{L.w._tensors[x.index].name}/pad", shape=shape)
     paddings = L.int_tensor(f"{L.node.name}/paddings", [[0, 0], list(spatial[0]), list(spatial[1]), [0, 0]])
     if fill == "zero" or (L.g.quantised and int(x.quant.zero_point[0]) == -128):
-        L.w.op(OP.PAD, [x.index, paddings], [out.index], _options(schema.PadOptionsT), OPT.PadOptions)
+        L.w.op(OP.PAD, [x.index, paddings], [out.index], make_options(schema.PadOptionsT), OPT.PadOptions)
     else:
         low = np.array([-128], np.int8) if L.g.quantised else np.array([np.finfo(np.float32).min], np.float32)
         value = L.w.tensor(f"{L.node.name}/pad_value", [1], low.dtype, data=low, quant=x.quant)
-        L.w.op(OP.PADV2, [x.index, paddings, value], [out.index], _options(schema.PadV2OptionsT), OPT.PadV2Options)
+        L.w.op(OP.PADV2, [x.index, paddings, value], [out.index], make_options(schema.PadV2OptionsT), OPT.PadV2Options)
     return out
 
 
@@ -188,7 +194,6 @@ def conv(L: Lowering, node) -> None:
     x = _explicit_pad(L, x, explicit, "zero")
     builtin = OP.DEPTHWISE_CONV_2D if depthwise else OP.CONV_2D
     if depthwise:
-        real = w.reshape(c_out, kh, kw).transpose(1, 2, 0)[None]
         data, wq = _weights(L, node.input[1], w, 0)
         data = data.reshape(c_out, kh, kw).transpose(1, 2, 0)[None]
         wq = wq and Quant(wq.scale, wq.zero_point, 3)
@@ -202,10 +207,10 @@ def conv(L: Lowering, node) -> None:
     common = dict(padding=padding, strideH=strides[0], strideW=strides[1], dilationHFactor=dilations[0],
                   dilationWFactor=dilations[1], fusedActivationFunction=act)
     if depthwise:
-        options = _options(schema.DepthwiseConv2DOptionsT, depthMultiplier=c_out // c_in, **common)
+        options = make_options(schema.DepthwiseConv2DOptionsT, depthMultiplier=c_out // c_in, **common)
         L.w.op(builtin, [x.index, weight, bias], [out.index], options, OPT.DepthwiseConv2DOptions)
     else:
-        L.w.op(builtin, [x.index, weight, bias], [out.index], _options(schema.Conv2DOptionsT, **common),
+        L.w.op(builtin, [x.index, weight, bias], [out.index], make_options(schema.Conv2DOptionsT, **common),
                OPT.Conv2DOptions)
 
 
@@ -237,7 +242,7 @@ def fully_connected(L: Lowering, node) -> None:
     bias = _bias(L, bias_name, n, x, wq, beta)
     act, out_name = L.fused_activation(OP.FULLY_CONNECTED, node.output[0])
     out = L.new_value(out_name)
-    options = _options(schema.FullyConnectedOptionsT, fusedActivationFunction=act, keepNumDims=len(x.shape) > 2)
+    options = make_options(schema.FullyConnectedOptionsT, fusedActivationFunction=act, keepNumDims=len(x.shape) > 2)
     L.w.op(OP.FULLY_CONNECTED, [x.index, weight, bias], [out.index], options, OPT.FullyConnectedOptions)
 
 
@@ -276,7 +281,7 @@ def binary(L: Lowering, node) -> None:
     act, out_name = L.fused_activation(builtin, node.output[0])
     out = L.new_value(out_name)
     L.w.op(builtin, [v.index for v in operands], [out.index],
-           _options(options_cls, fusedActivationFunction=act), options_type)
+           make_options(options_cls, fusedActivationFunction=act), options_type)
 
 
 def activation(L: Lowering, node) -> None:
@@ -300,7 +305,7 @@ def unary(L: Lowering, node) -> None:
         L.w.op(OP.HARD_SWISH, [x.index], [out.index])
     elif node.op_type == "LeakyRelu":
         alpha = float(attr(node, "alpha", 0.01))
-        L.w.op(OP.LEAKY_RELU, [x.index], [out.index], _options(schema.LeakyReluOptionsT, alpha=alpha),
+        L.w.op(OP.LEAKY_RELU, [x.index], [out.index], make_options(schema.LeakyReluOptionsT, alpha=alpha),
                OPT.LeakyReluOptions)
 
 
@@ -308,7 +313,7 @@ def identity(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     out = L.new_value(node.output[0])
     shape = L.int_tensor(f"{node.name}/shape", L.w.shape(out.index))
-    emit(L, OP.RESHAPE, [x.index, shape], out, _options(schema.ReshapeOptionsT, newShape=L.w.shape(out.index)),
+    emit(L, OP.RESHAPE, [x.index, shape], out, make_options(schema.ReshapeOptionsT, newShape=L.w.shape(out.index)),
          OPT.ReshapeOptions, quant=x.quant)
 
 
@@ -341,7 +346,7 @@ def pool(L: Lowering, node) -> None:
         x = _explicit_pad(L, x, explicit, "lowest")
     builtin = OP.AVERAGE_POOL_2D if node.op_type == "AveragePool" else OP.MAX_POOL_2D
     out = L.new_value(node.output[0])
-    options = _options(schema.Pool2DOptionsT, padding=padding, strideH=strides[0], strideW=strides[1],
+    options = make_options(schema.Pool2DOptionsT, padding=padding, strideH=strides[0], strideW=strides[1],
                        filterHeight=kernel[0], filterWidth=kernel[1])
     emit(L, builtin, [x.index], out, options, OPT.Pool2DOptions, quant=x.quant)
 
@@ -349,7 +354,7 @@ def pool(L: Lowering, node) -> None:
 def _mean(L: Lowering, node, x: Value, tflite_axes: list[int], keep: bool) -> None:
     out = L.new_value(node.output[0])
     axes = L.int_tensor(f"{node.name}/axes", sorted(tflite_axes))
-    L.w.op(OP.MEAN, [x.index, axes], [out.index], _options(schema.ReducerOptionsT, keepDims=keep),
+    L.w.op(OP.MEAN, [x.index, axes], [out.index], make_options(schema.ReducerOptionsT, keepDims=keep),
            OPT.ReducerOptions)
 
 
@@ -373,104 +378,6 @@ def reduce_mean(L: Lowering, node) -> None:
     _mean(L, node, x, tflite_axes, keep)
 
 
-# --- layout ops ------------------------------------------------------------------------------
-def _order_kept(shape, layout) -> bool:
-    """Whether the TFLite data order of a tensor stored in ``layout`` is the ONNX order."""
-    moved = [a for a in layout if shape[a] != 1]
-    return moved == sorted(moved)
-
-
-def _transpose(L: Lowering, x: Value, perm: list[int], out: Value) -> None:
-    p = L.int_tensor(f"{L.w._tensors[out.index].name}/perm", perm)
-    emit(L, OP.TRANSPOSE, [x.index, p], out, _options(schema.TransposeOptionsT), OPT.TransposeOptions,
-         quant=x.quant)
-
-
-def _reshape(L: Lowering, x: Value, out: Value) -> None:
-    new_shape = L.w.shape(out.index)
-    shape = L.int_tensor(f"{L.w._tensors[out.index].name}/shape", new_shape)
-    emit(L, OP.RESHAPE, [x.index, shape], out, _options(schema.ReshapeOptionsT, newShape=new_shape),
-         OPT.ReshapeOptions, quant=x.quant)
-
-
-def reshape(L: Lowering, node) -> None:
-    """Reshape, Flatten, Squeeze, Unsqueeze: RESHAPE in ONNX's (NCHW) data order."""
-    x = L.value(node.input[0])
-    identity_in = tuple(range(len(x.shape)))
-    if x.layout != identity_in and not _order_kept(x.shape, x.layout):
-        nchw = L.temp(x, f"{L.w._tensors[x.index].name}/nchw", layout=identity_in)
-        _transpose(L, x, [x.layout.index(k) for k in identity_in], nchw)
-        x = nchw
-    out_shape = L.shape(node.output[0])
-    out_layout = NCHW_TO_NHWC if len(out_shape) == 4 else tuple(range(len(out_shape)))
-    if out_layout != tuple(range(len(out_shape))) and not _order_kept(out_shape, out_layout):
-        out = L.new_value(node.output[0])
-        tmp = L.temp(out, f"{L.w._tensors[out.index].name}/nchw", layout=tuple(range(4)), quant=x.quant)
-        _reshape(L, x, tmp)
-        _transpose(L, tmp, list(NCHW_TO_NHWC), out)
-        return
-    _reshape(L, x, L.new_value(node.output[0]))
-
-
-def transpose(L: Lowering, node) -> None:
-    x = L.value(node.input[0])
-    rank = len(x.shape)
-    perm = list(attr(node, "perm", list(reversed(range(rank)))))
-    out = L.new_value(node.output[0])
-    tflite_perm = [x.layout.index(perm[out.layout[k]]) for k in range(rank)]
-    if tflite_perm == list(range(rank)):
-        return _reshape(L, x, out)
-    _transpose(L, x, tflite_perm, out)
-
-
-def concat(L: Lowering, node) -> None:
-    out_shape = L.shape(node.output[0])
-    rank = len(out_shape)
-    axis = (int(attr(node, "axis")) + rank) % rank
-    out = L.new_value(node.output[0])
-    inputs = []
-    for name in node.input:
-        if L.is_constant(name):
-            v = L.const_operand(name, rank, out.layout, squeeze=False)
-        else:
-            v = L.value(name)
-        inputs.append(requantised(L, v, out.quant, f"{node.name}/{name}").index)
-    options = _options(schema.ConcatenationOptionsT, axis=out.layout.index(axis))
-    L.w.op(OP.CONCATENATION, inputs, [out.index], options, OPT.ConcatenationOptions)
-
-
-def pad(L: Lowering, node) -> None:
-    x = L.value(node.input[0])
-    mode = attr(node, "mode", b"constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode != "constant":
-        raise L.refuse(f"mode={mode} (only constant padding is lowered)")
-    rank = len(x.shape)
-    pads = attr(node, "pads")
-    if pads is None:
-        pads = L.constant(node.input[1]).tolist()
-    if len(node.input) > 3 and node.input[3]:
-        raise L.refuse("padding a subset of axes (the axes input)")
-    value = float(attr(node, "value", 0.0))
-    if len(node.input) > 2 and node.input[2]:
-        value = float(L.constant(node.input[2]).reshape(-1)[0])
-    if any(p < 0 for p in pads):
-        raise L.refuse("negative pads (a crop)")
-    paddings = [[pads[a], pads[a + rank]] for a in x.layout]
-    out = L.new_value(node.output[0])
-    p = L.int_tensor(f"{node.name}/paddings", paddings)
-    if value == 0.0:
-        emit(L, OP.PAD, [x.index, p], out, _options(schema.PadOptionsT), OPT.PadOptions, quant=x.quant)
-        return
-    if L.g.quantised:
-        s, z = x.quant.scalar()
-        fill = np.array([np.clip(np.round(value / s) + z, -128, 127)], np.int8)
-    else:
-        fill = np.array([value], np.float32)
-    v = L.w.tensor(f"{node.name}/pad_value", [1], fill.dtype, data=fill, quant=x.quant)
-    emit(L, OP.PADV2, [x.index, p, v], out, _options(schema.PadV2OptionsT), OPT.PadV2Options, quant=x.quant)
-
-
 def softmax(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     rank = len(x.shape)
@@ -481,86 +388,118 @@ def softmax(L: Lowering, node) -> None:
     if x.layout[-1] != axis:
         raise L.refuse(f"softmax over axis {axis}, which is not the last axis in TFLite's layout")
     out = L.new_value(node.output[0])
-    emit(L, OP.SOFTMAX, [x.index], out, _options(schema.SoftmaxOptionsT, beta=1.0), OPT.SoftmaxOptions,
+    emit(L, OP.SOFTMAX, [x.index], out, make_options(schema.SoftmaxOptionsT, beta=1.0), OPT.SoftmaxOptions,
          quant=_fixed(1 / 256, -128))
 
 
-def resize(L: Lowering, node) -> None:
+def hard_sigmoid(L: Lowering, node) -> None:
+    """HardSigmoid ``clip(alpha * x + beta, 0, 1)`` as a 1x1 DEPTHWISE_CONV_2D (weight alpha, bias
+    beta) and the clamp: int8, the clamp is the output's own saturation when its range lies in
+    [0, 1] (as calibration gives it), else a MAXIMUM/MINIMUM pair; float, MAXIMUM then MINIMUM."""
     x = L.value(node.input[0])
     if len(x.shape) != 4:
-        raise L.refuse("a resize of a tensor that is not rank 4")
-    out_shape = L.shape(node.output[0])
-    if out_shape[:2] != x.shape[:2]:
-        raise L.refuse("a resize of the batch or channel axis")
-    mode = attr(node, "mode", b"nearest")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
-    ctm = attr(node, "coordinate_transformation_mode", b"half_pixel")
-    ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
-    nearest_mode = attr(node, "nearest_mode", b"round_prefer_floor")
-    nearest_mode = nearest_mode.decode() if isinstance(nearest_mode, bytes) else nearest_mode
-    factors = [o / i for o, i in zip(out_shape[2:], x.shape[2:])]
-    align = half = False
-    if mode == "linear":
-        if ctm == "align_corners":
-            align = True
-        elif ctm in ("half_pixel", "pytorch_half_pixel") and min(out_shape[2:]) > 1:
-            half = True
-        elif ctm != "asymmetric":
-            raise L.refuse(f"linear resize with coordinate_transformation_mode={ctm} (TFLite has align_corners, "
-                           "half_pixel_centers and asymmetric)")
-        builtin, cls, opt = OP.RESIZE_BILINEAR, schema.ResizeBilinearOptionsT, OPT.ResizeBilinearOptions
-    elif mode == "nearest":
-        integer_up = all(f == int(f) and f >= 1 for f in factors)
-        if ctm == "asymmetric" and (nearest_mode == "floor" or (
-                nearest_mode == "round_prefer_floor" and integer_up and max(factors) <= 2)):
-            pass
-        elif ctm == "half_pixel" and nearest_mode == "round_prefer_ceil":
-            half = True
-        elif ctm == "align_corners" and nearest_mode == "round_prefer_ceil":
-            align = True
-        elif ctm in ("half_pixel", "pytorch_half_pixel") and integer_up and nearest_mode in (
-                "round_prefer_floor", "floor", "round_prefer_ceil") and max(factors) <= 2:
-            half = True  # an exact integer upsampling: every rounding mode reads the same pixel
-        else:
-            raise L.refuse(f"nearest resize with coordinate_transformation_mode={ctm}, nearest_mode={nearest_mode} "
-                           f"and scale {factors} has no TFLite equivalent")
-        builtin, cls, opt = (OP.RESIZE_NEAREST_NEIGHBOR, schema.ResizeNearestNeighborOptionsT,
-                             OPT.ResizeNearestNeighborOptions)
-    else:
-        raise L.refuse(f"mode={mode} (TFLite resizes nearest or bilinear)")
+        raise L.refuse(f"HardSigmoid of a rank-{len(x.shape)} tensor (lowered for rank 4, as a depthwise conv)")
+    alpha, beta = float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))
+    c = x.shape[1]
+    w = np.full((c, 1, 1, 1), alpha, np.float32)
+    data, wq = _weights_of(L, w)
+    weight = L.w.tensor(f"{node.name}/alpha", [1, 1, 1, c], data.dtype, data=data.reshape(1, 1, 1, c),
+                        quant=wq and Quant(wq.scale, wq.zero_point, 3))
     out = L.new_value(node.output[0])
-    size = L.int_tensor(f"{node.name}/size", list(out_shape[2:]))
-    emit(L, builtin, [x.index, size], out, _options(cls, alignCorners=align, halfPixelCenters=half), opt,
-         quant=x.quant)
+    clamp = True
+    if L.g.quantised:
+        s, z = out.quant.scalar()
+        clamp = s * (-128 - z) < -s / 2 or s * (127 - z) > 1 + s / 2
+    target = L.temp(out, f"{L.w._tensors[out.index].name}/affine") if clamp else out
+    bias_name = f"{node.name}/beta"
+    L.g.constants[bias_name] = np.full(c, beta, np.float32)
+    bias = _bias(L, bias_name, c, x, wq)
+    conv_options = make_options(schema.DepthwiseConv2DOptionsT, padding=PAD.VALID, strideH=1, strideW=1,
+                           depthMultiplier=1)
+    L.w.op(OP.DEPTHWISE_CONV_2D, [x.index, weight, bias], [target.index], conv_options, OPT.DepthwiseConv2DOptions)
+    if clamp:
+        low = L.temp(out, f"{L.w._tensors[out.index].name}/max0")
+        zero, one = (L.const_operand(name, 4, NCHW_TO_NHWC, real=np.array(v, np.float32))
+                     for name, v in ((f"{node.name}/zero", 0.0), (f"{node.name}/one", 1.0)))
+        L.w.op(OP.MAXIMUM, [target.index, zero.index], [low.index])
+        L.w.op(OP.MINIMUM, [low.index, one.index], [out.index])
 
 
-LOWERINGS = {
-    "Conv": conv,
-    "Gemm": fully_connected,
-    "MatMul": fully_connected,
-    "Add": binary,
-    "Sub": binary,
-    "Mul": binary,
-    "Div": binary,
-    "Relu": activation,
-    "Clip": activation,
-    "Sigmoid": unary,
-    "Tanh": unary,
-    "HardSwish": unary,
-    "LeakyRelu": unary,
-    "Identity": identity,
-    "MaxPool": pool,
-    "AveragePool": pool,
-    "GlobalAveragePool": pool,
-    "GlobalMaxPool": pool,
-    "ReduceMean": reduce_mean,
-    "Reshape": reshape,
-    "Flatten": reshape,
-    "Squeeze": reshape,
-    "Unsqueeze": reshape,
-    "Transpose": transpose,
-    "Concat": concat,
-    "Pad": pad,
-    "Softmax": softmax,
-    "Resize": resize,
-}
+def _weights_of(L: Lowering, real: np.ndarray):
+    """A computed weight (no QDQ integers): int8 symmetric per output channel, or float."""
+    if not L.g.quantised:
+        return real, None
+    peak = np.abs(real).reshape(real.shape[0], -1).max(axis=1)
+    scale = np.where(peak > 0, peak / 127.0, 1.0)
+    data = np.clip(np.round(real / scale.reshape(-1, *([1] * (real.ndim - 1)))), -127, 127).astype(np.int8)
+    return data, Quant(scale, np.zeros(scale.size, np.int64), 0)
+
+
+def transpose_conv(L: Lowering, node) -> None:
+    """ConvTranspose -> TRANSPOSE_CONV: weights [C_in, C_out, kH, kW] -> [C_out, kH, kW, C_in];
+    pads equal to TFLite's SAME or VALID offset (the output size given), others refused."""
+    x = L.value(node.input[0])
+    if len(x.shape) != 4:
+        raise L.refuse("a ConvTranspose that is not 2-D")
+    if int(attr(node, "group", 1)) != 1:
+        raise L.refuse(f"group={attr(node, 'group')} (TRANSPOSE_CONV is not grouped)")
+    w = L.constant(node.input[1])
+    c_in, c_out, kh, kw = w.shape
+    strides = list(attr(node, "strides", [1, 1]))
+    if any(d != 1 for d in attr(node, "dilations", [1, 1])):
+        raise L.refuse("dilated ConvTranspose (TRANSPOSE_CONV is not dilated)")
+    out_shape = L.shape(node.output[0])
+    padding = None
+    for mode in (PAD.VALID, PAD.SAME):
+        ok = True
+        for i, k in enumerate((kh, kw)):
+            total = (x.shape[2 + i] - 1) * strides[i] + k - out_shape[2 + i]
+            pads = list(attr(node, "pads", [0, 0, 0, 0]))
+            begin = pads[i] if attr(node, "auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET") else None
+            if mode == PAD.VALID:  # TFLite: the output is (in - 1) * stride + kernel, nothing cropped
+                ok &= begin == 0 and total == 0
+            else:  # TFLite: in = ceil(out / stride), cropped total // 2 at the start
+                ok &= begin == total // 2 and total >= 0 and -(-out_shape[2 + i] // strides[i]) == x.shape[2 + i]
+        if ok:
+            padding = mode
+            break
+    if padding is None:
+        raise L.refuse("pads that are neither TFLite's SAME nor VALID for TRANSPOSE_CONV")
+    data, wq = _weights(L, node.input[1], w, 1)
+    data = np.ascontiguousarray(data.transpose(1, 2, 3, 0))
+    wq = wq and Quant(wq.scale, wq.zero_point, 0)
+    weight = L.w.tensor(f"{node.name}/weight", data.shape, data.dtype, data=data, quant=wq)
+    bias = _bias(L, node.input[2] if len(node.input) > 2 and node.input[2] else None, c_out, x, wq)
+    out = L.new_value(node.output[0])
+    size = L.int_tensor(f"{node.name}/output_shape", [out_shape[0], out_shape[2], out_shape[3], out_shape[1]])
+    L.w.op(OP.TRANSPOSE_CONV, [size, weight, x.index, bias], [out.index],
+           make_options(schema.TransposeConvOptionsT, padding=padding, strideH=strides[0], strideW=strides[1]),
+           OPT.TransposeConvOptions)
+
+
+def batch_norm(L: Lowering, node) -> None:
+    """BatchNormalization (inference) unfolded: MUL by ``s = gamma / sqrt(var + eps)`` then ADD
+    ``t = beta - mean * s``, both [C] constants (the ADD takes a following activation). int8: the
+    product's quantisation covers the output's range less ``t`` (every value the ADD can still
+    write), 256 steps."""
+    x = L.value(node.input[0])
+    if len(x.shape) != 4:
+        raise L.refuse(f"BatchNormalization of a rank-{len(x.shape)} tensor (lowered for rank 4)")
+    gamma, beta, mean, var = (L.constant(n).astype(np.float64) for n in node.input[1:5])
+    s = gamma / np.sqrt(var + float(attr(node, "epsilon", 1e-5)))
+    t = beta - mean * s
+    act, out_name = L.fused_activation(OP.ADD, node.output[0])
+    out = L.new_value(out_name)
+    mid_quant = None
+    if L.g.quantised:
+        scale, zp = out.quant.scalar()
+        lo, hi = scale * (-128 - zp) - float(t.max()), scale * (127 - zp) - float(t.min())
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        step = (hi - lo) / 255.0 or 1.0
+        mid_quant = Quant(np.array([step]), np.array([int(np.clip(np.round(-128 - lo / step), -128, 127))]), 0)
+    mid = L.temp(out, f"{node.name}/scaled", quant=mid_quant)
+    cs = L.const_operand(f"{node.name}/scale", 4, NCHW_TO_NHWC, real=s.reshape(1, -1, 1, 1))
+    ct = L.const_operand(f"{node.name}/shift", 4, NCHW_TO_NHWC, real=t.reshape(1, -1, 1, 1))
+    L.w.op(OP.MUL, [x.index, cs.index], [mid.index], make_options(schema.MulOptionsT), OPT.MulOptions)
+    L.w.op(OP.ADD, [mid.index, ct.index], [out.index], make_options(schema.AddOptionsT, fusedActivationFunction=act),
+           OPT.AddOptions)
