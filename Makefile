@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.opfuse-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench,qnn]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench,qnn,ethos-u]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -80,7 +80,7 @@ class QuantVerification:
     runtime: str
     metric: float | None = None
     min_metric: float | None = None
-    # qnn: the figure above is the HTP's; these are the same QDQ model on ONNX Runtime's CPU
+    # a device (qnn, ethos-u): the figure above is the device's; these, the QDQ model on ONNX Runtime's CPU
     cpu_qdq_sqnr_db: float | None = None  # CPU QDQ vs float
     htp_vs_cpu_sqnr_db: float | None = None  # the HTP's outputs vs the CPU QDQ's
     floor_sqnr_db: float | None = None  # with no --min-sqnr: below it the result is no model of the float one
@@ -295,8 +295,8 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
                       f"sample(s), {v.runtime} [{per}]{metric}")
         if v.cpu_qdq_sqnr_db is not None:
             console.print(f"  beside it: ONNX Runtime's CPU runs the same QDQ model at {v.cpu_qdq_sqnr_db:.1f} dB "
-                          f"({v.sqnr_db - v.cpu_qdq_sqnr_db:+.1f} dB on the HTP); the HTP's and the CPU's outputs "
-                          f"agree to {v.htp_vs_cpu_sqnr_db:.1f} dB")
+                          f"({v.sqnr_db - v.cpu_qdq_sqnr_db:+.1f} dB on the device); the device's and the CPU's "
+                          f"outputs agree to {v.htp_vs_cpu_sqnr_db:.1f} dB")
         if not v.ok:
             worst = ", ".join(f"{r.name} ({r.cost})" for r in report.costliest(5))
             console.print(f"  [red]costliest layers:[/red] {worst}")

@@ -153,7 +153,7 @@ def compile_for_ethos_u(model, report=None, *, options=None, require_npu: bool =
     FusionReport or a QuantReport) the log becomes its ``device`` section. ``input_values``
     is the interface's (an If's deciding inputs): a TFLite has no If, so it is not read."""
     from opfuse.targets.ethos_u.lower import lower_to_tflite  # (the lowering loads the TFLite schema)
-    from opfuse.targets.ethos_u.runner import TfliteSession
+    from opfuse.targets.ethos_u.runner import TfliteSession  # (LiteRT: loaded with the lowering)
 
     options = options or EthosOptions()
     proto = model if isinstance(model, onnx.ModelProto) else _serialize(model)
