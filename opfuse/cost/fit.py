@@ -74,7 +74,7 @@ def fit_roofline(samples: Sequence[OpSample], *, grid: int = 81, refinements: in
     t = np.array([s.seconds for s in samples], dtype=np.float64)
     ops = np.array([s.ops for s in samples], dtype=np.float64)
     nbytes = np.array([s.bytes for s in samples], dtype=np.float64)
-    # the rates that would make the slowest op's work alone take its whole time: the grid's centre
+    # the grid is centred a decade above the median op's own rates (ops or bytes over its time)
     peak0 = max(float(np.median(ops[t > 0] / t[t > 0])), 1.0)
     bw0 = max(float(np.median(nbytes[t > 0] / t[t > 0])), 1.0)
     lo_p, hi_p = np.log10(peak0) - 1.0, np.log10(peak0) + 3.0
