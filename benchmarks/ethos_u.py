@@ -56,7 +56,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from opfuse.bench.ethos_u import (  # noqa: E402
-    config_float_model, quantize_for_ethos_u, vela_op_samples,
+    config_float_model, cpu_ops, quantize_for_ethos_u, vela_op_samples,
 )
 from opfuse.load import load_model  # noqa: E402
 from opfuse.models import build  # noqa: E402
@@ -189,7 +189,7 @@ def vela_row(tflite: bytes, npu: str) -> dict:
 
     r = compile_with_vela(tflite, npu=npu)
     return {"cycles": r.cycles, "ms": r.seconds * 1e3, "off_chip_mb": r.off_chip_bytes / 1e6,
-            "cpu_ops": [f"{name}: {why}" for name, why in r.cpu_ops.items()], "system": f"{r.system_config}"}
+            "cpu_ops": cpu_ops(r), "system": f"{r.system_config}"}
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -238,8 +238,9 @@ def _line(row: dict, npus: list[str]) -> str:
     cells = [f"SQNR {row['sqnr_db']:6.1f} dB" if "sqnr_db" in row else f"({row['sqnr_error']})"]
     for npu in npus:
         v = row["vela"][npu]
+        cpu = f"{len(v['cpu_ops'])} CPU ops" + (f" (e.g. {v['cpu_ops'][0][-90:]})" if v["cpu_ops"] else "")
         cells.append(f"{npu}: {v['cycles'] / 1e6:7.2f} M cycles {v['ms']:8.2f} ms {v['off_chip_mb']:7.2f} MB "
-                     f"off-chip, {len(v['cpu_ops'])} CPU ops")
+                     f"off-chip, {cpu}")
     return f"{head} " + " | ".join(cells) + f"  ({row['convert_s']:.0f} s to convert)"
 
 

@@ -47,7 +47,7 @@ meaningless for accuracy; Vela's cycles do not depend on the scales.
 from __future__ import annotations
 
 __all__ = ["CALIBRATION", "ETHOS_CONFIGS", "EthosConfig", "VelaRow", "decompose_batchnorm", "config_float_model",
-           "quantize_for_ethos_u", "predicted_kernels", "vela_ablation"]
+           "quantize_for_ethos_u", "predicted_kernels", "vela_ablation", "cpu_ops"]
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
@@ -273,6 +273,15 @@ def vela_ablation(
     return rows
 
 
+def cpu_ops(result) -> list[str]:
+    """Every op Vela leaves to the CPU, "name: reason": those it warns about (its reason), and the
+    rows of its per-layer file with target CPU ("Passthrough") that it printed no warning for."""
+    found = [f"{name}: {reason}" for name, reason in result.cpu_ops.items()]
+    found += [f"{op.name}: {op.tflite_op} left to the CPU by Vela (per-layer 'Passthrough'; Vela printed no reason)"
+              for op in result.ops if not op.on_npu and op.name not in result.cpu_ops]
+    return found
+
+
 def _copy_figures(src: VelaRow, dst: VelaRow) -> None:
     for field in ("cycles", "time_s", "offchip_bytes", "sram_bytes", "npu_ops", "cpu_ops", "system", "error"):
         setattr(dst, field, getattr(src, field))
@@ -298,7 +307,7 @@ def _compile(tflite: bytes, prof: HardwareProfile, row: VelaRow) -> None:
     row.offchip_bytes = result.off_chip_bytes
     row.sram_bytes = result.sram_bytes
     row.npu_ops = sum(1 for op in result.npu_ops if op.cycles > 0)  # a fused activation's row has none
-    row.cpu_ops = [f"{name}: {reason}" for name, reason in result.cpu_ops.items()]
+    row.cpu_ops = cpu_ops(result)
     row.system = f"{result.system_config}, {result.memory_mode}"
 
 
