@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import importlib.util
 import os
 import pathlib
 from collections import defaultdict
@@ -33,7 +34,7 @@ from opfuse.passes.fuse_patterns import patterns_that_could_match
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.report import FusionReport, Refusal
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
-from opfuse.cost.accelerator import fusion_veto
+from opfuse.cost.accelerator import fusion_veto, load_profile
 from opfuse.targets.kernels import Target, load_target
 from opfuse.prepare.static_shapes import make_static
 from opfuse.save import (
@@ -332,6 +333,19 @@ def _declined(runs: Mapping, tuning) -> list[Refusal]:
     return out
 
 
+def hardware_veto(hardware: str):
+    """``--hardware``'s check of each fusion: for an Ethos-U profile with Vela installed, Vela's own
+    cycles (:func:`opfuse.targets.ethos_u.vela_veto.vela_fusion_veto`); otherwise the cost model's
+    (:func:`opfuse.cost.accelerator.fusion_veto`)."""
+    profile = load_profile(hardware)
+    if profile.compiler == "vela" and importlib.util.find_spec("ethosu") is not None:
+        # the lowering and Vela: only for an Ethos-U profile
+        from opfuse.targets.ethos_u.vela_veto import vela_fusion_veto
+
+        return vela_fusion_veto(profile)
+    return fusion_veto(profile)
+
+
 def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:
     """The options checked, and the passes sorted by role: every usage error before any work."""
     o = options
@@ -351,7 +365,7 @@ def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:
         )
     veto = None
     if o.hardware is not None:
-        veto = fusion_veto(o.hardware)
+        veto = hardware_veto(o.hardware)
     if o.output is not None and isinstance(model, (str, os.PathLike)) and not o.overwrite:
         if pathlib.Path(o.output).resolve() == pathlib.Path(model).resolve():
             raise BadInputError(

@@ -4,6 +4,8 @@ A :class:`Row` is a configuration, the A/A control, one of ONNX Runtime's own le
 modelled row (the chapter's Conv+ReLU, :mod:`opfuse.bench.chapter`), a configuration
 refitted to a hardware profile, or an int8 row and its float reference at ORT all
 (:mod:`opfuse.bench.int8`); each says at which ONNX Runtime level it ran (``level``).
+For an Ethos-U profile, :attr:`BenchResult.vela_rows` are Vela's estimates per configuration
+and NPU beside opfuse's prediction (:mod:`opfuse.bench.ethos_u`).
 Measured numbers (``timing``) and predictions (``predictions``, a cost model's) are
 separate fields, and :meth:`BenchResult.to_dict` labels predictions as such.
 """
@@ -61,6 +63,7 @@ class BenchResult:
     elapsed_s: float = 0.0
     load_average: tuple[float, float, float] | None = None
     dtype: str = ""
+    vela_rows: list[Any] = dataclasses.field(default_factory=list)  # ethos_u.VelaRow: Vela's figures per config x NPU
 
     def row(self, key: str) -> Row | None:
         return next((r for r in self.rows if r.key == key), None)
@@ -121,6 +124,7 @@ class BenchResult:
             "op_profile_ms_per_run": self.op_profile,
             "traffic_per_layer": {"layers": self.layer_labels, "bytes": self.layer_bytes},
             "hardware": {name: p.to_dict() for name, p in self.profiles.items()},
+            "vela": [r.to_dict() for r in self.vela_rows],
             "notes": list(self.notes),
         }
 

@@ -183,6 +183,20 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
                 rows.append(fit_row)
         bar.update(advance=1)
 
+        # an Ethos-U profile: every configuration as int8 TFLite, compiled by Vela (opfuse.bench.ethos_u)
+        vela_rows = []
+        vela_profiles = [p for p in profiles.values() if p.compiler == "vela"]
+        if vela_profiles:
+            # the Ethos-U rows need ORT's quantiser, the lowering and Vela: loaded only for such a profile
+            from opfuse.bench.ethos_u import CALIBRATION as VELA_CALIBRATION, ETHOS_CONFIGS, vela_ablation
+
+            calibration = [make_inputs(model, dims=dims, seed=1000 + i) for i in range(VELA_CALIBRATION)]
+            configs = [c for c in options.configs if c in ETHOS_CONFIGS]
+            vela_rows = vela_ablation(model, configs, vela_profiles, calibration,
+                                      progress=lambda s: bar.update(description=s[:34]))
+            notes.append(f"Ethos-U rows: calibrated on {VELA_CALIBRATION} seeded random inputs (the same for every "
+                         "configuration); Vela's cycles do not depend on the scales")
+
         # int8: the model quantised with BN folded and unfolded, and the float reference at ORT all
         late: list[Row] = []  # after the runtime's own rows
         int8_models = []
@@ -311,6 +325,7 @@ def run_bench(options: BenchOptions, *, progress_console=None) -> BenchResult:
         elapsed_s=time.perf_counter() - start,
         load_average=load_average,
         dtype=dtype,
+        vela_rows=vela_rows,
     )
 
 

@@ -7,7 +7,7 @@ would do, and their titles say so.
 
 from __future__ import annotations
 
-__all__ = ["print_result", "measured_table", "predicted_table", "int8_table", "op_profile_table", "layer_table"]
+__all__ = ["print_result", "measured_table", "predicted_table", "vela_table", "int8_table", "op_profile_table", "layer_table"]
 
 import math
 import os
@@ -30,8 +30,11 @@ def print_result(result, console: Console | None = None, *, layers: int = 0) -> 
     console.print(f"[bold]opfuse bench[/bold]: {result.model}, {result.dtype or 'unknown dtype'}")
     if result.measurement is not None:
         console.print(measured_table(result))
-    for name in result.profiles:
-        console.print(predicted_table(result, name))
+    for name, prof in result.profiles.items():
+        if getattr(prof, "vela", None) and any(r.profile == name for r in result.vela_rows):
+            console.print(vela_table(result, name))  # the prediction is beside Vela's figures there
+        else:
+            console.print(predicted_table(result, name))
     if any(r.int8 is not None for r in result.rows):
         console.print(int8_table(result))
     if result.op_profile:
@@ -140,6 +143,35 @@ def predicted_table(result, profile_name: str) -> Table:
             else:
                 cells += ["", "", ""]
         table.add_row(*cells)
+    return table
+
+
+def vela_table(result, profile_name: str) -> Table:
+    """One Ethos-U NPU: Vela's estimate per configuration, and opfuse's prediction beside it."""
+    rows = [r for r in result.vela_rows if r.profile == profile_name]
+    prof = result.profiles[profile_name]
+    system = next((r.system for r in rows if r.system), "")
+    title = (f"Ethos-U {rows[0].npu if rows else profile_name}: estimated by Arm's Vela compiler ({system}; "
+             f"int8 TFLite per configuration), beside opfuse's cost model with the profile {prof.name} "
+             "(a prediction)")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (("configuration", "left"), ("TFLite\nops", "right"), ("NPU\nops", "right"),
+                          ("CPU\nops", "right"),
+                          ("Vela\ncycles", "right"), ("Vela\nms", "right"), ("speed-up\nvs none", "right"),
+                          ("off-chip\nMB", "right"), ("SRAM\nMB", "right"), ("model\nms", "right"),
+                          ("model\nerror", "right")):
+        table.add_column(name, justify=justify)
+    base = next((r for r in rows if r.config == BASELINE and r.time_s), None)
+    for r in rows:
+        if r.error and r.cycles is None:
+            table.add_row(r.label, "", "", "", f"[red]failed[/red]: {r.error}", *[""] * 6)
+            continue
+        speed = f"{base.time_s / r.time_s:.2f}x" if base is not None and r.time_s else "-"
+        model_ms = f"{r.predicted_s * 1e3:.2f}" if r.predicted_s is not None else "-"
+        err = f"{r.model_error:+.0%}" if r.model_error is not None else "-"
+        label = r.label + (f" (= {r.same_as})" if r.same_as else "")
+        table.add_row(label, _int(r.tflite_ops), _int(r.npu_ops), str(len(r.cpu_ops)), f"{r.cycles / 1e6:.2f} M",
+                      f"{r.time_s * 1e3:.2f}", speed, _mb(r.offchip_bytes), _mb(r.sram_bytes), model_ms, err)
     return table
 
 
@@ -283,6 +315,18 @@ def footnotes(result) -> list[str]:
                          + ", ".join(f"{r.label} vs {FLOAT_SOURCE[r.key]}" for r in result.rows
                                      if r.key in FLOAT_SOURCE and r.int8 is not None)
                          + "; ONNX Runtime's quantiser also drops each Relu into the requantisation)")
+    if result.vela_rows:
+        lines.append("- Ethos-U tables: each configuration written as int8 TFLite keeping its structure (BN folded, "
+                     "or a MUL and an ADD by per-channel constants; ReLU fused into the op before it, or a RELU op; "
+                     "opfuse/bench/ethos_u.py) and compiled by Arm's Vela: cycles, ms and bytes are Vela's own "
+                     "estimate; NPU ops: Vela's NPU operations that take cycles (Vela itself runs a RELU after a "
+                     "conv or ADD in that op's epilogue where it can). model ms: opfuse's cost model on the same int8 graph with the profile; model "
+                     "error = (model - Vela) / Vela")
+        for r in result.vela_rows:
+            if r.cpu_ops and not r.same_as:
+                lines.append(f"- {r.profile} {r.label}: {len(r.cpu_ops)} ops on the CPU, e.g. {r.cpu_ops[0]}")
+            if r.error and not r.same_as:
+                lines.append(f"- [red]{r.profile} {r.label}: {r.error}[/red]")
     if result.chapter_applies and "npu-chapter" in result.profiles:
         lines.append("- the chapter's GB/s column is one byte count (~227 MB) over each latency, as if "
                      "fusion moved no fewer bytes; the model's is each configuration's own traffic")

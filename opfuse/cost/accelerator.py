@@ -366,7 +366,8 @@ def fusion_veto(profile: str | os.PathLike | HardwareProfile) -> Callable[[ir.No
     The returned function takes the anchor (Conv or Gemm, shapes inferred) and the nodes it
     would absorb, and returns None when the fused kernel's working set fits the profile's
     on-chip buffer, else one sentence saying what does not fit. Unknown shapes: None (the
-    model cannot tell, so it does not object).
+    model cannot tell, so it does not object). For an Ethos-U profile with Vela installed, the
+    optimiser asks Vela instead (:func:`opfuse.targets.ethos_u.vela_veto.vela_fusion_veto`).
     """
     prof = load_profile(profile)
 

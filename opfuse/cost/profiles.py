@@ -4,7 +4,9 @@ A profile (``opfuse/cost/hardware/*.toml``, shipped as package data; or any TOML
 by path) gives DRAM bandwidth, on-chip buffer size, peak compute per dtype (``int8`` for
 the int8 kernels of a quantised graph, :mod:`opfuse.cost.int8`), per-kernel
 launch overhead, the tile height the chip works in, an optional execution dtype (an NPU
-running a float32 model in float16) and the efficiency of spilled traffic. Every field is
+running a float32 model in float16) and the efficiency of spilled traffic. An Ethos-U
+profile also has a ``[vela]`` table (the NPU, system config and memory mode Arm's Vela
+compiler measures it with; ``opfuse bench`` then prints Vela's figures beside the model's). Every field is
 validated on load: a bad profile is one :class:`~opfuse.errors.BadInputError` naming the
 field. :mod:`opfuse.cost.accelerator` turns a profile and a graph into predictions.
 """
@@ -53,7 +55,13 @@ class HardwareProfile:
     spill_efficiency: float = 0.5  # spilled bytes move at this fraction of the bandwidth
     description: str = ""
     calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    vela: dict[str, str] = dataclasses.field(default_factory=dict)  # an Ethos-U NPU: Vela's npu, system config...
     source: str = ""
+
+    @property
+    def compiler(self) -> str | None:
+        """"vela" for an Ethos-U profile (its ``[vela]`` table names the NPU Vela compiles for)."""
+        return "vela" if self.vela else None
 
     @property
     def buffer_bytes(self) -> float:
@@ -104,6 +112,7 @@ class HardwareProfile:
             "tile_rows": self.tile_rows,
             "execution_dtype": self.execution_dtype,
             "spill_efficiency": self.spill_efficiency,
+            "vela": dict(self.vela),
             "source": self.source,
         }
 
@@ -170,8 +179,14 @@ def _profile_from(data: dict[str, Any], path: pathlib.Path) -> HardwareProfile:
     spill_efficiency = number("spill_efficiency") if "spill_efficiency" in data else 0.5
     if spill_efficiency > 1:
         raise BadInputError(f"{path}: 'spill_efficiency' must be in (0, 1]")
+    vela = data.get("vela", {})
+    if not isinstance(vela, dict) or not isinstance(vela.get("npu", ""), str) or (vela and not vela.get("npu")):
+        raise BadInputError(f"{path}: [vela] must give the npu Vela compiles for (npu = \"ethos-u55-128\")")
+    unknown_vela = sorted(set(vela) - {"npu", "system_config", "memory_mode"})
+    if unknown_vela:
+        raise BadInputError(f"{path}: unknown [vela] field {unknown_vela[0]!r}; known: memory_mode, npu, system_config")
     known = {"name", "description", "dram_bandwidth_gbps", "onchip_buffer_kib", "launch_overhead_us",
-             "peak_gflops", "tile_rows", "execution_dtype", "spill_efficiency", "calibration"}
+             "peak_gflops", "tile_rows", "execution_dtype", "spill_efficiency", "calibration", "vela"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise BadInputError(f"{path}: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}")
@@ -186,5 +201,6 @@ def _profile_from(data: dict[str, Any], path: pathlib.Path) -> HardwareProfile:
         execution_dtype=exec_dtype,
         spill_efficiency=spill_efficiency,
         calibration=calibration if isinstance(calibration, dict) else {},
+        vela={str(k): str(v) for k, v in vela.items()},
         source=str(path),
     )
