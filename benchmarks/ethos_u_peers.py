@@ -36,8 +36,10 @@ def onnx2tf_flow(model_path: str, calib_path: str, out_path: str) -> None:
         stand_in = np.random.default_rng(0).random((20, 128, 128, 3), dtype=np.float32)
         np.save(os.path.join(tmp, "calibration_image_sample_data_20x128x128x3_float32.npy"), stand_in)
         saved = os.path.join(tmp, "saved_model")
+        # output_integer_quantized_tflite: onnx2tf's documented switch for a model headed for int8 (its MaxPool
+        # pad is then 0, not float32's minimum, which broke the int8 ranges: docs/results/ethos_u.md)
         onnx2tf.convert(input_onnx_file_path=os.path.abspath(model_path), output_folder_path=saved, non_verbose=True,
-                        copy_onnx_input_output_names_to_tflite=True)
+                        copy_onnx_input_output_names_to_tflite=True, output_integer_quantized_tflite=True)
         converter = tf.lite.TFLiteConverter.from_saved_model(saved)
 
         def representative():
