@@ -23,6 +23,7 @@ from ai_edge_litert import schema_py_generated as schema
 from onnx import numpy_helper
 
 from opfuse.core.ops import ACTIVATION_OPS, OPS
+from opfuse.errors import BadInputError
 from opfuse.targets.ethos_u.tflite_writer import Quant, TfliteWriter
 
 _ACT = schema.ActivationFunctionType
@@ -32,10 +33,14 @@ ACTIVATION_BOUNDS = {(0.0, None): _ACT.RELU, (0.0, 6.0): _ACT.RELU6, (-1.0, 1.0)
 NCHW_TO_NHWC = (0, 2, 3, 1)
 
 
-class LoweringError(Exception):
-    """An op the lowering cannot write as TFLite; str() is one line: node, op type, reason."""
+class LoweringError(BadInputError):
+    """An op the lowering cannot write as TFLite; str() is one line: node, op type, reason. A
+    model the target cannot express is unsupported input: one line on stderr, exit 2."""
 
-    def __init__(self, node: onnx.NodeProto | None, reason: str) -> None:
+    def __init__(self, node: onnx.NodeProto | str | None, reason: str | None = None) -> None:
+        if reason is None and isinstance(node, str):  # a message already made, re-raised with more said
+            super().__init__(node)
+            return
         where = f"node '{node.name or node.output[0]}' ({node.op_type}): " if node is not None else ""
         super().__init__(f"{where}{reason}".replace("\n", " "))
 
