@@ -249,7 +249,13 @@ def test_quantize_preset_ethos_u_end_to_end(tmp_path, capsys):
     assert not list(tmp_path.glob(".opfuse-vela-*"))  # Vela's working directory is gone
 
 
-def test_optimize_target_ethos_u_refuses_an_unlowerable_op(tmp_path, capsys):
+@pytest.mark.parametrize("command", [
+    ["optimize", "--target", "ethos-u"],
+    ["quantize", "--calibration", "random:8", "--preset", "ethos-u", "--reconstruct", "off"],
+])
+def test_an_unlowerable_op_is_refused_in_one_line(command, tmp_path, capsys):
+    """An op TFLite cannot express (an LSTM in ddddocr's recogniser; an Einsum here) is unsupported
+    input, for optimize and quantize alike: one line, exit 2, nothing written, not an internal error."""
     _lowering()
     nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv", pads=[1, 1, 1, 1]),
              helper.make_node("Einsum", ["y", "y"], ["out"], name="einsum", equation="nchw,nchw->nchw")]
@@ -257,24 +263,7 @@ def test_optimize_target_ethos_u_refuses_an_unlowerable_op(tmp_path, capsys):
               [tensor("W", rng(2).normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32))])
     path, out, context = tmp_path / "f.onnx", tmp_path / "o.onnx", tmp_path / "o_vela.tflite"
     onnx.save(m, path)
-    code = main(["optimize", str(path), "-o", str(out), "--target", "ethos-u", "--context", str(context), "-q"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "Einsum" in err[0] and "internal error" not in err[0]
-    assert not out.exists() and not context.exists() and not list(tmp_path.glob(".opfuse-vela-*"))
-
-
-def test_quantize_preset_ethos_u_refuses_an_unlowerable_op_in_one_line(tmp_path, capsys):
-    """An op TFLite cannot express (an LSTM in ddddocr's recogniser; an Einsum here) is unsupported
-    input: one line, exit 2, nothing written, not an internal error."""
-    _lowering()
-    nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv", pads=[1, 1, 1, 1]),
-             helper.make_node("Einsum", ["y", "y"], ["out"], name="einsum", equation="nchw,nchw->nchw")]
-    m = model(nodes, [vinfo("x", [1, 3, 8, 8])], [vinfo("out", [1, 4, 8, 8])],
-              [tensor("W", rng(3).normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32))])
-    path, out, context = tmp_path / "f.onnx", tmp_path / "q.onnx", tmp_path / "q_vela.tflite"
-    onnx.save(m, path)
-    code = main(["quantize", str(path), "-o", str(out), "--calibration", "random:8", "--preset", "ethos-u",
-                 "--context", str(context), "--reconstruct", "off", "-q"])
+    code = main([command[0], str(path), "-o", str(out), *command[1:], "--context", str(context), "-q"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Einsum" in err[0] and "internal error" not in err[0], err
     assert not out.exists() and not context.exists() and not list(tmp_path.glob(".opfuse-vela-*"))
