@@ -39,7 +39,8 @@ def test_outputs_in_a_sigmoid_tail_are_written_with_a_note_not_refused():
     assert rms < 1 / 256  # the premise, from numpy
     _, report = opfuse.quantize(tail_net(), data, reconstruct=False)
     v = report.verification
-    assert v.sqnr_db < 3 and v.ok and v.floor_sqnr_db is None
+    assert v.sqnr_db < 3 and v.ok and v.floor_sqnr_db is None and "below one int8 step" in v.unjudged
+    assert report.to_dict()["verification"]["unjudged"] == v.unjudged
     note = next(n for n in report.notes if "is not judged" in n)
     assert "below one int8 step of the output" in note and "y: RMS" in note and "real samples" in note
 
@@ -76,3 +77,13 @@ def test_an_output_under_its_own_step_is_not_judged(scale, judged):
     assert (said is None) == judged
     if not judged:
         assert "y: RMS" in said and "step of 0.01" in said
+
+
+def test_the_cli_writes_it_and_says_not_judged_in_its_verdict(tmp_path, capsys):
+    src, calib, out = tmp_path / "m.onnx", tmp_path / "c.npz", tmp_path / "q.onnx"
+    onnx.save(tail_net(), src)
+    np.savez(calib, x=np.stack([s["x"] for s in samples()]))
+    rc = main(["quantize", "--reconstruct", "off", str(src), "-o", str(out), "--calibration", str(calib)])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and out.exists()
+    assert "verification: not judged" in printed and "is not judged: the float model's outputs" in printed

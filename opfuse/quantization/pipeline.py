@@ -300,6 +300,7 @@ def _describe(report: QuantReport, float_model, qdq, held, options: QuantizeOpti
     unjudged = below_output_step(float_model, qdq, held) if failing else None
     if not options.searching and unjudged:
         report.notes.append(f"output SQNR {total:.1f} dB is not judged: {unjudged}")
+        report.verification.unjudged = unjudged
     elif not options.searching:
         report.verification.floor_sqnr_db = FLOOR_SQNR_DB
     if not options.searching and FLOOR_SQNR_DB <= total < LOW_SQNR_DB:
