@@ -51,8 +51,8 @@ each with one interface (:mod:`.steps`):
    (ONNX Runtime CPU, all optimisations: its int8 kernels); below ``min_sqnr`` (or, with
    no target, below :data:`FLOOR_SQNR_DB`: no model of the float one): exit 1, nothing
    written but the report. The floor is not applied, and a note says why, where the float
-   outputs on the held-out samples are below one int8 step of the output (rounding alone then
-   decides the SQNR: :func:`.qdq.sqnr.below_output_step`);
+   outputs on the held-out samples are below one int8 step of the output (the SQNR then measures
+   errors finer than an int8 output resolves: :func:`.qdq.sqnr.below_output_step`);
 9. save and report (:mod:`.report`).
 
 One route to any device: a preset names its target (``Preset.target``), and where that target
