@@ -3,10 +3,12 @@
     python benchmarks/ethos_u.py                                  resnet18, resnet50, mobilenetv2
     python benchmarks/ethos_u.py --models resnet18 --image-size 224 --npu ethos-u55-128,ethos-u85-256
     python benchmarks/ethos_u.py --wild                           also the CNNs of benchmarks/wild.py
+    python benchmarks/ethos_u.py --models "" --wild PP-OCRv4      only the wild models whose name has PP-OCRv4
     python benchmarks/ethos_u.py --fit ethos-u55-128               the profile's least-squares fit
 
 Per model, three flows from the same float ONNX model and the same calibration samples
-(:data:`CALIBRATION` seeded random inputs, :func:`opfuse.verify.make_inputs`):
+(:data:`CALIBRATION` seeded random inputs, :func:`opfuse.verify.make_inputs`; text images built in
+code for the OCR models of :data:`TEXT_INPUTS`, which random inputs do not exercise):
 
 - **opfuse**: ``opfuse quantize M.onnx --preset ethos-u --context M_vela.tflite --reconstruct off``
   (its folds, its own calibration and rounding, lowered to int8 TFLite; the lowered ``M.tflite``
@@ -196,7 +198,8 @@ def vela_row(tflite: bytes, npu: str) -> dict:
 
 def run_model(name: str, proto: onnx.ModelProto, npus: list[str], work: pathlib.Path) -> list[dict]:
     model, _ = load_model(proto)
-    samples = [make_inputs(model, seed=1000 + i) for i in range(CALIBRATION + HELD_OUT)]
+    samples = text_samples(name, proto, CALIBRATION + HELD_OUT) or \
+        [make_inputs(model, seed=1000 + i) for i in range(CALIBRATION + HELD_OUT)]
     calib, held = samples[:CALIBRATION], samples[CALIBRATION:]
     model_path = work / "m.onnx"
     onnx.save(proto, model_path)
@@ -296,7 +299,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="resnet18,resnet50,mobilenetv2")
     parser.add_argument("--npu", default="ethos-u55-128,ethos-u65-256,ethos-u85-256")
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--wild", action="store_true", help="also the CNNs inside the wheels of benchmarks/wild.py")
+    parser.add_argument("--wild", nargs="?", const="", metavar="NAMES",
+                        help="also the CNNs inside the wheels of benchmarks/wild.py (NAMES: only those whose file "
+                             "name contains one of these comma-separated strings)")
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=pathlib.Path, help="write the rows as JSON")
     parser.add_argument("--fit", metavar="NPU", help="fit the profile of NPU to Vela's per-op cycles and stop")
@@ -308,8 +313,9 @@ def main(argv=None) -> int:
     if not PEERS_PYTHON.exists():
         print(f"note: no peers venv ({PEERS_PYTHON}); the standard flow's rows will say so. Setup: {PEERS_SETUP}")
     models = [(m, build(m, batch=1, image_size=args.image_size)) for m in args.models.split(",") if m]
-    if args.wild:
-        models += wild_models(args.cache)
+    if args.wild is not None:
+        picked = [n for n in args.wild.split(",") if n]
+        models += [m for m in wild_models(args.cache) if not picked or any(n in m[0] for n in picked)]
     rows = []
     start = time.perf_counter()
     for name, proto in models:
@@ -334,11 +340,32 @@ def wild_models(cache: pathlib.Path) -> list[tuple[str, onnx.ModelProto]]:
         dims = inputs[0].type.tensor_type.shape.dim if len(inputs) == 1 else []
         if len(dims) != 4:
             continue  # not a single-image CNN (audio, sequences)
+        shape = TEXT_INPUTS.get(path.name, ((1, 3, 320, 320), ""))[0]
         for axis, dim in enumerate(dims):
             if not dim.HasField("dim_value") or dim.dim_value <= 0:
-                dim.dim_value = 1 if axis == 0 else (3 if axis == 1 else 320)
+                dim.dim_value = shape[axis]
         found.append((label, proto))
     return found
+
+
+# wild models that seeded random inputs do not exercise (PP-OCRv4 det's probability map is about 1e-6
+# on them): their input shape and text images built in code (benchmarks/ocr_text.py: lines rendered
+# with Pillow's default font; pages of those lines for the detector), calibration and held-out alike
+TEXT_INPUTS = {"ch_PP-OCRv4_det_infer.onnx": ((1, 3, 320, 320), "pages"),
+               "ch_PP-OCRv4_rec_infer.onnx": ((1, 3, 48, 320), "lines")}
+
+
+def text_samples(label: str, proto: onnx.ModelProto, count: int) -> list[dict] | None:
+    """``count`` samples of text images for a model of :data:`TEXT_INPUTS` (None for another)."""
+    shape, kind = TEXT_INPUTS.get(pathlib.PurePath(label).name, (None, ""))
+    if not kind:
+        return None
+    import ocr_text
+
+    name = proto.graph.input[0].name
+    if kind == "pages":
+        return [{name: ocr_text.preprocess_page(p)} for p in ocr_text.render_pages(count, 2, shape[2])]
+    return [{name: ocr_text.preprocess(image)} for _, image in ocr_text.render_lines(count, ocr_text.CALIBRATION_SEED)]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ prints the float model's exact-match accuracy on the evaluation lines. As a modu
 ``benchmarks/`` on ``sys.path``)::
 
     from ocr_text import rec_model, characters, render_lines, accuracy, calibration_npz
+    from ocr_text import render_pages, preprocess_page      # pages of those lines, for PP-OCRv4 det
 
 The model is ``ch_PP-OCRv4_rec_infer.onnx`` from the ``rapidocr-onnxruntime`` wheel of
 ``benchmarks/wild.py`` (downloaded once with ``pip download --no-deps``, extracted into the
@@ -33,7 +34,7 @@ from __future__ import annotations
 __all__ = [
     "CALIBRATION_SEED", "EVAL_SEED", "HEIGHT", "MODEL_NAME", "REC_MODELS", "RENDERINGS", "Rendering", "WIDTH",
     "accuracy", "calibration_npz", "characters", "ctc_greedy", "decode_batch",
-    "predictions", "preprocess", "rec_model", "render_lines",
+    "predictions", "preprocess", "preprocess_page", "rec_model", "render_lines", "render_pages",
 ]
 
 import argparse
@@ -324,6 +325,37 @@ def preprocess(image: np.ndarray) -> np.ndarray:
     out = np.zeros((1, 3, HEIGHT, WIDTH), dtype=np.float32)
     out[0, :, :, :resized_w] = pixels
     return out
+
+
+# -- pages for the detector (PP-OCRv4 det) ----------------------------------------------------
+
+DET_MEAN, DET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RapidOCR's det NormalizeImage
+
+
+def render_pages(n: int, seed: int, size: int = 320) -> list[np.ndarray]:
+    """``n`` pages [size, size, 3] RGB uint8: text lines of :func:`render_lines`, each scaled to a
+    height of 12-32 pixels, pasted at random places on a white page (lines may overlap the edge).
+    A deterministic function of ``n``, ``seed`` and ``size``."""
+    rng = np.random.default_rng(seed)
+    lines = render_lines(8 * n, seed)
+    pages = []
+    for i in range(n):
+        page = Image.new("RGB", (size, size), "white")
+        for _, image in lines[8 * i:8 * i + int(rng.integers(3, 9))]:
+            height = int(rng.integers(12, 33))
+            width = max(1, image.shape[1] * height // image.shape[0])
+            line = Image.fromarray(image).resize((width, height), Image.Resampling.BILINEAR)
+            page.paste(line, (int(rng.integers(0, size - min(width, size) + 1)), int(rng.integers(0, size - height))))
+        pages.append(np.asarray(page))
+    return pages
+
+
+def preprocess_page(page: np.ndarray) -> np.ndarray:
+    """One RGB uint8 page [H, W, 3] as PP-OCRv4 det's input [1, 3, H, W] float32: BGR as cv2 reads
+    it, x/255 then ImageNet's mean and std (RapidOCR's ``NormalizeImage``); H and W multiples of 32."""
+    pixels = np.asarray(page, dtype=np.float32)[:, :, ::-1] / 255.0
+    pixels = (pixels - np.float32(DET_MEAN)) / np.float32(DET_STD)
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1)[None], dtype=np.float32)
 
 
 def ctc_greedy(logits: np.ndarray, chars: list[str]) -> str:

@@ -39,9 +39,11 @@ def _quant(scale, zero, axis=0):
     return q
 
 
-def conv_tflite(weights: np.ndarray, w_scale: np.ndarray, bias: np.ndarray, *, then: int | None = None) -> bytes:
+def conv_tflite(weights: np.ndarray, w_scale: np.ndarray, bias: np.ndarray, *, then: int | None = None,
+                y_scale: float = Y_SCALE) -> bytes:
     """int8 CONV_2D (3x3, SAME, fused RELU) on a 1x8x8xC NHWC input; ``then``: a binary op of the
-    conv's output with itself after it (DIV: the U85 runs it, the U55 does not)."""
+    conv's output with itself after it (DIV: the U85 runs it, the U55 does not); ``y_scale``: the
+    conv output's scale."""
     buffers, tensors, codes = [schema.BufferT()], [], []
 
     def add_tensor(name, shape, kind, quant, data=None):
@@ -69,7 +71,7 @@ def conv_tflite(weights: np.ndarray, w_scale: np.ndarray, bias: np.ndarray, *, t
     x = add_tensor("x", [1, 8, 8, cin], schema.TensorType.INT8, _quant(X_SCALE, X_ZERO))
     w = add_tensor("w", weights.shape, schema.TensorType.INT8, _quant(w_scale, np.zeros(cout)), weights)
     b = add_tensor("b", [cout], schema.TensorType.INT32, _quant(X_SCALE * w_scale, np.zeros(cout)), bias)
-    y = add_tensor("y", [1, 8, 8, cout], schema.TensorType.INT8, _quant(Y_SCALE, Y_ZERO))
+    y = add_tensor("y", [1, 8, 8, cout], schema.TensorType.INT8, _quant(y_scale, Y_ZERO))
     options = schema.Conv2DOptionsT()
     options.padding, options.strideW, options.strideH = schema.Padding.SAME, 1, 1
     options.fusedActivationFunction = schema.ActivationFunctionType.RELU
@@ -121,6 +123,20 @@ def test_a_cpu_fallback_carries_vela_reason_and_a_fix(tmp_path):
     log = EthosCompileLog(u55, EthosOptions(), len(tflite), 0.1)
     assert log.placement.cpu == ["z"]
     assert "ethos-u85" in log.fallbacks[0]["fix"] and "Unsupported opType" in log.warnings[0]
+
+
+def test_every_op_vela_leaves_on_the_cpu_is_counted_with_the_message_that_names_no_op(tmp_path):
+    # a conv output scale of 1.33e36 (a range reaching float32's minimum over 255 steps, as a
+    # MaxPool padded with -FLT_MAX gets from TFLite's converter): Vela 5.2 leaves the conv and
+    # the ADD that reads it to the CPU and says why in a line without the op's name
+    w, s, b = _conv_weights()
+    tflite = conv_tflite(w, s, b, then=schema.BuiltinOperator.ADD, y_scale=1.33e36)
+    result = compile_with_vela(tflite, npu="ethos-u55-128", output_dir=tmp_path)
+    assert "Warning (supported operators)" not in result.log  # no named warning: only the placement says it
+    assert sorted(op.name for op in result.ops if not op.on_npu) == ["y", "z"]
+    assert sorted(result.cpu_ops) == ["y", "z"]
+    assert all("Quantization scale of any tensor must be positive" in why for why in result.cpu_ops.values())
+    assert result.cpu_ops["y"].startswith("Conv2D: ") and result.cpu_ops["z"].startswith("Add: ")
 
 
 def test_cpu_reasons_read_every_warning_and_its_lines():

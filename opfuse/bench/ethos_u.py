@@ -274,12 +274,9 @@ def vela_ablation(
 
 
 def cpu_ops(result) -> list[str]:
-    """Every op Vela leaves to the CPU, "name: reason": those it warns about (its reason), and the
-    rows of its per-layer file with target CPU ("Passthrough") that it printed no warning for."""
-    found = [f"{name}: {reason}" for name, reason in result.cpu_ops.items()]
-    found += [f"{op.name}: {op.tflite_op} left to the CPU by Vela (per-layer 'Passthrough'; Vela printed no reason)"
-              for op in result.ops if not op.on_npu and op.name not in result.cpu_ops]
-    return found
+    """Every op Vela leaves to the CPU, "name: reason" (:func:`opfuse.targets.ethos_u.vela.cpu_placement`:
+    its per-layer rows off the NPU, with the reason Vela printed)."""
+    return [f"{name}: {reason}" for name, reason in result.cpu_ops.items()]
 
 
 def _copy_figures(src: VelaRow, dst: VelaRow) -> None:

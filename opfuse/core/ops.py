@@ -35,6 +35,8 @@ A row (:class:`OpInfo`) says:
 - **metadata_only**: it reads only its input's shape, not its data (Shape, Size).
 - **int8**: what an int8 accelerator does with it (``"compute"``: runs it as an int8
   kernel; ``"move"``: moves or selects 8-bit values, keeping their scale; ``""``: float).
+- **output_range**: the interval its values lie in whatever its input (Sigmoid, HardSigmoid,
+  Softmax: [0, 1]; Tanh: [-1, 1]), the range an int8 output of it divides into 256 steps.
 
 A second, smaller table, :data:`INTEGER_OPS`, names the ops of a model that was quantised
 before opfuse sees it (by domain and op: two live in ONNX Runtime's ``com.microsoft``): the
@@ -156,6 +158,7 @@ class OpInfo:
     int8: str = ""  # "compute", "move" or ""
     footprint: str = ""  # "window", "global" or ""
     metadata_only: bool = False  # reads its input's shape, not its data
+    output_range: tuple[float, float] | None = None  # its values' interval whatever its input
 
 
 _E, _B, _I, _R, _W, _O = (OpKind.ELEMWISE, OpKind.BROADCAST, OpKind.INJECTIVE, OpKind.COMM_REDUCE,
@@ -173,10 +176,10 @@ OPS: dict[str, OpInfo] = {
     "Relu": OpInfo(_E, _A(), int8="compute"),                   # max(x, 0)
     "LeakyRelu": OpInfo(_E, _A((("alpha", 0.01),)), int8="compute"),
     "Clip": OpInfo(_E, _A(bounds_from_inputs=True), int8="compute"),  # min/max: attrs < opset 11
-    "Sigmoid": OpInfo(_E, _A(), int8="compute"),
-    "HardSigmoid": OpInfo(_E, _A((("alpha", 0.2), ("beta", 0.5)))),   # max(0, min(1, a*x + b))
+    "Sigmoid": OpInfo(_E, _A(), int8="compute", output_range=(0.0, 1.0)),
+    "HardSigmoid": OpInfo(_E, _A((("alpha", 0.2), ("beta", 0.5))), output_range=(0.0, 1.0)),  # max(0, min(1, a*x + b))
     "HardSwish": OpInfo(_E, _A()),                              # x * HardSigmoid(x; 1/6, 1/2)
-    "Tanh": OpInfo(_E, _A()),
+    "Tanh": OpInfo(_E, _A(), output_range=(-1.0, 1.0)),
     "Elu": OpInfo(_E, _A((("alpha", 1.0),))),
     "Selu": OpInfo(_E, _A((("alpha", 1.67326319217681884765625), ("gamma", 1.05070102214813232421875)))),
     "Celu": OpInfo(_E, _A((("alpha", 1.0),))),
@@ -216,7 +219,7 @@ OPS: dict[str, OpInfo] = {
     "GlobalAveragePool": OpInfo(_W, int8="compute", footprint="global"),
     **_rows(_W, "GlobalMaxPool", "GlobalLpPool", footprint="global"),
     # -- opaque ops opfuse names (everything not in the table is opaque too) ----------------
-    "Softmax": OpInfo(_O, int8="compute"),
+    "Softmax": OpInfo(_O, int8="compute", output_range=(0.0, 1.0)),
     **_rows(_O, "Resize", int8="move"),
     **_rows(_O, "LayerNormalization", "RMSNormalization", "GroupNormalization",
             "InstanceNormalization", "LogSoftmax", "Attention", "LSTM", "GRU", "RNN", "If", "Loop",

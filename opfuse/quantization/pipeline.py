@@ -50,7 +50,9 @@ each with one interface (:mod:`.steps`):
 8. verify: output SQNR on the held-out samples, the quantised model running as deployed
    (ONNX Runtime CPU, all optimisations: its int8 kernels); below ``min_sqnr`` (or, with
    no target, below :data:`FLOOR_SQNR_DB`: no model of the float one): exit 1, nothing
-   written but the report;
+   written but the report. The floor is not applied, and a note says why, where the float
+   outputs on the held-out samples are below one int8 step of the output (the SQNR then measures
+   errors finer than an int8 output resolves: :func:`.qdq.sqnr.below_output_step`);
 9. save and report (:mod:`.report`).
 
 One route to any device: a preset names its target (``Preset.target``), and where that target
@@ -84,7 +86,7 @@ from opfuse.quantization.options import QuantizeOptions
 from opfuse.quantization.presets import PRESETS, Equalize
 from opfuse.quantization.qdq.quantizer import prepare, weight_storage
 from opfuse.quantization.report import LayerRow, QuantReport, QuantVerification
-from opfuse.quantization.qdq.sqnr import INFINITE, layer_costs, layer_pairs, measure, output_sqnr
+from opfuse.quantization.qdq.sqnr import INFINITE, below_output_step, layer_costs, layer_pairs, measure, output_sqnr
 from opfuse.quantization.steps import QuantState, build_steps
 from opfuse.verify.random_ops import drop_given_seeds, seed_random_nodes
 from opfuse.report import FusionReport
@@ -153,11 +155,11 @@ def quantize(model: ModelSource, calibration: CalibrationSource, options: Quanti
         report.layers = _layer_rows(float_model, qdq, tune, state.keep, state.why, state.gain_of,
                                     state.keep_action.label)
     compiled = _verify(report, float_model, qdq, loaded, options, device, device_options)
-    _describe(report, float_model, qdq, options)
+    unjudged = _describe(report, float_model, qdq, loaded.held, options)
     if not report.verification.ok:
         if compiled is not None:
             compiled.discard()  # (no EPContext model either)
-        _fail(report, options)
+        _fail(report, options, unjudged)
     result = ir.serde.deserialize_model(qdq)
     drop_given_seeds(result, seeded)
     if options.output is not None:
@@ -290,10 +292,16 @@ def _verify(report, float_model, qdq, loaded: _Loaded, options: QuantizeOptions,
     return compiled
 
 
-def _describe(report: QuantReport, float_model, qdq, options: QuantizeOptions) -> None:
-    """The verdict without a target, and what the quantised model stores."""
+def _describe(report: QuantReport, float_model, qdq, held, options: QuantizeOptions) -> str | None:
+    """The verdict without a target, and what the quantised model stores; returns why the
+    held-out SQNR cannot judge the quantisation, when it cannot (:func:`.qdq.sqnr.below_output_step`)."""
     total = report.verification.sqnr_db
-    if not options.searching:
+    failing = total < FLOOR_SQNR_DB or (options.min_sqnr is not None and total < options.min_sqnr)
+    unjudged = below_output_step(float_model, qdq, held) if failing else None
+    if not options.searching and unjudged:
+        report.notes.append(f"output SQNR {total:.1f} dB is not judged: {unjudged}")
+        report.verification.unjudged = unjudged
+    elif not options.searching:
         report.verification.floor_sqnr_db = FLOOR_SQNR_DB
     if not options.searching and FLOOR_SQNR_DB <= total < LOW_SQNR_DB:
         report.notes.append(f"output SQNR {total:.1f} dB on the held-out samples is low (under {LOW_SQNR_DB} dB "
@@ -313,9 +321,10 @@ def _describe(report: QuantReport, float_model, qdq, options: QuantizeOptions) -
                             + (f"; the model already computes in integers ({integer} node(s) such as "
                                "DynamicQuantizeLinear, MatMulInteger, DynamicQuantizeLSTM): it was quantised before"
                                if integer else ""))
+    return unjudged
 
 
-def _fail(report: QuantReport, options: QuantizeOptions):
+def _fail(report: QuantReport, options: QuantizeOptions, unjudged: str | None = None):
     """Verification failed: the report written where asked, and exit 1 with why."""
     if options.report_path is not None:
         write_text_atomic(options.report_path, report.to_json())
@@ -324,6 +333,8 @@ def _fail(report: QuantReport, options: QuantizeOptions):
         why = f"output SQNR {v.sqnr_db:.1f} dB on {v.samples} held-out sample(s) is below --min-sqnr {min_sqnr:g}"
         if report.search_stopped:
             why += f"; the search stopped: {report.search_stopped}"
+        if unjudged:
+            why += f" ({unjudged})"
     elif v.floor_sqnr_db is not None and v.sqnr_db < v.floor_sqnr_db:
         why = (f"output SQNR {v.sqnr_db:.1f} dB on {v.samples} held-out sample(s) is below {v.floor_sqnr_db:g} dB: "
                "the int8 model's outputs are no approximation of the float model's (give --min-sqnr DB to "

@@ -84,6 +84,7 @@ class QuantVerification:
     cpu_qdq_sqnr_db: float | None = None  # CPU QDQ vs float
     htp_vs_cpu_sqnr_db: float | None = None  # the HTP's outputs vs the CPU QDQ's
     floor_sqnr_db: float | None = None  # with no --min-sqnr: below it the result is no model of the float one
+    unjudged: str | None = None  # why the SQNR cannot judge this quantisation (the floor then not applied)
 
     @property
     def ok(self) -> bool:
@@ -288,6 +289,8 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
                       "verification: nothing was quantised; the outputs equal the float model's")
     elif v is not None:
         status = "[green]passed[/green]" if v.ok else "[red]FAILED[/red]"
+        if v.ok and v.unjudged:
+            status = "[yellow]not judged[/yellow] (the float outputs are below one int8 step: see the note)"
         limit = f" (minimum {v.min_sqnr_db:g} dB)" if v.min_sqnr_db is not None else " (no minimum set)"
         per = ", ".join(f"{k} {x:.1f}" for k, x in list(v.outputs.items())[:4])
         metric = f"; metric {v.metric:.4g} (minimum {v.min_metric:g})" if v.min_metric is not None else ""

@@ -17,18 +17,30 @@ worst input's (per channel, :meth:`Accumulator.channel_db`), shown as the SQNR t
 alone would have (lower is costlier). A graph input counts as its quantised self (the
 layer's input DequantizeLinear). The mixed-precision search keeps the costliest layers
 out of int8.
+
+An SQNR judges a quantisation only where the float outputs span the int8 output's steps. An
+output's step is the larger of its ``DequantizeLinear``'s scale and, where a bounded op writes
+it (an op with an ``output_range`` in :data:`opfuse.core.ops.OPS`: a Sigmoid's or Softmax's
+probabilities in [0, 1]), 1/256 of that op's range: the finest step an int8 probability has
+(TFLite fixes a LOGISTIC's and a SOFTMAX's output scale at 1/256). Where the float model's outputs on the samples are smaller than one step
+(a text detector's probability map on random inputs: about 1e-6, nothing detected anywhere),
+what the SQNR measures is the error in the bounded op's saturated tail, far below what an int8
+output resolves, whatever the quantiser did. :func:`below_output_step` says when that is so.
 """
 
 from __future__ import annotations
 
-__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs", "layer_pairs"]
+__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs",
+           "layer_pairs", "below_output_step", "output_steps"]
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
+from opfuse.core.ops import OpInfo, OpKind, op_info
 from opfuse.quantization.calibration import run_sample
 from opfuse.quantization.qdq.layers import QdqLayer, exposed
 from opfuse.runtime import create_session
@@ -165,6 +177,49 @@ class OutputReference:
         """SQNR over all outputs and samples of ``qdq_model``, in dB."""
         session = create_session(qdq_model, level)
         return outputs_db(self.names, self.values, (session.run(self.names, s) for s in self.samples))
+
+
+def output_steps(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto) -> dict[str, float]:
+    """Graph output -> one int8 step of it (module docstring): the scale of the ``DequantizeLinear``
+    that writes it in ``qdq_model`` (its largest), or 1/256 of the ``output_range`` of the op that
+    writes it in ``float_model``, whichever is larger; outputs with neither are left out."""
+    constants = {t.name: t for t in qdq_model.graph.initializer}
+    constants.update({n.output[0]: a.t for n in qdq_model.graph.node if n.op_type == "Constant"
+                      for a in n.attribute if a.name == "value"})
+    outputs = {o.name for o in qdq_model.graph.output}
+    steps = {n.output[0]: float(np.max(np.abs(numpy_helper.to_array(constants[n.input[1]]))))
+             for n in qdq_model.graph.node
+             if n.op_type == "DequantizeLinear" and n.output[0] in outputs and n.input[1] in constants}
+    for node in float_model.graph.node:
+        for name in set(node.output) & outputs:
+            bounds = (op_info(node) or OpInfo(OpKind.OPAQUE)).output_range
+            if bounds is not None:
+                steps[name] = max(steps.get(name, 0.0), (bounds[1] - bounds[0]) / 256)
+    return steps
+
+
+def below_output_step(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, samples) -> str | None:
+    """A sentence when every graph output of ``float_model`` on ``samples`` has an RMS below one
+    int8 step of the quantised output (module docstring: the SQNR then cannot judge), else None."""
+    steps = output_steps(float_model, qdq_model)
+    names = [o.name for o in float_model.graph.output]
+    if not samples or not names or any(n not in steps for n in names):
+        return None
+    session = create_session(float_model, "disabled")
+    squares = dict.fromkeys(names, 0.0)
+    count = dict.fromkeys(names, 0)
+    for i, sample in enumerate(samples):
+        for name, value in zip(names, run_sample(session, names, dict(sample), i)):
+            value = np.asarray(value, np.float64)
+            squares[name] += float(np.sum(value * value))
+            count[name] += value.size
+    rms = {n: math.sqrt(squares[n] / max(count[n], 1)) for n in names}
+    if any(rms[n] >= steps[n] for n in names):
+        return None
+    shown = ", ".join(f"{n}: RMS {rms[n]:.2g} under a step of {steps[n]:.2g}" for n in names[:3])
+    return (f"the float model's outputs on these {len(samples)} sample(s) are below one int8 step of the "
+            f"output ({shown}), so the SQNR measures errors finer than an int8 output resolves and cannot "
+            "judge the quantisation; calibrate and verify on inputs that exercise the model (real samples)")
 
 
 def layer_costs(layers: list[QdqLayer], acc: Accumulator) -> dict[str, tuple[float, float]]:

@@ -28,6 +28,10 @@ FULLY_CONNECTED, ADD or MUL becomes that op's ``fused_activation_function``; in 
 the fused op writes the activation's output quantisation. An activation that cannot fuse
 stays its own op, and when ``refusals`` is given the reason is appended to it.
 
+An op with no lowering is refused (:class:`LoweringError`, one line); for an op TFLite could
+express but this module does not write (:data:`NOT_WRITTEN`: LSTM, GRU) the line says why and
+what to do meanwhile.
+
 Refusal: an op it cannot lower raises :class:`LoweringError`, one line naming the node, its op
 type and the reason. The op functions live in :mod:`opfuse.targets.ethos_u.tflite_ops`; the
 flatbuffer (tensors, buffers, quantisation) in :mod:`opfuse.targets.ethos_u.tflite_writer`.
@@ -94,6 +98,19 @@ LOWERINGS = {
 }
 
 
+# ONNX ops TFLite expresses that this lowering does not write: why, and what to do meanwhile
+_RECURRENT = ("TFLite's UNIDIRECTIONAL_SEQUENCE_LSTM expresses an LSTM (a bidirectional one as two, the second on "
+              "the reversed sequence) and Vela 5.2 runs it on the NPU without CIFG, peephole, projection or "
+              "layer normalisation, but opfuse does not write it: its quantised form takes the 12 gate weights, "
+              "per-gate intermediate scales and a 16-bit cell state, and ONNX Runtime's static quantiser leaves "
+              "an LSTM float. "
+              "Meanwhile cut the model before the {op} (onnx.utils.extract_model) and run the {op} on the host CPU")
+NOT_WRITTEN = {
+    "LSTM": _RECURRENT.format(op="LSTM"),
+    "GRU": _RECURRENT.replace("expresses an LSTM", "has no GRU; an LSTM it expresses").format(op="GRU"),
+}
+
+
 def _walk(self: Lowering) -> bytes:
     """Every node lowered in order (an activation fused into its producer is skipped)."""
     graph = self.model.graph
@@ -107,8 +124,9 @@ def _walk(self: Lowering) -> bytes:
         self.node = node
         lower = LOWERINGS.get(node.op_type)
         if lower is None:
-            raise self.refuse(f"no TFLite lowering is written for {node.op_type} "
-                              f"({len(LOWERINGS)} ONNX ops are: opfuse.targets.ethos_u.lower.LOWERINGS)")
+            why = NOT_WRITTEN.get(node.op_type,
+                                  f"{len(LOWERINGS)} ONNX ops are: opfuse.targets.ethos_u.lower.LOWERINGS")
+            raise self.refuse(f"no TFLite lowering is written for {node.op_type} ({why})")
         lower(self, node)
     outputs = []
     for name, original in zip(self.g.outputs, (o.name for o in graph.output)):

@@ -19,8 +19,13 @@ and reads what it writes (:class:`VelaResult`):
 - ``<name>_per-layer.csv``: one row per op Vela scheduled (the TFLite op, the op Vela made of
   it, NPU or CPU, cycles, share of the network's cycles, and per memory the *access cycles*:
   Vela 5.2's per-layer file gives bytes only in total);
-- its log: for each op left on the CPU, "Warning (supported operators) operator: OP, ofm:
-  'NAME'" and the lines of "Reason: ..." that follow (:func:`cpu_reasons`).
+- which ops Vela left on the CPU: the per-layer file's rows whose target is not the NPU
+  (``Passthrough``), the placement Vela itself reports; and why, from its log
+  (:func:`cpu_reasons`): for an op it names, "Warning (supported operators) operator: OP, ofm:
+  'NAME'" and the lines of "Reason: ..." that follow. Some of its checks print a line that
+  names no op ("Quantization scale of any tensor must be positive.", for a scale its
+  fixed-point requantisation cannot express): those lines (:func:`unattributed_messages`) are
+  the reason given for each CPU op Vela named no reason for.
 
 Vela failing (a malformed TFLite, an internal error) is :class:`VelaError`, with the last line
 of its log. :class:`EthosOptions` are the NPU and Vela's options as ``--npu`` and ``--vela``
@@ -30,7 +35,8 @@ give them; :func:`require_vela` is the install check: one line with the command 
 from __future__ import annotations
 
 __all__ = ["NPUS", "DEFAULTS", "INSTALL_COMMAND", "VelaError", "VelaOp", "VelaResult", "available",
-           "require_vela", "compile_with_vela", "cpu_reasons", "default_configs", "EthosOptions"]
+           "require_vela", "compile_with_vela", "cpu_reasons", "unattributed_messages", "cpu_placement",
+           "default_configs", "EthosOptions"]
 
 import csv
 import dataclasses
@@ -57,6 +63,8 @@ DEFAULTS: dict[str, tuple[str, str]] = {
 }
 _OFF_CHIP = ("dram", "on_chip_flash", "off_chip_flash")  # the summary's memories besides SRAM
 _CPU_OP = re.compile(r"^Warning \(supported operators\) operator: (?P<op>\S+), ofm: '(?P<name>.*)'$")
+_NO_CONFIG = re.compile(r"^Warning: No (configuration file|system configuration|memory mode) specified")
+_REPORT_START = ("####", "Network summary for", "Performance for NPU")  # where Vela's figures begin
 
 
 class VelaError(OpfuseError):
@@ -158,7 +166,7 @@ class VelaResult:
     sram_used_kib: float  # the SRAM the schedule occupies
     off_chip_used_kib: float
     ops: list[VelaOp]
-    cpu_ops: dict[str, str]  # output tensor name -> Vela's reason it stays on the CPU
+    cpu_ops: dict[str, str]  # output tensor name -> Vela's reason it stays on the CPU (:func:`cpu_placement`)
     compiled: pathlib.Path  # <name>_vela.tflite
     log: str
     summary: dict[str, str] = dataclasses.field(repr=False, default_factory=dict)  # the summary CSV's row
@@ -211,7 +219,47 @@ def compile_with_vela(tflite: bytes | str | os.PathLike, *, npu: str = "ethos-u5
         off_chip_bytes=sum(int(float(summary[f"{m}_total_bytes"])) for m in _OFF_CHIP),
         sram_used_kib=float(summary["sram_memory_used"]),
         off_chip_used_kib=sum(float(summary[f"{m}_memory_used"]) for m in _OFF_CHIP),
-        ops=ops, cpu_ops=cpu_reasons(log), compiled=compiled, log=log, summary=summary)
+        ops=ops, cpu_ops=cpu_placement(ops, log), compiled=compiled, log=log, summary=summary)
+
+
+def cpu_placement(ops: list[VelaOp], log: str) -> dict[str, str]:
+    """Every op Vela left on the CPU, output tensor name -> reason: the per-layer rows whose
+    target is not the NPU, each with the reason Vela printed for it by name, else the lines
+    Vela printed naming no op (:func:`unattributed_messages`), else a sentence saying Vela gave
+    none; and any op Vela warned about by name that has no per-layer row."""
+    named = cpu_reasons(log)
+    loose = unattributed_messages(log)
+    placement = {}
+    for op in ops:
+        if op.on_npu:
+            continue
+        if op.name in named:
+            placement[op.name] = named[op.name]
+        elif loose:
+            placement[op.name] = f"{op.tflite_op}: " + "; ".join(loose) + " (Vela's message names no op)"
+        else:
+            placement[op.name] = (f"{op.tflite_op}: left to the CPU by Vela (per-layer target "
+                                  f"{op.vela_op or 'CPU'}); Vela printed no reason")
+    placement.update({name: why for name, why in named.items() if name not in placement})
+    return placement
+
+
+def unattributed_messages(log: str) -> list[str]:
+    """The distinct lines of Vela's log before its figures that are neither a warning about a
+    named op (and its reason lines) nor its note that no configuration was given."""
+    found: list[str] = []
+    in_warning = False
+    for line in log.splitlines():
+        line = line.strip()
+        if line.startswith(_REPORT_START):
+            break
+        if not line:
+            in_warning = False
+        elif _CPU_OP.match(line):
+            in_warning = True
+        elif not in_warning and not _NO_CONFIG.match(line) and line not in found:
+            found.append(line)
+    return found
 
 
 def cpu_reasons(log: str) -> dict[str, str]:
