@@ -3,6 +3,7 @@
     python benchmarks/ethos_u.py                                  resnet18, resnet50, mobilenetv2
     python benchmarks/ethos_u.py --models resnet18 --image-size 224 --npu ethos-u55-128,ethos-u85-256
     python benchmarks/ethos_u.py --wild                           also the CNNs of benchmarks/wild.py
+    python benchmarks/ethos_u.py --models "" --wild common_det    only ddddocr's detector
     python benchmarks/ethos_u.py --fit ethos-u55-128               the profile's least-squares fit
 
 Per model, three flows from the same float ONNX model and the same calibration samples
@@ -296,7 +297,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="resnet18,resnet50,mobilenetv2")
     parser.add_argument("--npu", default="ethos-u55-128,ethos-u65-256,ethos-u85-256")
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--wild", action="store_true", help="also the CNNs inside the wheels of benchmarks/wild.py")
+    parser.add_argument("--wild", nargs="?", const="", metavar="NAMES",
+                        help="also the CNNs inside the wheels of benchmarks/wild.py (NAMES: only those whose label "
+                             "contains one of these comma-separated words, e.g. common_det)")
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE)
     parser.add_argument("--json", type=pathlib.Path, help="write the rows as JSON")
     parser.add_argument("--fit", metavar="NPU", help="fit the profile of NPU to Vela's per-op cycles and stop")
@@ -308,8 +311,9 @@ def main(argv=None) -> int:
     if not PEERS_PYTHON.exists():
         print(f"note: no peers venv ({PEERS_PYTHON}); the standard flow's rows will say so. Setup: {PEERS_SETUP}")
     models = [(m, build(m, batch=1, image_size=args.image_size)) for m in args.models.split(",") if m]
-    if args.wild:
-        models += wild_models(args.cache)
+    if args.wild is not None:
+        words = [w for w in args.wild.split(",") if w]
+        models += [(n, p) for n, p in wild_models(args.cache) if not words or any(w in n for w in words)]
     rows = []
     start = time.perf_counter()
     for name, proto in models:
