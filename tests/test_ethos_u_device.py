@@ -308,16 +308,18 @@ def test_tflite_overrides_fix_sigmoid_and_share_a_concat_range():
     assert set(only_fixed) == {"sa"}
 
 
-def test_quantize_preset_ethos_u_writes_no_requantisation(tmp_path, capsys):
+@pytest.mark.parametrize("reconstruct", ["off", "on"])
+def test_quantize_preset_ethos_u_writes_no_requantisation(reconstruct, tmp_path, capsys):
     """With TFLite's fixed and shared quantisations chosen by the quantiser, the lowered TFLite has
     no QUANTIZE (each one a pass Vela runs: ddddocr det paid 15 M cycles for 124 of them), and
-    agrees with the QDQ model as before."""
+    agrees with the QDQ model as before; with block reconstruction on too (it learns no scale of
+    those tensors: the device's ``kept_scales``)."""
     _lowering()
     path = tmp_path / "f.onnx"
     onnx.save(silu_concat(), path)
     out, context, report = tmp_path / "q.onnx", tmp_path / "m_vela.tflite", tmp_path / "r.json"
     code = main(["quantize", str(path), "-o", str(out), "--calibration", "random:16", "--preset", "ethos-u",
-                 "--context", str(context), "--report", str(report), "--reconstruct", "off"])
+                 "--context", str(context), "--report", str(report), "--reconstruct", reconstruct])
     assert code == 0, capsys.readouterr().err
     tflite = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel((tmp_path / "m.tflite").read_bytes(), 0))
     codes = [max(c.builtinCode, c.deprecatedBuiltinCode) for c in tflite.operatorCodes]

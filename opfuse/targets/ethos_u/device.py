@@ -25,13 +25,14 @@ writes that with ``activation_type=QInt8``, ``weight_type=QInt8``, ``per_channel
 already. Every op it can quantise is quantised: the NPU runs no float. A layer the
 mixed-precision search keeps goes to 16-bit activations, symmetric (TFLite's 16x8 mode). The
 quantisations TFLite's int8 kernels fix (LOGISTIC's output, CONCATENATION's inputs...) are
-overrides (:mod:`.tflite_quant`): without them the lowering pays a QUANTIZE for each.
+overrides (:mod:`.tflite_quant`): without them the lowering pays a QUANTIZE for each; block
+reconstruction keeps those scales (``kept_scales(float_model)``: the tensors whose scale it must not learn).
 """
 
 from __future__ import annotations
 
 __all__ = ["TITLE", "NAME", "EthosOptions", "Options", "require_backend", "compile", "quantizer_config",
-           "WANTS_RANGES", "Runner", "accuracy"]
+           "WANTS_RANGES", "kept_scales", "Runner", "accuracy"]
 
 import pathlib
 
@@ -40,7 +41,7 @@ import onnx
 from opfuse.targets.ethos_u.compile import compile_for_ethos_u as compile  # noqa: A001 - the interface's name
 from opfuse.targets.ethos_u.runner import TfliteRunner as Runner
 from opfuse.targets.ethos_u.runner import tflite_accuracy as accuracy
-from opfuse.targets.ethos_u.tflite_quant import tflite_overrides
+from opfuse.targets.ethos_u.tflite_quant import kept_scales, tflite_overrides
 from opfuse.targets.ethos_u.vela import EthosOptions
 from opfuse.targets.ethos_u.vela import require_vela as require_backend
 

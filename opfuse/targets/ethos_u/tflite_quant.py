@@ -24,11 +24,14 @@ mixed-precision search, or without a calibrated range joins no group (the loweri
 QUANTIZE there). A Pad joins its group only when it pads with 0 (the union range includes 0:
 the quantiser's ranges always do); a Resize only when it is nearest. The ranges are ONNX
 Runtime's calibration cache (``TensorsData``), so the overrides exist only once it is written.
+
+Block reconstruction keeps these scales as written (:func:`kept_scales`, the device's
+``kept_scales``): a scale it learned there would cost the QUANTIZE again.
 """
 
 from __future__ import annotations
 
-__all__ = ["tflite_overrides", "move_groups"]
+__all__ = ["tflite_overrides", "move_groups", "kept_scales"]
 
 import numpy as np
 import onnx
@@ -104,3 +107,10 @@ def tflite_overrides(model: onnx.ModelProto, ranges, sixteen: list[str] = ()) ->
         for t in group:
             overrides[t] = [{"rmin": np.array(low, np.float32), "rmax": np.array(high, np.float32)}]
     return overrides
+
+
+def kept_scales(model: onnx.ModelProto) -> set[str]:
+    """The tensors whose activation scale is TFLite's (module docstring): every fixed output and
+    every member of a group; block reconstruction leaves their scales as written."""
+    fixed = {n.output[0] for n in model.graph.node if n.domain in ONNX_DOMAINS and n.op_type in FIXED_OUTPUT}
+    return fixed | {t for group in move_groups(model) for t in group}
