@@ -24,8 +24,8 @@ The layout ops (Reshape, Transpose, Concat, Pad, Split, Slice, Resize) are in
 
 from __future__ import annotations
 
-__all__ = ["FIXED_OUTPUT", "emit", "requantised", "make_options", "conv", "fully_connected", "binary", "activation", "unary",
-           "identity", "pool", "reduce_mean", "softmax", "transpose_conv", "hard_sigmoid", "batch_norm"]
+__all__ = ["FIXED_OUTPUT", "emit", "requantised", "make_options", "conv", "fully_connected", "binary", "activation",
+           "unary", "identity", "pool", "reduce_mean", "softmax", "transpose_conv", "hard_sigmoid", "batch_norm"]
 
 import math
 
