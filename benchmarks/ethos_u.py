@@ -4,6 +4,7 @@
     python benchmarks/ethos_u.py --models resnet18 --image-size 224 --npu ethos-u55-128,ethos-u85-256
     python benchmarks/ethos_u.py --wild                           also the CNNs of benchmarks/wild.py
     python benchmarks/ethos_u.py --models "" --wild PP-OCRv4      only the wild models whose name has PP-OCRv4
+    python benchmarks/ethos_u.py --models "" --wild common_det    only ddddocr's detector
     python benchmarks/ethos_u.py --fit ethos-u55-128               the profile's least-squares fit
 
 Per model, three flows from the same float ONNX model and the same calibration samples

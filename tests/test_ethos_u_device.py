@@ -283,3 +283,65 @@ def test_an_unlowerable_op_is_refused_in_one_line(command, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Einsum" in err[0] and "internal error" not in err[0], err
     assert not out.exists() and not context.exists() and not list(tmp_path.glob(".opfuse-vela-*"))
+
+
+def silu_concat():
+    """YOLOX's pattern: two conv branches with SiLU (x * Sigmoid(x)) concatenated, a MaxPool of the
+    concatenation and a conv: each Sigmoid output and each Concat input a quantisation TFLite fixes."""
+    r = rng(7)
+    nodes = []
+    for b in ("a", "b"):
+        nodes += [helper.make_node("Conv", ["x", f"W{b}", f"B{b}"], [f"c{b}"], name=f"conv_{b}", pads=[1, 1, 1, 1]),
+                  helper.make_node("Sigmoid", [f"c{b}"], [f"s{b}"], name=f"sigmoid_{b}"),
+                  helper.make_node("Mul", [f"c{b}", f"s{b}"], [f"m{b}"], name=f"mul_{b}")]
+    nodes += [helper.make_node("Concat", ["ma", "mb"], ["cat"], name="concat", axis=1),
+              helper.make_node("MaxPool", ["cat"], ["pool"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+              helper.make_node("Conv", ["pool", "Wo", "Bo"], ["out"], name="conv_out")]
+    inits = [tensor("Wa", r.normal(0, 0.3, (6, 3, 3, 3)).astype(np.float32)),
+             tensor("Ba", r.normal(0, 0.1, 6).astype(np.float32)),
+             tensor("Wb", r.normal(0, 0.8, (4, 3, 3, 3)).astype(np.float32)),  # a wider range than branch a
+             tensor("Bb", r.normal(0, 0.1, 4).astype(np.float32)),
+             tensor("Wo", r.normal(0, 0.3, (5, 10, 1, 1)).astype(np.float32)),
+             tensor("Bo", r.normal(0, 0.1, 5).astype(np.float32))]
+    return model(nodes, [vinfo("x", [1, 3, 16, 16])], [vinfo("out", [1, 5, 8, 8])], inits)
+
+
+def test_tflite_overrides_fix_sigmoid_and_share_a_concat_range():
+    from onnxruntime.quantization.calibrate import TensorData
+
+    from opfuse.targets.ethos_u.tflite_quant import tflite_overrides
+
+    ranges = {"x": (-2.0, 2.0), "ca": (-1.0, 3.0), "cb": (-4.0, 2.0), "sa": (0.0, 1.0), "sb": (0.0, 1.0),
+              "ma": (-0.3, 3.0), "mb": (-0.3, 5.0), "cat": (-0.3, 5.0), "pool": (-0.2, 5.0), "out": (-1.0, 1.0)}
+    data = {k: TensorData(lowest=np.float32(lo), highest=np.float32(hi)) for k, (lo, hi) in ranges.items()}
+    got = tflite_overrides(silu_concat(), data)
+    for s in ("sa", "sb"):  # LOGISTIC's int8 output
+        assert float(got[s][0]["scale"]) == 1 / 256 and int(got[s][0]["zero_point"]) == -128
+    for t in ("ma", "mb", "cat", "pool"):  # one range: the union of the four
+        assert (float(got[t][0]["rmin"]), float(got[t][0]["rmax"])) == (np.float32(-0.3), np.float32(5.0))
+    assert not {"x", "ca", "cb", "out"} & set(got)
+    only_fixed = tflite_overrides(silu_concat(), None, sixteen=["sb"])  # no ranges yet; sb kept in 16 bits
+    assert set(only_fixed) == {"sa"}
+
+
+@pytest.mark.parametrize("reconstruct", ["off", "on"])
+def test_quantize_preset_ethos_u_writes_no_requantisation(reconstruct, tmp_path, capsys):
+    """With TFLite's fixed and shared quantisations chosen by the quantiser, the lowered TFLite has
+    no QUANTIZE (each one a pass Vela runs: ddddocr det paid 15 M cycles for 124 of them), and
+    agrees with the QDQ model as before; with block reconstruction on too (it learns no scale of
+    those tensors: the device's ``kept_scales``)."""
+    _lowering()
+    path = tmp_path / "f.onnx"
+    onnx.save(silu_concat(), path)
+    out, context, report = tmp_path / "q.onnx", tmp_path / "m_vela.tflite", tmp_path / "r.json"
+    code = main(["quantize", str(path), "-o", str(out), "--calibration", "random:16", "--preset", "ethos-u",
+                 "--context", str(context), "--report", str(report), "--reconstruct", reconstruct])
+    assert code == 0, capsys.readouterr().err
+    tflite = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel((tmp_path / "m.tflite").read_bytes(), 0))
+    codes = [max(c.builtinCode, c.deprecatedBuiltinCode) for c in tflite.operatorCodes]
+    used = [codes[op.opcodeIndex] for op in tflite.subgraphs[0].operators]
+    op = schema.BuiltinOperator
+    assert used.count(op.LOGISTIC) == 2 and used.count(op.CONCATENATION) == 1
+    assert op.QUANTIZE not in used
+    v = json.loads(report.read_text())["verification"]
+    assert v["sqnr_db"] > 20 and v["htp_vs_cpu_sqnr_db"] > 30, v

@@ -156,6 +156,20 @@ def test_reconstruction_raises_the_output_sqnr_on_samples_it_never_saw(seed, sca
         assert reference.sqnr(learned, "all") > reference.sqnr(qdq, "all") + 0.1
 
 
+def test_kept_scales_are_not_learned_and_the_others_are():
+    """``kept_scales`` (a device's fixed or shared quantisations): the scale and zero point of the
+    QuantizeLinear of each tensor named are not among the values written; with none named, the
+    same fit learns them."""
+    calib = [{"x": x} for x in smooth(16, (1, 8, 12, 12), 1)]
+    float_model, qdq = quantised(two_convs(4), "per-tensor", calib)
+    q_of = {n.input[0]: set(n.input[1:]) for n in qdq.graph.node if n.op_type == "QuantizeLinear"}
+    free = reconstruct(float_model, qdq, calib, iterations=200, scale_fit="learned")
+    learned = {t for t, params in q_of.items() if params & set(free.values)}
+    assert learned  # the fit learns some activation scales
+    kept = reconstruct(float_model, qdq, calib, iterations=200, scale_fit="learned", kept_scales=learned)
+    assert kept.values and not {p for t in learned for p in q_of[t]} & set(kept.values)
+
+
 def test_the_scale_search_finds_each_scales_best_factor_and_never_steps_up():
     """The coordinate search over SCALE_STEPS on a measure with a known minimum per key (in
     log scale): each key ends at its best factor; a measure already least at the start moves

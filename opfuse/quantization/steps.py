@@ -248,8 +248,10 @@ class ReconstructionStep:
 
         maker, report = state.maker, state.report
         start = maker.quantizer.quantize(list(state.keep), keep_as=state.keep_action.name)
+        kept_scales = getattr(state.device, "kept_scales", None)  # a device whose kernels fix or share some
         result = reconstruct(maker.float_model, start, maker.samples, seed=state.options.seed,
-                             iterations=state.options.reconstruction_iterations, scale_fit=self.setting.scale_fit)
+                             iterations=state.options.reconstruction_iterations, scale_fit=self.setting.scale_fit,
+                             kept_scales=kept_scales(maker.float_model) if kept_scales else ())
         candidate = onnx.ModelProto()
         candidate.CopyFrom(start)
         apply_reconstruction(candidate, result)

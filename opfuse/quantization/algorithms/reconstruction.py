@@ -60,7 +60,8 @@ Legality and limits (each refusal is recorded with its reason):
   MatMul with a constant weight read by that layer alone); other int8 constants stay;
 - an activation scale is learned where it is per tensor; a QuantizeLinear after an op that
   only moves values (Reshape, Transpose...) shares its input's learned scale, as ONNX
-  Runtime gave it;
+  Runtime gave it; the scales of the tensors a device names (``kept_scales``: the ``ethos-u``
+  device's, which TFLite's kernels fix or share) are not learned;
 - output sensitivities need the whole float model in torch; otherwise every channel counts
   alike, and the report says so;
 - a block whose error (as weighted above, on all the samples) ends above where it began is
@@ -84,6 +85,7 @@ __all__ = ["BlockResult", "Reconstruction", "reconstruct", "apply_reconstruction
 import dataclasses
 import math
 import time
+from collections.abc import Collection
 
 import numpy as np
 import onnx
@@ -163,11 +165,14 @@ def estimated_seconds(float_model: onnx.ModelProto, sample, iterations: int = IT
 
 
 def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples, *, seed: int = 0,
-                iterations: int = ITERATIONS, scale_fit: str = "learned", progress=None) -> Reconstruction:
+                iterations: int = ITERATIONS, scale_fit: str = "learned", progress=None,
+                kept_scales: Collection[str] = ()) -> Reconstruction:
     """Learns the rounding and activation scales of ``qdq`` block by block on ``samples``
     (the tuning samples; module docstring), the activation scales as ``scale_fit`` says
-    (:data:`SCALE_FITS`). ``qdq`` is not changed. ``progress(done,
-    blocks, BlockResult)`` is called after each block."""
+    (:data:`SCALE_FITS`), except those of the tensors in ``kept_scales`` (a device's own: the
+    ``ethos-u`` device's fixed and shared quantisations), which stay as written, with every
+    scale tied to theirs. ``qdq`` is not changed. ``progress(done, blocks, BlockResult)`` is
+    called after each block."""
     if scale_fit not in SCALE_FITS:
         raise ValueError(f"scale_fit is one of {SCALE_FITS}, not {scale_fit!r}")
     started = time.perf_counter()
@@ -189,6 +194,8 @@ def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, samples, *, 
 
     state = _State(program, {k: torch.tensor(math.log(v), dtype=torch.float64) for k, v in program.scale_values.items()},
                    program.fixed_weights())
+    kept = {n.name for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] in set(kept_scales)}
+    state.kept = {key for q, key in program.scale_key.items() if q in kept}
     for number, block in enumerate(blocks):
         t0 = time.perf_counter()
         record = _fit_block(state, block, quant, floats, sensitivities, iterations, generator, scale_fit)
@@ -211,6 +218,7 @@ class _State:
     weights: dict  # weight initializer -> the DQ output torch runs with (fixed blocks: their learned rounding)
     integers: dict = dataclasses.field(default_factory=dict)  # weight initializer -> learned integers (own layout)
     learned: set = dataclasses.field(default_factory=set)  # scale keys learned
+    kept: set = dataclasses.field(default_factory=set)  # scale keys never learned (reconstruct's kept_scales)
 
     def exp_scales(self, live=None) -> dict:
         return {k: torch.exp(v) for k, v in {**self.scales, **(live or {})}.items()}
@@ -232,7 +240,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
                scale_fit: str) -> BlockResult:
     program = state.program
     sites = [program.sites[n] for n in block.layers]
-    keys = sorted({program.scale_key[q] for q in block.quantizers if q in program.scale_key})
+    keys = sorted({program.scale_key[q] for q in block.quantizers if q in program.scale_key} - state.kept)
     variables, floors, steps, zeros = _soft_weights(sites)
     log_scales = {k: state.scales[k].detach().clone().requires_grad_(True) for k in keys}
 

@@ -224,6 +224,7 @@ class Quantizer:
         self.method = method
         self.trials = 0
         self.range_choices: list = []  # auto: the range chosen per tensor (opfuse.quantization.algorithms.ranges)
+        self._calibrating = False  # the pass that writes the calibration cache for a device that reads it
 
     @property
     def cache(self) -> pathlib.Path:
@@ -236,6 +237,12 @@ class Quantizer:
         keep_as = keep_as or self.preset.keep_as
         if self.method in SEARCHED_METHODS and not self.cache.exists():
             self._search_ranges()
+        elif self._wants_ranges() and not self.cache.exists():
+            self._calibrating = True  # a first pass writes the cache the device's configuration reads
+            try:
+                self.quantize()
+            finally:
+                self._calibrating = False
         out = self.workdir / f"qdq_{self.trials}.onnx"
         self.trials += 1
         kwargs = self._config(keep, keep_as)
@@ -267,14 +274,14 @@ class Quantizer:
         clipping range then chosen by its own round-trip error."""
         from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data  # (only the auto cache)
 
-        method = self.method
-        self.method = "minmax"
+        method, calibrating = self.method, self._calibrating
+        self.method, self._calibrating = "minmax", True
         try:
             if not self.cache.exists():
                 self.quantize()
             minmax = load_tensors_data(self.cache)
         finally:
-            self.method = method
+            self.method, self._calibrating = method, calibrating
         ranges, self.range_choices = search_ranges(self.float_model, self.samples, minmax)
         save_tensors_data(ranges, self.cache)
 
@@ -286,9 +293,10 @@ class Quantizer:
         method, extra = CALIBRATION_METHODS[self.method]
         device = preset.device()
         if device is not None:  # the device's own conventions (for qnn: get_qnn_qdq_config)
+            more = {"ranges": self._cached_ranges()} if self._wants_ranges() else {}
             return device.quantizer_config(self.float_path, self.float_model, preset, reader=reader,
                                            sample_reader=SampleReader(self.samples), method=method, extra=extra,
-                                           sixteen=self._outputs_of(sixteen), excluded=excluded)
+                                           sixteen=self._outputs_of(sixteen), excluded=excluded, **more)
         return dict(
             calibration_data_reader=reader,
             quant_format=ortq.QuantFormat.QDQ,
@@ -302,6 +310,18 @@ class Quantizer:
                            **({"TensorQuantOverrides": {t: [{"quant_type": ortq.QuantType.QUInt16}]
                                                         for t in self._outputs_of(sixteen)}} if sixteen else {})},
         )
+
+    def _wants_ranges(self) -> bool:
+        """Whether the preset's device configures the quantiser from the calibrated ranges
+        (its ``WANTS_RANGES``: the ``ethos-u`` device, for the quantisations TFLite fixes)."""
+        device = self.preset.device()
+        return bool(getattr(device, "WANTS_RANGES", False)) and not self._calibrating
+
+    def _cached_ranges(self):
+        """The calibration cache's ranges (ONNX Runtime's ``TensorsData``), None before it is written."""
+        from onnxruntime.quantization.calibrate import load_tensors_data  # (only a device that reads ranges)
+
+        return load_tensors_data(self.cache) if self.cache.exists() else None
 
     def _outputs_of(self, names: list[str]) -> list[str]:
         wanted = set(names)

@@ -23,13 +23,16 @@ bias int32 at the input scale times the weight scale, zero point 0. ONNX Runtime
 writes that with ``activation_type=QInt8``, ``weight_type=QInt8``, ``per_channel=True``,
 ``ActivationSymmetric`` False and ``WeightSymmetric`` True; its bias is int32 at that scale
 already. Every op it can quantise is quantised: the NPU runs no float. A layer the
-mixed-precision search keeps goes to 16-bit activations, symmetric (TFLite's 16x8 mode).
+mixed-precision search keeps goes to 16-bit activations, symmetric (TFLite's 16x8 mode). The
+quantisations TFLite's int8 kernels fix (LOGISTIC's output, CONCATENATION's inputs...) are
+overrides (:mod:`.tflite_quant`): without them the lowering pays a QUANTIZE for each; block
+reconstruction keeps those scales (``kept_scales(float_model)``: the tensors whose scale it must not learn).
 """
 
 from __future__ import annotations
 
 __all__ = ["TITLE", "NAME", "EthosOptions", "Options", "require_backend", "compile", "quantizer_config",
-           "Runner", "accuracy"]
+           "WANTS_RANGES", "kept_scales", "Runner", "accuracy"]
 
 import pathlib
 
@@ -38,6 +41,7 @@ import onnx
 from opfuse.targets.ethos_u.compile import compile_for_ethos_u as compile  # noqa: A001 - the interface's name
 from opfuse.targets.ethos_u.runner import TfliteRunner as Runner
 from opfuse.targets.ethos_u.runner import tflite_accuracy as accuracy
+from opfuse.targets.ethos_u.tflite_quant import kept_scales, tflite_overrides
 from opfuse.targets.ethos_u.vela import EthosOptions
 from opfuse.targets.ethos_u.vela import require_vela as require_backend
 
@@ -48,13 +52,19 @@ NAME = "Ethos-U (the lowered TFLite in LiteRT)"
 Options = EthosOptions  # (the interface's name)
 
 
+WANTS_RANGES = True  # quantizer_config reads the calibrated ranges (ranges=), so they are calibrated first
+
+
 def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
-                     method, extra: dict, sixteen: list[str], excluded: list[str]) -> dict:
+                     method, extra: dict, sixteen: list[str], excluded: list[str], ranges=None) -> dict:
     """``quantize_static``'s keyword arguments by TFLite's int8 conventions (module docstring);
-    ``sixteen``: tensors kept with 16-bit symmetric activations, ``excluded``: nodes kept in float."""
+    ``sixteen``: tensors kept with 16-bit symmetric activations, ``excluded``: nodes kept in float,
+    ``ranges``: the calibrated ranges (ONNX Runtime's ``TensorsData``), for the quantisations
+    TFLite's kernels fix (:func:`.tflite_quant.tflite_overrides`)."""
     from onnxruntime import quantization as ortq  # (the quantiser: heavy, on use)
 
-    overrides = {t: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True}] for t in sixteen}
+    overrides = tflite_overrides(float_model, ranges, sixteen)
+    overrides.update({t: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True}] for t in sixteen})
     options = {"ActivationSymmetric": False, "WeightSymmetric": True, **extra}
     if overrides:
         options["TensorQuantOverrides"] = overrides

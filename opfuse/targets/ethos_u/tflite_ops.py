@@ -24,8 +24,8 @@ The layout ops (Reshape, Transpose, Concat, Pad, Split, Slice, Resize) are in
 
 from __future__ import annotations
 
-__all__ = ["emit", "requantised", "make_options", "conv", "fully_connected", "binary", "activation", "unary",
-           "identity", "pool", "reduce_mean", "softmax", "transpose_conv", "hard_sigmoid", "batch_norm"]
+__all__ = ["FIXED_OUTPUT", "emit", "requantised", "make_options", "conv", "fully_connected", "binary", "activation",
+           "unary", "identity", "pool", "reduce_mean", "softmax", "transpose_conv", "hard_sigmoid", "batch_norm"]
 
 import math
 
@@ -40,6 +40,9 @@ OP = schema.BuiltinOperator
 OPT = schema.BuiltinOptions
 ACT = schema.ActivationFunctionType
 PAD = schema.Padding
+# ONNX op -> (scale, zero point) of its TFLite int8 kernel's output, which the kernel fixes
+FIXED_OUTPUT: dict[str, tuple[float, int]] = {"Sigmoid": (1 / 256, -128), "Softmax": (1 / 256, -128),
+                                              "Tanh": (1 / 128, 0)}
 
 
 def make_options(cls, **fields):
@@ -298,9 +301,9 @@ def unary(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     out = L.new_value(node.output[0])
     if node.op_type == "Sigmoid":
-        emit(L, OP.LOGISTIC, [x.index], out, quant=_fixed(1 / 256, -128))
+        emit(L, OP.LOGISTIC, [x.index], out, quant=_fixed(*FIXED_OUTPUT["Sigmoid"]))
     elif node.op_type == "Tanh":
-        emit(L, OP.TANH, [x.index], out, quant=_fixed(1 / 128, 0))
+        emit(L, OP.TANH, [x.index], out, quant=_fixed(*FIXED_OUTPUT["Tanh"]))
     elif node.op_type == "HardSwish":
         L.w.op(OP.HARD_SWISH, [x.index], [out.index])
     elif node.op_type == "LeakyRelu":
@@ -389,7 +392,7 @@ def softmax(L: Lowering, node) -> None:
         raise L.refuse(f"softmax over axis {axis}, which is not the last axis in TFLite's layout")
     out = L.new_value(node.output[0])
     emit(L, OP.SOFTMAX, [x.index], out, make_options(schema.SoftmaxOptionsT, beta=1.0), OPT.SoftmaxOptions,
-         quant=_fixed(1 / 256, -128))
+         quant=_fixed(*FIXED_OUTPUT["Softmax"]))
 
 
 def hard_sigmoid(L: Lowering, node) -> None:
