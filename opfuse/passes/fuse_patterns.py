@@ -423,7 +423,8 @@ def _replace(container, root: ir.Node, rule, delta, names: NameTable) -> list[ir
     its matched nodes; one declared ``remove_nodes=False`` (``ExtractDim``, whose matched
     shape Concat may feed other Reshapes) only has its outputs replaced, and keeps the
     matched nodes still used: onnxscript removes the unused ones afterwards, here right
-    away (the same nodes). A kept node's replaced output gives its name to the new value
+    away (the same nodes), and sorts the graph when a kept node reads a value the new nodes
+    write (a KV cache's present, :mod:`~opfuse.passes.patterns.kv_cache`). A kept node's replaced output gives its name to the new value
     (which computes the same tensor) and takes a fresh one."""
     matched = list(delta.match.nodes)
     if rule.remove_nodes:
@@ -444,6 +445,8 @@ def _replace(container, root: ir.Node, rule, delta, names: NameTable) -> list[ir
     for old, name in zip(delta.match.outputs, old_names):
         if old.producer() in pending and name:
             old.name = names.fresh(name)
+    if pending and hasattr(container, "sort"):  # a kept node may read a new value written after it
+        container.sort()
     return removed
 
 
