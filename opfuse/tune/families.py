@@ -18,6 +18,8 @@ norms            layer-norm, rms-norm, skip-layer-norm,      on / off
 activations      gelu, bias-gelu, silu, hardswish            on / off
 epilogues        matmul-add (Gemm), fuse-epilogue            on / off
                  (FusedConv / FusedGemm)
+packed-          pack-projections (q, k, v or gate, up as    on / off
+projections      one MatMul and a Split)
 opset            the ``--opset N`` the user asked for        on / off (only when asked)
 ===============  ==========================================  ============================
 
@@ -80,6 +82,8 @@ FAMILIES: tuple[Family, ...] = (
            ("gelu", "bias-gelu", "silu", "hardswish")),
     Family("epilogues", "the epilogues (MatMul+Add as Gemm, FusedConv, FusedGemm)", ("matmul-add",),
            ("fuse-epilogue",)),
+    Family("packed-projections", "the packed projections (MatMuls reading one input as one MatMul and a Split)",
+           passes=("pack-projections",)),
     Family("opset", "the opset raise (--opset)"),
 )
 ATTENTION_FORMS: tuple[AttentionForm, ...] = (

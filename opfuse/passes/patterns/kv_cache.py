@@ -31,6 +31,8 @@ Legality (each failure is a refusal with its reason):
   another grouping, which the standard op does not run: no rule matches it;
 - the matched nodes are replaced by their outputs only (``remove_nodes=False``): the exporter's
   shape arithmetic, dead by then, may still read the repeated keys; what nothing reads goes;
+- the mask's last axis is the keys' length (past + new), as the shapes show: the op with a
+  cache does not broadcast a shorter one (ONNX Runtime 1.32 fails to run it);
 - the attention node takes no cache yet, has no ``is_causal`` (its diagonal would move with
   a past) and no ``qk_matmul_output_mode`` output.
 """
@@ -90,6 +92,20 @@ def _repeat_problem(present, unsqueezed, expanded, repeated, what: str) -> tuple
     return n, None
 
 
+def _mask_problem(mask, present) -> str | None:
+    """Why ``mask``'s last axis is not known to be the keys' length (the op with a cache wants
+    it so; the graph may broadcast a shorter one), or None."""
+    shape = mask.shape if mask is not None else None
+    if shape is None and mask is not None and mask.producer() is not None and mask.producer().op_type == "Expand":
+        shape = mask.producer().inputs[0].shape  # (the standard form's Expand over the query axis, not inferred yet)
+    length = present.shape[2] if present.shape is not None and len(present.shape) == 4 else None
+    if shape is None or len(shape) == 0 or length is None or not _same(shape[-1], length):
+        return (f"the mask's last axis ({shape[-1] if shape else 'unknown'}) is not known to be the keys' length "
+                f"({length}, past + new): with a cache ONNX Runtime's Attention wants it so, and a broadcast "
+                "mask would not run")
+    return None
+
+
 class AttentionWithPast(pattern.RewriteRuleClassBase):
     """Attention over Concat(past, new) [repeated per head group] -> Attention with past/present (docstring)."""
 
@@ -134,6 +150,10 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
                 return problem
         if query.shape is None or len(query.shape) != 4 or not isinstance(query.shape[1], int):
             return "the query is not known to be rank 4 with a static head count"
+        if self.masked:
+            problem = _mask_problem(bindings.get("mask"), present_key)
+            if problem:
+                return problem
         heads = present_key.producer().inputs[0].shape[1]
         if self.repeated:
             for present, what, prefix in ((present_key, "key", "k"), (present_value, "value", "v")):
