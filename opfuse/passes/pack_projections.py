@@ -46,6 +46,8 @@ class PackProjectionsPass(OpfusePass):
     """Pack sibling MatMuls with constant weights into one MatMul and a Split (module docstring)."""
 
     name = "pack-projections"
+    after_rewrites = True  # (a packed MatMul is no projection the patterns know: they go first)
+    options = frozenset({"target", "exclude", "veto"})  # (what the fusion stage hands every pass; none used)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         names, modified = None, False

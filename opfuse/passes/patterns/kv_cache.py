@@ -33,6 +33,8 @@ Legality (each failure is a refusal with its reason):
   shape arithmetic, dead by then, may still read the repeated keys; what nothing reads goes;
 - the mask's last axis is the keys' length (past + new), as the shapes show: the op with a
   cache does not broadcast a shorter one (ONNX Runtime 1.32 fails to run it);
+- neither the query nor the mask is computed from the presents (a mask reshaped to Shape(keys)
+  would read the new op's own output: a cycle);
 - the attention node takes no cache yet, has no ``is_causal`` (its diagonal would move with
   a past) and no ``qk_matmul_output_mode`` output.
 """
@@ -90,6 +92,20 @@ def _repeat_problem(present, unsqueezed, expanded, repeated, what: str) -> tuple
         if not _same(out[i], mid[j]):
             return None, f"the {what} repeat's Reshape does not merge axes 1 and 2 only ({list(mid)} -> {list(out)})"
     return n, None
+
+
+def _reads(value, nodes: set) -> bool:
+    """Whether ``value`` is computed from an output of one of ``nodes`` (its ancestors, walked once)."""
+    frontier, seen = [value], set()
+    while frontier:
+        producer = frontier.pop().producer()
+        if producer is None or producer in seen:
+            continue
+        if producer in nodes:
+            return True
+        seen.add(producer)
+        frontier.extend(v for v in producer.inputs if v is not None)
+    return False
 
 
 def _mask_problem(mask, present) -> str | None:
@@ -154,6 +170,10 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
             problem = _mask_problem(bindings.get("mask"), present_key)
             if problem:
                 return problem
+        for value, what in ((query, "query"), (bindings.get("mask"), "mask")):
+            if value is not None and _reads(value, {present_key.producer(), present_value.producer()}):
+                return (f"the {what} is computed from the present keys or values (a Shape of them, say), which "
+                        "the op with a cache writes: it would read its own output")
         heads = present_key.producer().inputs[0].shape[1]
         if self.repeated:
             for present, what, prefix in ((present_key, "key", "k"), (present_value, "value", "v")):
