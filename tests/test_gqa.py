@@ -25,13 +25,19 @@ from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 HEADS, DH, HIDDEN = 4, 8, 32
 
 
-def _decode_block(kv_heads: int, grouping: str = "repeat_kv"):
+def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False):
     """x [B, S, 32] -> q, k, v projections (4 query heads of 8, ``kv_heads`` key heads); keys and
     values after the past ones; the key heads repeated as transformers' ``repeat_kv`` does (each
     head n times in a row) or, with ``grouping="tiled"``, the whole set n times (head h % kv);
     attention with the mask made additive from ``attention_mask`` [B, P + S]; the output
-    projection. Returns y and the two presents."""
+    projection; ``rotary``: q and k rotated as transformers' Llama does, at ``position_ids``.
+    Returns y and the two presents."""
     torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    rope = LlamaRotaryEmbedding(transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                                         max_position_embeddings=64))
     torch.manual_seed(0)
     n = HEADS // kv_heads
 
@@ -51,10 +57,12 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv"):
             self.v = torch.nn.Linear(HIDDEN, kv_heads * DH, bias=False)
             self.o = torch.nn.Linear(HEADS * DH, HIDDEN, bias=False)
 
-        def forward(self, x, attention_mask, past_key, past_value):
+        def forward(self, x, attention_mask, past_key, past_value, position_ids=None):
             b, s, _ = x.shape
             q = self.q(x).view(b, s, HEADS, DH).transpose(1, 2)
             k = self.k(x).view(b, s, kv_heads, DH).transpose(1, 2)
+            if rotary:
+                q, k = apply_rotary_pos_emb(q, k, *rope(x, position_ids))
             v = self.v(x).view(b, s, kv_heads, DH).transpose(1, 2)
             present_key = torch.cat([past_key, k], dim=2)
             present_value = torch.cat([past_value, v], dim=2)
@@ -66,28 +74,31 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv"):
     return Block().eval()
 
 
-def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv") -> str:
+def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False) -> str:
     torch = pytest.importorskip("torch")
     past = 5
     args = (torch.randn(2, 1, HIDDEN), torch.ones(2, past + 1, dtype=torch.int64),
             torch.randn(2, kv_heads, past, DH), torch.randn(2, kv_heads, past, DH))
+    names, dynamic = ["x", "attention_mask", "past_key", "past_value"], []
+    if rotary:
+        args, names = (*args, torch.full((2, 1), past, dtype=torch.int64)), [*names, "position_ids"]
     batch, past_len = torch.export.Dim("batch"), torch.export.Dim("past")
     path = tmp_path / "block.onnx"
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(_decode_block(kv_heads, grouping), args, str(path), dynamo=True, opset_version=18,
-                          external_data=False, input_names=["x", "attention_mask", "past_key", "past_value"],
-                          output_names=["y", "present_key", "present_value"],
+        torch.onnx.export(_decode_block(kv_heads, grouping, rotary), args, str(path), dynamo=True, opset_version=18,
+                          external_data=False, input_names=names, output_names=["y", "present_key", "present_value"],
                           dynamic_shapes=({0: batch}, {0: batch, 1: past_len + 1}, {0: batch, 2: past_len},
-                                          {0: batch, 2: past_len}))
+                                          {0: batch, 2: past_len}, *([{0: batch}] if rotary else [])))
     return str(path)
 
 
-def _inputs(kv_heads: int, past: int, masked_out: int = 0, seed: int = 0) -> dict:
+def _inputs(kv_heads: int, past: int, masked_out: int = 0, seed: int = 0, rotary: bool = False) -> dict:
     r = rng(seed)
     mask = np.ones((2, past + 1), np.int64)
     mask[1, :masked_out] = 0  # the second sequence left-padded
-    return {"x": r.standard_normal((2, 1, HIDDEN)).astype(np.float32), "attention_mask": mask,
+    positions = {"position_ids": np.array([[past], [past - masked_out]], np.int64)} if rotary else {}
+    return {**positions, "x": r.standard_normal((2, 1, HIDDEN)).astype(np.float32), "attention_mask": mask,
             "past_key": r.standard_normal((2, kv_heads, past, DH)).astype(np.float32),
             "past_value": r.standard_normal((2, kv_heads, past, DH)).astype(np.float32)}
 
@@ -96,23 +107,32 @@ def _attention(out) -> list:
     return [n for n in out.graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
 
 
-@pytest.mark.parametrize("kv_heads", [HEADS, 2, 1])
-def test_the_cache_and_repeat_kv_go_into_attention_23(tmp_path, kv_heads):
-    path = _export_block(tmp_path, kv_heads)
+@pytest.mark.parametrize("kv_heads, rotary", [(HEADS, False), (2, False), (1, False), (2, True)])
+def test_the_cache_and_repeat_kv_go_into_attention_23(tmp_path, kv_heads, rotary):
+    """... in its 3-D form: the head split and merge (Reshape, Transpose) go too, the rotations
+    (RotaryEmbedding-23) taking [B, S, H*Dh] with their head count."""
+    path = _export_block(tmp_path, kv_heads, rotary=rotary)
     out, report = opfuse.optimize(path, target="onnx", opset=23, runtime_level="disabled", tune=False)
     assert report.verification.ok
     (attention,) = _attention(out)
+    heads = {k: attention.attributes[k].value for k in ("q_num_heads", "kv_num_heads")}
+    assert heads == {"q_num_heads": HEADS, "kv_num_heads": kv_heads}
+    assert not {"Reshape", "Transpose"} & {n.op_type for n in out.graph}, ops(out)
+    rotations = [n for n in out.graph if n.op_type == "RotaryEmbedding"]
+    assert sorted(n.attributes["num_heads"].value for n in rotations) == ([kv_heads, HEADS] if rotary else [])
     assert [v is not None and v.name for v in attention.inputs[4:6]] == ["past_key", "past_value"], ops(out)
     assert [v.name for v in attention.outputs[1:]] == ["present_key", "present_value"]
-    written = [n.op_type for n in out.graph]
-    assert "Concat" not in written and written.count("Expand") == 1, written  # (the mask's, over the query axis)
+    readers = [n.name for n in out.graph for v in n.inputs if v is not None and v.name in ("past_key", "past_value")]
+    assert readers == [attention.name] * 2, ops(out)  # no Concat of the cache, no repeat of it
+    assert not [n for n in out.graph if n.op_type in ("Expand", "Tile") and n.outputs[0].shape is not None
+                and len(n.outputs[0].shape) == 5], ops(out)
     original = onnx.load(path)
     assert [o.name for o in out.graph.outputs] == [o.name for o in original.graph.output]
     declared = [[d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in original.graph.output]
     assert [[d if isinstance(d, int) else d.value for d in o.shape] for o in out.graph.outputs] == declared
     assert declared[1] == ["batch", kv_heads, "past + 1", DH]
     for past, masked_out in ((5, 0), (1, 0), (40, 3)):
-        inputs = _inputs(kv_heads, past, masked_out, seed=past)
+        inputs = _inputs(kv_heads, past, masked_out, seed=past, rotary=rotary)
         assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
 
 
