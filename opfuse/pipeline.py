@@ -283,14 +283,14 @@ def _untimed_because(options: OptimizeOptions, plan: _Plan) -> str | None:
 def _untimed_policy(model: ModelSource, options: OptimizeOptions, plan: _Plan):
     """Untimed, a target exception that names the families' options for its graphs
     (:attr:`~opfuse.targets.kernels.PolicyException.untimed`: a decode step at onnxruntime gets
-    Attention-23 with its cache) replaces the policy where ``model`` is such a graph:
+    Attention-23 with its cache, where it has an attention) replaces the policy where ``model`` is such a graph:
     (options, plan, the note saying so), or the three unchanged (None) elsewhere."""
     exceptions = [e for e in plan.chosen.exceptions if e.untimed]
     if not exceptions:
         return options, plan, None
     loaded, _ = load_model(model)
     for exception in exceptions:
-        if exception.sites(loaded):
+        if (exception.untimed_where or exception.sites)(loaded):
             chosen, names, opset = configure(plan.chosen, plan.names, options.opset, dict(exception.untimed))
             plan = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
             return dataclasses.replace(options, opset=opset), plan, exception.untimed_note

@@ -189,6 +189,7 @@ class PolicyException:
     reason: str
     untimed: tuple[tuple[str, str], ...] = ()  # ((family, option), ...), e.g. (("attention", "Attention-23"),)
     untimed_note: str = ""
+    untimed_where: Callable[[ir.Model], Sequence] | None = None  # the sites ``untimed`` needs (None: ``sites``)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ Legality (each failure a refusal with its reason):
   writes it (``Expand(mask, [1, 1, S, 1])``, S read off the 4-D query: off q3's axis 1 after);
 - the shapes show it: q3 [B, S, H * Dh] reshaped to [B, S, H, Dh] (the same B and S, static H
   and Dh), transposed by [0, 2, 1, 3]; the output transposed back and reshaped to [B, S, H * Dh];
-- the rotation is the standard op (domain ai.onnx) without num_heads, on the 4-D heads;
+- the rotation is the standard op without num_heads, on the 4-D heads;
 - no 4-D head tensor is read by a node that reaches an output outside the match (a prefill's
   present is the 4-D keys: the 3-D form would compute them twice).
 """
@@ -33,6 +33,7 @@ __all__ = ["rules"]
 
 from onnxscript.rewriter import pattern
 
+from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.passes.patterns.kv_cache import _same
 
 _HEAD_PERM = [0, 2, 1, 3]
@@ -88,7 +89,7 @@ class AttentionIn3D(pattern.RewriteRuleClassBase):
 
     def _problem(self, attention, merged, b) -> str | None:
         node = attention.producer()
-        if node.domain not in ("", "ai.onnx") or any(a in node.attributes for a in ("q_num_heads", "kv_num_heads")):
+        if node.domain not in ONNX_DOMAINS or any(a in node.attributes for a in ("q_num_heads", "kv_num_heads")):
             return "the attention is not the standard op in its 4-D form"
         heads = {}
         for prefix in ("q", "k", "v"):
@@ -107,7 +108,7 @@ class AttentionIn3D(pattern.RewriteRuleClassBase):
                 return f"the 4-D {prefix} heads are read outside the attention (a present output, say)"
             if last is not four:
                 rope = last.producer()
-                if rope.domain not in ("", "ai.onnx") or rope.attributes.get_int("num_heads", 0):
+                if rope.domain not in ONNX_DOMAINS or rope.attributes.get_int("num_heads", 0):
                     return f"the {prefix} rotation is not the standard RotaryEmbedding on 4-D heads"
         if heads["k"] != heads["v"] or heads["q"] % heads["k"]:
             return f"the head counts (q {heads['q']}, k {heads['k']}, v {heads['v']}) do not group"
