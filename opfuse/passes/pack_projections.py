@@ -80,7 +80,8 @@ class PackProjectionsPass(OpfusePass):
                 group.append((node, weight.array))
         if group and len({w.shape[0] for _, w in group}) != 1:
             rows = group[0][1].shape[0]
-            left += [(n, f"its weight has {w.shape[0]} rows, the others {rows}") for n, w in group if w.shape[0] != rows]
+            left += [(n, f"its weight has {w.shape[0]} rows, the others {rows}")
+                     for n, w in group if w.shape[0] != rows]
             group = [(n, w) for n, w in group if w.shape[0] == rows]
         for node, reason in left:  # (each round: the last one's refusals describe the graph written)
             self.refuse(_PATTERN, node, f"not packed with the other MatMuls reading {x.name}: {reason}")

@@ -45,8 +45,9 @@ standard Attention with the opset raised to 23, its KV cache taken in as past_ke
 (:mod:`opfuse.passes.patterns.kv_cache`, then its 3-D form, :mod:`~opfuse.passes.patterns.heads_3d`):
 on the Llama decode export, every family on with it measured 0.54x (IQR 0.47-0.63) of the
 export's time in the tuner's run and 0.74x in ``benchmarks/decoders.py``'s (Attention-23
-without the cache: 0.74-0.81 in earlier runs), and the log says so; the exception's own policy (kept written out, one refusal per site) is what a
-configuration without that form follows. A decode step is recognised from the graph: a float rank-4 graph input (the
+without the cache: 0.74-0.81 in earlier runs), and the log says so; the exception's own
+policy (kept written out, one refusal per site) is what a configuration without that form
+follows. A decode step is recognised from the graph: a float rank-4 graph input (the
 past keys or values, [batch, heads, past, head_dim]) joined by a Concat along the
 sequence axis (2) with a computed tensor (this step's keys or values), whose result is a
 graph output (the present) or reaches a MatMul; the input's name (``past``, ``cache``) is

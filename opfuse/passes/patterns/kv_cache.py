@@ -77,11 +77,13 @@ def _concat_problem(present, what: str) -> str | None:
 
 def _repeat_problem(present, unsqueezed, expanded, repeated, what: str) -> tuple[int | None, str | None]:
     """(n, None) when ``repeated`` is repeat_kv(present) with each head repeated n times, else (None, why)."""
-    if _axes(unsqueezed.producer()) not in ([2], [-3]):
-        return None, f"the {what} heads are not repeated along a new axis 2 (Unsqueeze axes {_axes(unsqueezed.producer())})"
+    axes = _axes(unsqueezed.producer())
+    if axes not in ([2], [-3]):
+        return None, f"the {what} heads are not repeated along a new axis 2 (Unsqueeze axes {axes})"
     src, mid, out = present.shape, expanded.shape, repeated.shape
     if src is None or mid is None or out is None or len(mid) != 5 or len(out) != 4:
-        return None, f"the {what} repeat's shapes are not known ([B, H, 1, S, Dh] -> [B, H, n, S, Dh] -> [B, H*n, S, Dh])"
+        return None, (f"the {what} repeat's shapes are not known "
+                      "([B, H, 1, S, Dh] -> [B, H, n, S, Dh] -> [B, H*n, S, Dh])")
     n = mid[2]
     if not isinstance(n, int) or not isinstance(src[1], int) or out[1] != src[1] * n:
         return None, f"the {what} repeat's head counts ({src[1]}, x {n} -> {out[1]}) are not static and consistent"
