@@ -260,9 +260,13 @@ def optimize(model: ModelSource, *, options: OptimizeOptions | None = None,
     if untimed_because is None:
         run = _tuned(model, options, plan)
     else:
+        measured = bool(plan.chosen.exceptions)
+        options, plan, note = _untimed_policy(model, options, plan)
         run = _prepare(model, options, plan)
         _rewrite(run, options, plan)
-        run.report.tuning = untimed(options.target, untimed_because, measured_policy=bool(plan.chosen.exceptions))
+        if note:
+            run.report.notes.append(note)
+        run.report.tuning = untimed(options.target, untimed_because, measured_policy=measured)
     _verify_and_write(run, options, plan)
     return run.work, run.report
 
@@ -274,6 +278,23 @@ def _untimed_because(options: OptimizeOptions, plan: _Plan) -> str | None:
     if not plan.chosen.runs_here or plan.device is not None:
         return f"the {options.target} target's runtime is not on this machine"
     return None
+
+
+def _untimed_policy(model: ModelSource, options: OptimizeOptions, plan: _Plan):
+    """Untimed, a target exception that names the families' options for its graphs
+    (:attr:`~opfuse.targets.kernels.PolicyException.untimed`: a decode step at onnxruntime gets
+    Attention-23 with its cache, where it has an attention) replaces the policy where ``model`` is such a graph:
+    (options, plan, the note saying so), or the three unchanged (None) elsewhere."""
+    exceptions = [e for e in plan.chosen.exceptions if e.untimed]
+    if not exceptions:
+        return options, plan, None
+    loaded, _ = load_model(model)
+    for exception in exceptions:
+        if (exception.untimed_where or exception.sites)(loaded):
+            chosen, names, opset = configure(plan.chosen, plan.names, options.opset, dict(exception.untimed))
+            plan = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
+            return dataclasses.replace(options, opset=opset), plan, exception.untimed_note
+    return options, plan, None
 
 
 def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
@@ -357,10 +378,11 @@ def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:
         )
     names = parse_pass_names(o.passes if o.passes is not None else TARGET_DEFAULT_PASSES[o.target])
     chosen = load_target(o.target)
-    fusion = [n for n in names if pass_class(n).emits_contrib_ops]
-    if fusion and not chosen.kernels:
+    fusion = [n for n in names if pass_class(n).emits_contrib_ops or pass_class(n).after_rewrites]
+    contrib = [n for n in fusion if pass_class(n).emits_contrib_ops]
+    if contrib and not chosen.kernels:
         raise BadInputError(
-            f"pass {fusion[0]} fuses epilogues into a target's kernels, and {chosen.title} "
+            f"pass {contrib[0]} fuses epilogues into a target's kernels, and {chosen.title} "
             f"(--target {o.target}) has none; use --target onnxruntime"
         )
     veto = None

@@ -84,7 +84,8 @@ def test_a_slower_multiheadattention_is_kept_written_out_and_attention_23_writte
     assert families["epilogues", "on"].decision == "not in this graph"  # (its out_proj MatMul is 3-D)
     counts = op_counts(written)
     assert counts.get("Attention", 0) == 1 and "MultiHeadAttention" not in str(counts)
-    assert not [r for r in report.refusals if r.reason.startswith("measured choice")]  # attention is written
+    assert not [r for r in report.refusals  # attention is written (the packed q/k MatMuls, no faster, are not)
+                if r.reason.startswith("measured choice") and r.pattern.startswith("attention")]
     assert report.verification.ok
     assert report.tuning.final.median == pytest.approx(0.7)
     data = json.loads(report.to_json())["tuning"]
@@ -133,7 +134,7 @@ def test_no_tune_follows_the_targets_default_policy_and_says_so(tmp_path, capsys
     data = json.loads(report_path.read_text())
     assert data["tuning"]["reason"] == ("not timed (--no-tune): followed the onnxruntime target's default policy, "
                                         "which benchmarks/decoders.py measured")
-    assert any("KV-cache decode step" in r["reason"] for r in data["refused"])
+    assert any("untimed policy for a KV-cache decode step" in note for note in data["notes"]), data["notes"]
     assert "not timed (--no-tune)" in capsys.readouterr().out
 
 

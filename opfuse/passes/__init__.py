@@ -10,6 +10,8 @@
 ``reshape-dims``          Reshape targets computed from shapes -> constants (0 = the input's dim)
 ``fuse-patterns``         LayerNorm, GELU, SiLU, HardSwish, attention... -> the op the target
                           runs (:mod:`opfuse.passes.patterns`)
+``pack-projections``      MatMuls reading one input with constant weights -> one MatMul
+                          and a Split (packed QKV; onnxruntime, timed by the tuner)
 ``equalize``              cross-layer equalisation of Conv -> [act] -> Conv weight ranges
                           (before int8 quantisation; no target runs it by default)
 ``equalize-homogeneous``  the same, refusing a pair whose Clip would become Min/Max
@@ -48,6 +50,7 @@ REGISTRY: dict[str, str] = {
     "fuse-epilogue": "opfuse.passes.fuse_epilogue:EpilogueFusionPass",
     "fuse-patterns": "opfuse.passes.fuse_patterns:PatternFusionPass",
     "reshape-dims": "opfuse.passes.reshape_dims:ReshapeDimsPass",
+    "pack-projections": "opfuse.passes.pack_projections:PackProjectionsPass",
     "equalize": "opfuse.passes.equalize:EqualizePass",
     "equalize-homogeneous": "opfuse.passes.equalize:HomogeneousEqualizePass",
     "dequantize-dynamic": "opfuse.passes.dequantize_dynamic:DequantizeDynamicPass",

@@ -9,6 +9,10 @@ A pass declares, as class attributes:
   policy asks: ONNX Runtime's NCHWc check is needed only then);
 - ``options`` - the keyword options it accepts beyond the report (the fusion passes take
   ``exclude`` and ``veto``), so the pipeline hands each pass only what it declares;
+- ``after_rewrites`` - whether it runs with the fusion into the target's kernels, after the
+  other rewrites have settled: it changes what they match (``pack-projections``: a packed
+  MatMul is no projection the attention patterns know), so running among them would hide
+  their refusals of the graph written;
 - ``exact`` - whether its rewrites compute the same numbers (every pass but
   ``dequantize-dynamic``). An inexact pass runs before the others, and verification takes
   its result as the reference, its distance from the input measured and reported
@@ -48,6 +52,7 @@ class OpfusePass(ir.passes.InPlacePass):
     fuses_residual: ClassVar[bool] = False
     options: ClassVar[frozenset[str]] = frozenset()
     exact: ClassVar[bool] = True
+    after_rewrites: ClassVar[bool] = False
 
     def __init__(self, report: FusionReport | None = None, **options: Any):
         super().__init__()

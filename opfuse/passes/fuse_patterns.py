@@ -424,11 +424,14 @@ def _replace(container, root: ir.Node, rule, delta, names: NameTable) -> list[ir
     shape Concat may feed other Reshapes) only has its outputs replaced, and keeps the
     matched nodes still used: onnxscript removes the unused ones afterwards, here right
     away (the same nodes). A kept node's replaced output gives its name to the new value
-    (which computes the same tensor) and takes a fresh one."""
+    (which computes the same tensor) and takes a fresh one. The graph is sorted when a node
+    before the new ones reads one of their outputs (a KV cache's present,
+    :mod:`~opfuse.passes.patterns.kv_cache`)."""
     matched = list(delta.match.nodes)
     if rule.remove_nodes:
         convenience.replace_nodes_and_values(container, root, matched, delta.new_nodes,
                                              delta.match.outputs, delta.new_outputs)
+        _sort_if_read_before(container, delta)
         return matched
     old_names = [v.name for v in delta.match.outputs]
     convenience.replace_nodes_and_values(container, root, [], delta.new_nodes, delta.match.outputs,
@@ -444,7 +447,20 @@ def _replace(container, root: ir.Node, rule, delta, names: NameTable) -> list[ir
     for old, name in zip(delta.match.outputs, old_names):
         if old.producer() in pending and name:
             old.name = names.fresh(name)
+    _sort_if_read_before(container, delta)
     return removed
+
+
+def _sort_if_read_before(container, delta) -> None:
+    """The new nodes sit where the match's root was; with several outputs (a KV cache's
+    presents), an earlier one may be read by a node before that place: sort the graph then."""
+    if len(delta.new_outputs) < 2 or not hasattr(container, "sort"):
+        return
+    position = {node: i for i, node in enumerate(container)}
+    first = min((position[n] for n in delta.new_nodes if n in position), default=None)
+    if first is not None and any(position.get(use.node, first) < first
+                                 for value in delta.new_outputs for use in value.uses()):
+        container.sort()
 
 
 def _discard(delta) -> None:

@@ -178,12 +178,18 @@ class EpilogueKernel:
 class PolicyException:
     """Where a target's policy for ``pattern`` does not hold: ``sites(model)`` finds the
     graph's places that make it an exception (empty: the policy holds); there the pattern's
-    policy is ``policy``, for ``reason`` (what was measured, and what to use instead)."""
+    policy is ``policy``, for ``reason`` (what was measured, and what to use instead).
+    ``untimed``: where the policy is not timed, the fusion families' options
+    (:mod:`opfuse.tune.families`) that replace it in such a graph, and ``untimed_note`` says so
+    in the log; empty: ``policy`` applies."""
 
     pattern: str
     sites: Callable[[ir.Model], Sequence[tuple[ir.Node, tuple[ir.Node, ...]]]]  # (site, other nodes)
     policy: str
     reason: str
+    untimed: tuple[tuple[str, str], ...] = ()  # ((family, option), ...), e.g. (("attention", "Attention-23"),)
+    untimed_note: str = ""
+    untimed_where: Callable[[ir.Model], Sequence] | None = None  # the sites ``untimed`` needs (None: ``sites``)
 
 
 @dataclasses.dataclass(frozen=True)

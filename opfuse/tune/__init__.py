@@ -31,7 +31,11 @@ written:
 4. **Never slower than the input.** The configuration chosen is timed against the input (in
    the same run when it was one of its variants, else in a second one with its own A/A). If
    it is slower beyond the noise, the folds alone are written when they are not, else the
-   input itself (``None``), and the log says which.
+   input itself (``None``), and the log says which. When that second run is needed (the
+   choice turned families off) it also times every family on with attention in the chosen
+   form, and takes that where it is at least as fast: each family was judged against attention
+   written out, and some pay only with the form (a kept rotation lets Attention-23 take its
+   3-D form, :mod:`opfuse.passes.patterns.heads_3d`).
 
 Nothing is timed with ``--no-tune`` (or ``OPFUSE_TUNE=off`` in the environment, which test
 suites set: timing is noise there), nor for a target whose runtime is not here (qnn's HTP):
@@ -301,9 +305,16 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         final_ratios = run.paired(names[final], "original")
     else:  # a configuration no variant was: timed against the input on its own
         models[final] = build(final)
-        again = timed_run([final])
+        whole = _with_every_family(final, base, results)
+        again = timed_run([final] + ([whole] if whole is not None else []))
         final_ratios = again.paired("chosen", "original")
         final_noise = max(final_noise, noise_of(again.paired("original (A/A)", "original")))
+        if whole is not None:
+            whole_ratios = again.paired(names[whole], "original")
+            if whole_ratios and statistics.median(whole_ratios) <= statistics.median(final_ratios):
+                _take_every_family(record, results, final, whole, whole_ratios, final_ratios)
+                final, final_ratios = whole, whole_ratios
+                record.chosen = label(final, base)
     record.final = Spread.of(final_ratios)
     written: Configuration | None = final
     record.written = f"the configuration chosen ({record.chosen})"
@@ -319,6 +330,28 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
                               "slower beyond the noise")
     record.seconds = time.perf_counter() - start
     return written, record
+
+
+def _with_every_family(final: Configuration, base: Configuration, results: dict) -> Configuration | None:
+    """The reference with attention in ``final``'s form (timed as that form's candidate), when
+    ``final`` turned families off: judged one by one against attention written out, a family can
+    pay only with the form (a rotation kept is what lets the form drop its head transposes)."""
+    chosen = dict(final)
+    whole = tuple((f, chosen["attention"] if f == "attention" else o) for f, o in base)
+    return whole if whole != final and chosen.get("attention") != WRITTEN_OUT and whole in results else None
+
+
+def _take_every_family(record: Tuning, results: dict, final: Configuration, whole: Configuration,
+                       whole_ratios: list[float], final_ratios: list[float]) -> None:
+    """``whole`` (every family on, attention in the chosen form) measured at least as fast as the
+    families chosen one by one: the families turned off are kept, and the log says why."""
+    off = {f for f, o in final if o == OFF and dict(whole).get(f) == ON}
+    why = (f"kept with attention {dict(whole)['attention']}: every family on measured {Spread.of(whole_ratios)} of "
+           f"the input's time, the families chosen one by one {Spread.of(final_ratios)}; alone: ")
+    for result in results.values():
+        if result.family in off and result.decision == "refused":
+            result.decision, result.reason = "kept", why + result.reason
+    record.declined = [d for d in record.declined if not any(dict(d[1]).get(f) == OFF for f in off)]
 
 
 def _candidates(base: Configuration, target: str) -> tuple[dict[Configuration, tuple[str, str]], Configuration]:

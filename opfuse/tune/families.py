@@ -9,7 +9,9 @@ family           rewrites                                    options
 ===============  ==========================================  ============================
 attention        the ``attention`` pattern                   written out; ONNX Runtime's
                                                              MultiHeadAttention; the
-                                                             standard Attention (opset 23)
+                                                             standard Attention (opset 23;
+                                                             a KV cache as past/present,
+                                                             then its 3-D form)
 self-attention   the ``self-attention`` pattern (encoders'   on / off
                  Attention with packed QKV)
 rotary           the ``rotary`` pattern (RotaryEmbedding)    on / off
@@ -18,6 +20,8 @@ norms            layer-norm, rms-norm, skip-layer-norm,      on / off
 activations      gelu, bias-gelu, silu, hardswish            on / off
 epilogues        matmul-add (Gemm), fuse-epilogue            on / off
                  (FusedConv / FusedGemm)
+packed-          pack-projections (q, k, v or gate, up as    on / off
+projections      one MatMul and a Split)
 opset            the ``--opset N`` the user asked for        on / off (only when asked)
 ===============  ==========================================  ============================
 
@@ -28,6 +32,13 @@ data, :attr:`opfuse.targets.kernels.Target.patterns`), the attention pattern's o
 off, and the opset to raise to. In a timed configuration the attention family is chosen by
 measurement, so the target's policy exceptions (a decode step's attention kept written out
 at ONNX Runtime) do not apply: they are what the untimed default follows.
+
+ONNX Runtime's contrib GroupQueryAttention is not a form here: its kernel ran the Llama decode
+step's four attentions slower than the standard op with its cache (ORT profile, one thread, past
+256: 151 us against 118 us), and its implicit causal mask equals the graph's only for masks of
+ones then zeros per row (no left padding), a condition on the input data; the rest of the
+builder's gain (rotary inside, packed QKV read directly) the standard forms get from
+``heads_3d`` and ``pack-projections``.
 
 The standard Attention needs opset 23: at ``--target onnxruntime`` the candidate raises the
 model's opset to 23 (ONNX Runtime runs it); at ``--target onnx`` it is a candidate only at
@@ -80,6 +91,8 @@ FAMILIES: tuple[Family, ...] = (
            ("gelu", "bias-gelu", "silu", "hardswish")),
     Family("epilogues", "the epilogues (MatMul+Add as Gemm, FusedConv, FusedGemm)", ("matmul-add",),
            ("fuse-epilogue",)),
+    Family("packed-projections", "the packed projections (MatMuls reading one input as one MatMul and a Split)",
+           passes=("pack-projections",)),
     Family("opset", "the opset raise (--opset)"),
 )
 ATTENTION_FORMS: tuple[AttentionForm, ...] = (

@@ -18,7 +18,7 @@ pattern            what it matches                               becomes (standa
 ``self-attention`` x Wq|Wk|Wv + b, head split, q k / c [+ mask],   - / Attention (packed QKV)
                    Softmax, v, head merge (TorchScript's encoders)
 ``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
-                                                                 MultiHeadAttention, Attention
+                   [, past Concat, repeat_kv: kv_cache.py]       MultiHeadAttention, Attention
 ``matmul-add``     MatMul (2-D) then Add(bias)                   Gemm / Gemm
 =================  ============================================  =========================
 

@@ -21,6 +21,10 @@ For the standard form (opset 23 and later), stage 2's SDPA becomes ONNX's own
 transposed first), with the same scale and the mask as ``attn_mask``. ONNX Runtime's CPU
 kernel wants the mask's query axis present (it does not broadcast it, against the spec),
 so the mask is expanded to [.., S, Skv] first: ``Expand(mask, [1, 1, S, 1])``, exact.
+A KV cache around it (the past Concat, grouped-query attention's ``repeat_kv``) then goes
+into the same op as its past_key/past_value inputs and present outputs
+(:mod:`opfuse.passes.patterns.kv_cache`, a later stage), and then the op with its cache takes
+its 3-D form, the head split and merge around it gone (:mod:`opfuse.passes.patterns.heads_3d`).
 
 Legality: onnxscript's checks (shapes [B, S, H, Dh] that agree, a head size that is
 static, dropout none, the scale a constant...); the standard form needs opset 23. The
@@ -36,7 +40,7 @@ __all__ = ["TITLE", "RECORD_TITLES", "stages", "INTERMEDIATE_DOMAINS"]
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale, sdpa, sdpa_via_mha, shape_optimization
 
-from opfuse.passes.patterns import opset_problem
+from opfuse.passes.patterns import heads_3d, kv_cache, opset_problem
 
 TITLE = "attention->Attention"
 # stage 1's rule slices dims out of a Shape of a reshape: its records say so, not "attention"
@@ -111,6 +115,8 @@ def stages(form: str, approximate: bool = False):
             list(shape_optimization.rules.rules),
             list(sdpa.sdpa_rules.rules),
             [SdpaToAttention.rule(masked=True), SdpaToAttention.rule(masked=False)],
+            kv_cache.rules(),
+            heads_3d.rules(),
         ]
     return [
         list(shape_optimization.rules.rules),

@@ -1,0 +1,200 @@
+"""Attention with its KV cache written out -> ONNX Attention (opset 23) with past_key/past_value.
+
+A decode step (or a prefill with a cache input) writes, per layer, the cache update and
+grouped-query attention's head repeat (``repeat_kv``) around the attention op that
+:mod:`opfuse.passes.patterns.attention` wrote:
+
+    present_k = Concat(past_k, k, axis=2)                     [B, Hkv, P + S, Dh]   (a graph output)
+    K         = Reshape(Expand(Unsqueeze(present_k, 2),        [B, Hkv, n, P + S, Dh])
+                        [B, Hkv * n, P + S, Dh])               (repeat_kv; absent when n = 1)
+    (likewise V)
+    y         = Attention(q, K, V, mask)                       q: [B, Hq, S, Dh], Hq = Hkv * n
+
+Rewrite (ONNX ``Attention``, opset 23, 4-D form; one node):
+
+    y, present_k, present_v = Attention(q, k, v, mask, past_k, past_v)
+
+Algebra: the standard op concatenates the past and the new keys along the sequence axis
+and writes that as ``present_key`` (the Concat's value, bit for bit); with Hq = n * Hkv it
+uses key head ``h // n`` for query head ``h`` (the spec's grouped-query attention), which is
+what ``repeat_kv`` builds: ``Expand`` of a new axis 2 then merged into axis 1 repeats each
+key head n times in a row. The mask, scale and every other attribute are the attention
+node's own. The present outputs keep their names, so they stay the graph's outputs with
+their shapes.
+
+Legality (each failure is a refusal with its reason):
+
+- the Concats join a rank-4 cache along axis 2 (the sequence axis of [B, H, S, Dh]);
+- the repeat is ``Unsqueeze`` at axis 2, an ``Expand`` that changes axis 2 only, and a
+  ``Reshape`` merging axes 1 and 2, as the shapes (symbolic ones included) show; the query's
+  head count is the key's times n. A ``Tile`` along the heads axis (head ``h % Hkv``) is
+  another grouping, which the standard op does not run: no rule matches it;
+- the matched nodes are replaced by their outputs only (``remove_nodes=False``): the exporter's
+  shape arithmetic, dead by then, may still read the repeated keys; what nothing reads goes;
+- the mask's last axis is the keys' length (past + new), as the shapes show: the op with a
+  cache does not broadcast a shorter one (ONNX Runtime 1.32 fails to run it);
+- neither the query nor the mask is computed from the presents (a mask reshaped to Shape(keys)
+  would read the new op's own output: a cycle);
+- the attention node takes no cache yet, has no ``is_causal`` (its diagonal would move with
+  a past) and no ``qk_matmul_output_mode`` output.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TITLE", "rules"]
+
+from onnxscript.rewriter import pattern
+
+from opfuse.passes.patterns import constant_array, opset_problem
+
+TITLE = "KV cache->Attention"
+
+
+def _axes(node) -> list[int] | None:
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        return [int(a) for a in attr.value]
+    array = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
+    return None if array is None else [int(a) for a in array.reshape(-1)]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and a.value is not None and a.value == b.value
+
+
+def _concat_problem(present, what: str) -> str | None:
+    node = present.producer()
+    axis = node.attributes.get_int("axis", 0)
+    past = node.inputs[0]
+    if past.shape is None or len(past.shape) != 4:
+        return f"the {what} cache is not known to be rank 4 [batch, heads, past, head_dim]"
+    if axis not in (2, -2):
+        return f"the {what} cache is joined along axis {axis}, not the sequence axis 2"
+    return None
+
+
+def _repeat_problem(present, unsqueezed, expanded, repeated, what: str) -> tuple[int | None, str | None]:
+    """(n, None) when ``repeated`` is repeat_kv(present) with each head repeated n times, else (None, why)."""
+    axes = _axes(unsqueezed.producer())
+    if axes not in ([2], [-3]):
+        return None, f"the {what} heads are not repeated along a new axis 2 (Unsqueeze axes {axes})"
+    src, mid, out = present.shape, expanded.shape, repeated.shape
+    if src is None or mid is None or out is None or len(mid) != 5 or len(out) != 4:
+        return None, (f"the {what} repeat's shapes are not known "
+                      "([B, H, 1, S, Dh] -> [B, H, n, S, Dh] -> [B, H*n, S, Dh])")
+    n = mid[2]
+    if not isinstance(n, int) or not isinstance(src[1], int) or out[1] != src[1] * n:
+        return None, f"the {what} repeat's head counts ({src[1]}, x {n} -> {out[1]}) are not static and consistent"
+    for i, j in ((0, 0), (1, 1), (3, 2), (4, 3)):
+        if not _same(mid[i], src[j]):
+            return None, f"the {what} repeat's Expand changes axis {i} ({src[j]} -> {mid[i]}), not only the new axis 2"
+    for i, j in ((0, 0), (2, 3), (3, 4)):
+        if not _same(out[i], mid[j]):
+            return None, f"the {what} repeat's Reshape does not merge axes 1 and 2 only ({list(mid)} -> {list(out)})"
+    return n, None
+
+
+def _reads(value, nodes: set) -> bool:
+    """Whether ``value`` is computed from an output of one of ``nodes`` (its ancestors, walked once)."""
+    frontier, seen = [value], set()
+    while frontier:
+        producer = frontier.pop().producer()
+        if producer is None or producer in seen:
+            continue
+        if producer in nodes:
+            return True
+        seen.add(producer)
+        frontier.extend(v for v in producer.inputs if v is not None)
+    return False
+
+
+def _mask_problem(mask, present) -> str | None:
+    """Why ``mask``'s last axis is not known to be the keys' length (the op with a cache wants
+    it so; the graph may broadcast a shorter one), or None."""
+    shape = mask.shape if mask is not None else None
+    if shape is None and mask is not None and mask.producer() is not None and mask.producer().op_type == "Expand":
+        shape = mask.producer().inputs[0].shape  # (the standard form's Expand over the query axis, not inferred yet)
+    length = present.shape[2] if present.shape is not None and len(present.shape) == 4 else None
+    if shape is None or len(shape) == 0 or length is None or not _same(shape[-1], length):
+        return (f"the mask's last axis ({shape[-1] if shape else 'unknown'}) is not known to be the keys' length "
+                f"({length}, past + new): with a cache ONNX Runtime's Attention wants it so, and a broadcast "
+                "mask would not run")
+    return None
+
+
+class AttentionWithPast(pattern.RewriteRuleClassBase):
+    """Attention over Concat(past, new) [repeated per head group] -> Attention with past/present (docstring)."""
+
+    def __init__(self, repeated: bool, masked: bool):
+        super().__init__(name=f"KVCache{'+repeat_kv' if repeated else ''}->Attention{'(mask)' if masked else ''}")
+        self.repeated, self.masked = repeated, masked
+        # the exporter's own shape arithmetic still reads the repeated keys (Shape nodes the attention
+        # stage left dead until clean-up): replace the outputs only, and drop what nothing reads
+        self.remove_nodes = False
+
+    def _kv(self, op, present, prefix: str):
+        if not self.repeated:
+            return present
+        unsqueezed = op.Unsqueeze(present, pattern.ANY_VALUE, _outputs=[f"{prefix}_unsqueezed"])
+        expanded = op.Expand(unsqueezed, pattern.ANY_VALUE, _outputs=[f"{prefix}_expanded"])
+        return op.Reshape(expanded, pattern.ANY_VALUE, _allow_other_attributes=True, _outputs=[f"{prefix}_repeated"])
+
+    def pattern(self, op, query, past_key, key, past_value, value, mask):
+        present_key = op.Concat(past_key, key, _outputs=["present_key"])
+        present_value = op.Concat(past_value, value, _outputs=["present_value"])
+        inputs = [query, self._kv(op, present_key, "k"), self._kv(op, present_value, "v")]
+        if self.masked:
+            inputs.append(mask)
+        y = op.Attention(*inputs, _allow_other_attributes=True, _outputs=["attention"])
+        return y, present_key, present_value
+
+    def check(self, context, query, present_key, present_value, attention, **bindings) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        problem = opset_problem(context, "Attention", 23) or self._problem(query, present_key, present_value,
+                                                                            attention, bindings)
+        return result.fail(problem) if problem else result
+
+    def _problem(self, query, present_key, present_value, attention, bindings) -> str | None:
+        node = attention.producer()
+        if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+            return "the attention node's other outputs are read"
+        if node.attributes.get_int("is_causal", 0):
+            return "the attention is causal by its attribute, whose diagonal would move by the past's length"
+        for present, what in ((present_key, "key"), (present_value, "value")):
+            problem = _concat_problem(present, what)
+            if problem:
+                return problem
+        if query.shape is None or len(query.shape) != 4 or not isinstance(query.shape[1], int):
+            return "the query is not known to be rank 4 with a static head count"
+        if self.masked:
+            problem = _mask_problem(bindings.get("mask"), present_key)
+            if problem:
+                return problem
+        for value, what in ((query, "query"), (bindings.get("mask"), "mask")):
+            if value is not None and _reads(value, {present_key.producer(), present_value.producer()}):
+                return (f"the {what} is computed from the present keys or values (a Shape of them, say), which "
+                        "the op with a cache writes: it would read its own output")
+        heads = present_key.producer().inputs[0].shape[1]
+        if self.repeated:
+            for present, what, prefix in ((present_key, "key", "k"), (present_value, "value", "v")):
+                n, problem = _repeat_problem(present, bindings[f"{prefix}_unsqueezed"], bindings[f"{prefix}_expanded"],
+                                             bindings[f"{prefix}_repeated"], what)
+                if problem:
+                    return problem
+                if query.shape[1] != heads * n:
+                    return f"the query has {query.shape[1]} heads, not the {what}'s {heads} x {n}"
+        elif query.shape[1] != heads:
+            return f"the query has {query.shape[1]} heads and the cache {heads}"
+        return None
+
+    def rewrite(self, op, query, past_key, key, past_value, value, attention, mask=None, **_):
+        node = attention.producer()
+        attributes = {k: a.value for k, a in node.attributes.items()}
+        return op.Attention(query, key, value, mask if self.masked else None, past_key, past_value,
+                            _outputs=3, **attributes)
+
+
+def rules() -> list:
+    return [AttentionWithPast.rule(repeated=r, masked=m) for r in (True, False) for m in (True, False)]
