@@ -245,3 +245,19 @@ def test_a_graph_output_folded_into_a_constant_keeps_its_type():
     written = ir.serde.serialize_model(result)
     onnx.checker.check_model(written, full_check=True)
     assert [o.name for o in written.graph.output] == ["a", "y"] and report.verification.ok
+
+
+def test_equal_small_constants_become_one_and_so_do_the_nodes_reading_them():
+    """Two initializers of equal type, shape and bytes are one value after the rewrites (a
+    rewrite writes its own constants per site); the two Muls that read x and them are then one
+    node (common subexpressions). A constant of other bytes stays its own."""
+    scale = np.array([0.5, 2.0, -1.0, 3.0], np.float32)
+    nodes = [helper.make_node("Mul", ["x", "c1"], ["a"]), helper.make_node("Mul", ["x", "c2"], ["b"]),
+             helper.make_node("Mul", ["x", "c3"], ["c"]), helper.make_node("Add", ["a", "b"], ["ab"]),
+             helper.make_node("Add", ["ab", "c"], ["out"])]
+    m = model(nodes, [vinfo("x", [2, 4])], [vinfo("out", [2, 4])],
+              [tensor("c1", scale), tensor("c2", scale.copy()), tensor("c3", scale + 1)])
+    out, _ = opfuse.optimize(m)
+    assert sorted(ops(out)) == ["Add", "Add", "Mul", "Mul"]
+    assert len(out.graph.initializers) == 2 and not unused_initializers(out)
+    assert_same(m, out)

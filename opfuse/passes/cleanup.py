@@ -114,6 +114,8 @@ class CleanupPass(OpfusePass):
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
         if self.eliminate_common and not random_nodes(model):  # (it skips RandomNormal and kin, not Bernoulli)
+            with _quiet("onnx_ir.passes.common.initializer_deduplication"):  # (it warns of each graph input)
+                common.DeduplicateInitializersPass(size_limit=SHARED_CONSTANT_LIMIT)(model)
             common.CommonSubexpressionEliminationPass()(model)
         common.RemoveUnusedNodesPass()(model)
         after = _all_ops(model)
@@ -143,24 +145,30 @@ class CleanupPass(OpfusePass):
                 f"and unused nodes): {shown}{', ...' if len(self.removed) > 6 else ''}")
 
 
-@contextlib.contextmanager
 def _quiet_folder():
     """onnxscript's folder logs each node it fails to evaluate ("Evaluation failed: ...")
     as a warning, which reaches stderr with no handler set: a node left unfolded is no
     problem of the user's (the log still has it at debug level through opfuse's logger)."""
-    folder = logging.getLogger("onnxscript.optimizer._constant_folding")
-    level = folder.level
-    folder.setLevel(logging.ERROR)
+    return _quiet("onnxscript.optimizer._constant_folding")
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    """The logger ``name`` at ERROR while the block runs."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        folder.setLevel(level)
+        logger.setLevel(level)
 
 
 BRANCH_ROUNDS = 8  # shape values and folding again while Ifs become their branches (silero-vad: 2)
 KEEP = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")  # a quantised model's structure
 FILL_LIMIT = 1 << 16  # ConstantOfShape outputs folded up to this many elements
 INPUT_LIMIT = 1 << 22  # constant inputs up to this many elements (a weight sliced by an exporter)
+SHARED_CONSTANT_LIMIT = 1024  # initializers up to this many elements made one where equal (step 4)
 
 
 def _default_input_limit() -> int:
