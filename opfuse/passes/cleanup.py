@@ -44,7 +44,14 @@ Steps, each a well-kept pass where one exists:
    (two draws are not one), and only when asked (``eliminate_common``: the pipeline's run
    after the rewrites; before them, two convs of one input and one weight merged into one
    conv with two readers would keep a BatchNormalization from folding into either, where
-   a private copy of the shared weight folds);
+   a private copy of the shared weight folds). Before it, in the same run, small integer
+   initializers of equal type, shape and bytes (up to :data:`SHARED_CONSTANT_LIMIT`
+   elements: shapes, axes, indices) become one, as onnx-ir's ``DeduplicateInitializersPass``
+   does for every type: the constants each rewrite writes for itself (a rotary rewrite's
+   ``Reshape(.., [-1, h])`` and ``Range(0, rows, 1)``, once per query and key) are then one
+   value, and the nodes reading them one node. Integers only: a float initializer is a
+   weight, a bias or a scale, which a later step (quantisation, bias correction,
+   equalisation) may change for one layer alone;
 5. dead-code removal - onnx-ir's ``RemoveUnusedNodesPass``: nodes and initializers no
    output depends on.
 
@@ -114,8 +121,7 @@ class CleanupPass(OpfusePass):
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
         if self.eliminate_common and not random_nodes(model):  # (it skips RandomNormal and kin, not Bernoulli)
-            with _quiet("onnx_ir.passes.common.initializer_deduplication"):  # (it warns of each graph input)
-                common.DeduplicateInitializersPass(size_limit=SHARED_CONSTANT_LIMIT)(model)
+            _share_integer_constants(model)
             common.CommonSubexpressionEliminationPass()(model)
         common.RemoveUnusedNodesPass()(model)
         after = _all_ops(model)
@@ -145,23 +151,36 @@ class CleanupPass(OpfusePass):
                 f"and unused nodes): {shown}{', ...' if len(self.removed) > 6 else ''}")
 
 
+@contextlib.contextmanager
 def _quiet_folder():
     """onnxscript's folder logs each node it fails to evaluate ("Evaluation failed: ...")
     as a warning, which reaches stderr with no handler set: a node left unfolded is no
     problem of the user's (the log still has it at debug level through opfuse's logger)."""
-    return _quiet("onnxscript.optimizer._constant_folding")
-
-
-@contextlib.contextmanager
-def _quiet(name: str):
-    """The logger ``name`` at ERROR while the block runs."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    folder = logging.getLogger("onnxscript.optimizer._constant_folding")
+    level = folder.level
+    folder.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        folder.setLevel(level)
+
+
+def _share_integer_constants(model: ir.Model) -> None:
+    """Step 4's first half: each graph's small integer initializers of equal type, shape and bytes
+    made one (the first in the graph's order is kept; graph inputs and outputs are never touched)."""
+    for graph in model.graphs():
+        kept: dict[tuple, ir.Value] = {}
+        for value in tuple(graph.initializers.values()):
+            tensor = value.const_value
+            if (tensor is None or not tensor.dtype.is_integer() or tensor.size > SHARED_CONSTANT_LIMIT
+                    or value.is_graph_input() or value.is_graph_output()):
+                continue
+            key = (tensor.dtype, tuple(tensor.shape), tensor.tobytes())
+            if key not in kept:
+                kept[key] = value
+                continue
+            value.replace_all_uses_with(kept[key])
+            graph.initializers.pop(value.name)
 
 
 BRANCH_ROUNDS = 8  # shape values and folding again while Ifs become their branches (silero-vad: 2)
