@@ -169,8 +169,8 @@ def main(argv=None) -> int:
             for result in generator:
                 results.append(result)
                 print(show(result), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+                if args.json:  # (after every graph: a long run stopped early keeps what it measured)
+                    args.json.write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 
