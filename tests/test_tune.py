@@ -194,8 +194,9 @@ def test_a_family_whose_patterns_cannot_match_is_not_built(monkeypatch):
 
 
 def _cnn_with_a_head_reshape():
-    """A CNN head as detectors write it (YOLOv8's DFL): Conv, then Shape/Slice/Concat to a
-    Reshape target, a Transpose and a Softmax; no MatMul, so no attention."""
+    """A CNN head as detectors and classifiers write it: Conv, then Shape/Slice/Concat to a
+    Reshape target, a Transpose, one MatMul (a classifier's) and a Softmax; attention's SDPA needs
+    two MatMul around its Softmax, so no attention."""
     from onnx import TensorProto, helper
 
     from graphs import model, rng, tensor, vinfo
@@ -207,18 +208,21 @@ def _cnn_with_a_head_reshape():
              helper.make_node("Concat", ["lead", "minus_one"], ["target"], axis=0, name="concat"),
              helper.make_node("Reshape", ["y", "target"], ["flat"], name="reshape"),
              helper.make_node("Transpose", ["flat"], ["moved"], perm=[0, 2, 1], name="transpose"),
-             helper.make_node("Softmax", ["moved"], ["out"], axis=-1, name="softmax")]
-    inits = [tensor("w", w), tensor("zero", [0]), tensor("two", [2]), tensor("minus_one", [-1])]
+             helper.make_node("MatMul", ["moved", "fc"], ["logits"], name="classifier"),
+             helper.make_node("Softmax", ["logits"], ["out"], axis=-1, name="softmax")]
+    fc = rng(4).standard_normal((8, 5)).astype("float32")
+    inits = [tensor("w", w), tensor("fc", fc), tensor("zero", [0]), tensor("two", [2]), tensor("minus_one", [-1])]
     return model(nodes, [vinfo("x", [1, 8, 4, 4])], [vinfo("out", None, TensorProto.FLOAT)], inits)
 
 
 def test_the_attention_gate_asks_for_its_sdpa_stage_not_its_shape_stage():
     """Attention's first stage (the head split's Shape/Slice/Concat/Reshape/Transpose) matches a CNN;
-    the gate asks for the SDPA stage's own ops (MatMul and Softmax), so a CNN has no attention,
+    the gate asks for the SDPA stage's own ops, as many as it has (two MatMul, a Softmax), so a CNN
+    with a classifier's one MatMul and Softmax has no attention,
     while a decode step (its scale a Mul, no Div: onnxscript's Mul | Div | nothing) has it."""
     import onnx_ir as ir
 
-    from opfuse.passes.fuse_patterns import patterns_that_could_match
+    from opfuse.passes.pattern_gate import patterns_that_could_match
     from opfuse.passes.patterns import PATTERN_ORDER
     from opfuse.targets.kernels import load_target
 

@@ -60,6 +60,7 @@ from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display
 
 from opfuse.core.analysis import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
+from opfuse.passes.pattern_gate import patterns_that_could_match  # (re-exported)
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules, rules_in_form
 from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord, Refusal
@@ -316,68 +317,6 @@ class PatternFusionPass(OpfusePass):
         records.append(record)
         if main is not None:
             self._made[main] = (record, title)
-
-
-def patterns_that_could_match(model: ir.Model, target: Target, patterns, *, forms=("standard", "onnxruntime"),
-                              approximate: bool = False) -> set[str]:
-    """The ``patterns`` some rule of which (in any of ``forms``, or the target's own) finds every op
-    of its pattern in ``model``: a necessary condition for a rewrite (a later stage's ops made by
-    an earlier one are found there), checked without running any rule (the measured choice builds
-    no variant for a family none of whose patterns could match). A staged pattern that names its
-    ``entry_stage`` (attention: the SDPA stage) could match only where a rule of that stage finds
-    its ops, less those an earlier stage's rules name (which those stages may have made): an
-    earlier stage alone (attention's shape rule, which most CNNs match) fuses nothing."""
-    present = {("" if n.domain in ONNX_DOMAINS else n.domain, n.op_type)
-               for scope in iter_scopes(model) for n in scope.graph}
-    found = set()
-    for pattern in patterns:
-        options = {target.form(pattern), *forms}
-        if any(_stage_could_match(rules_in_form(pattern, form, approximate=approximate), present)
-               for form in options):
-            found.add(pattern)
-    return found
-
-
-def _stage_could_match(found, present: set[tuple[str, str]]) -> bool:
-    """Whether a rule of ``found`` finds its ops in ``present`` (:func:`patterns_that_could_match`)."""
-    if found.entry_stage is None:
-        return any(_required_ops(rule) <= present for stage in found.stages for rule in stage)
-    earlier = frozenset().union(*(_required_ops(rule) for stage in found.stages[:found.entry_stage]
-                                  for rule in stage))
-    return any(_required_ops(rule) - earlier <= present for rule in found.stages[found.entry_stage])
-
-
-def _required_ops(rule) -> frozenset[tuple[str, str]]:
-    """The (domain, op) of every node of the rule's pattern that each match needs, whose op is one
-    fixed name: the nodes behind the pattern's outputs, where an alternative (onnxscript's
-    ``OrValue``: ``Mul | Div | nothing`` for a scale) needs only what all its branches need.
-    Empty when the pattern is not onnxscript's, which then could match."""
-    graph = getattr(rule, "_target_pattern", None)
-    if graph is None:
-        return frozenset()
-    return frozenset().union(*(_needed(value, {}) for value in graph.outputs))
-
-
-def _needed(value, memo: dict) -> frozenset[tuple[str, str]]:
-    """The (domain, op) every match of the value pattern ``value`` needs (:func:`_required_ops`)."""
-    if id(value) in memo:
-        return memo[id(value)]
-    branches = getattr(value, "_values", None)  # onnxscript's BacktrackingOr
-    if branches is None and hasattr(value, "_op_to_pattern"):  # its OpIdDispatchOr
-        branches = [branch for _, branch in value._op_to_pattern.values()]
-    producer = getattr(value, "producer", None)
-    node = producer() if callable(producer) and branches is None else None
-    if branches is not None:
-        found = frozenset.intersection(*(_needed(branch, memo) for branch in branches)) if branches else frozenset()
-    elif node is None:  # an input or a constant: no node
-        found = frozenset()
-    else:
-        op, domain = getattr(node, "op", None), getattr(node, "domain", None)
-        own = (frozenset({("" if domain.value() in ONNX_DOMAINS else domain.value(), op.value())})
-               if type(op).__name__ == "StringConstantPattern" and hasattr(domain, "value") else frozenset())
-        found = own.union(*(_needed(v, memo) for v in node.inputs if v is not None))
-    memo[id(value)] = found
-    return found
 
 
 def _could_match(found, present: set[tuple[str, str]]) -> bool:

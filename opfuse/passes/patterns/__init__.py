@@ -34,7 +34,7 @@ stages run one after the other over the whole graph. A module whose first stages
 intermediate ops that later ones consume (attention) names their domains in
 ``INTERMEDIATE_DOMAINS``: its stages run on a copy, kept only when none is left; its ``ENTRY_STAGE``
 is the stage that finds the pattern in the graph's own ops (attention's SDPA stage), which the gate
-of :func:`opfuse.passes.fuse_patterns.patterns_that_could_match` reads. A target says per pattern
+of :mod:`opfuse.passes.pattern_gate` reads. A target says per pattern
 whether to fuse it (:attr:`opfuse.targets.kernels.Target.patterns`); the pass that runs
 them is :mod:`opfuse.passes.fuse_patterns`; ``PATTERN_ORDER`` is the order it runs them
 (a LayerNorm or an RMSNorm must exist before an Add can join it, and a bias Add must not become a Gemm
