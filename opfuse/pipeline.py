@@ -30,7 +30,7 @@ from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.prepare.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
-from opfuse.passes.fuse_patterns import patterns_that_could_match
+from opfuse.passes.pattern_gate import patterns_that_could_match
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.report import FusionReport, Refusal
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS

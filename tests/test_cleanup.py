@@ -245,3 +245,21 @@ def test_a_graph_output_folded_into_a_constant_keeps_its_type():
     written = ir.serde.serialize_model(result)
     onnx.checker.check_model(written, full_check=True)
     assert [o.name for o in written.graph.output] == ["a", "y"] and report.verification.ok
+
+
+def test_equal_integer_constants_become_one_and_so_do_the_nodes_reading_them():
+    """Two integer initializers of equal type, shape and bytes are one value after the rewrites (a
+    rewrite writes its own shape constants per site); the two Reshapes of x by them are then one
+    node (common subexpressions). Two equal float initializers stay two: a weight or a scale a
+    later step may change for one layer alone."""
+    shape, scale = np.array([4, 2], np.int64), np.array([0.5, -2.0], np.float32)
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["a"]), helper.make_node("Reshape", ["x", "s2"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["ab"]), helper.make_node("Mul", ["ab", "w1"], ["m1"]),
+             helper.make_node("Mul", ["ab", "w2"], ["m2"]), helper.make_node("Add", ["m1", "m2"], ["out"])]
+    m = model(nodes, [vinfo("x", [2, 4])], [vinfo("out", [4, 2])],
+              [tensor("s1", shape), tensor("s2", shape.copy()), tensor("w1", scale), tensor("w2", scale.copy())])
+    out, _ = opfuse.optimize(m)
+    assert sorted(ops(out)) == ["Add", "Add", "Mul", "Mul", "Reshape"]
+    assert sorted(v.name for v in out.graph.initializers.values()) == ["s1", "w1", "w2"]
+    assert not unused_initializers(out)
+    assert_same(m, out)

@@ -192,3 +192,64 @@ def test_a_family_whose_patterns_cannot_match_is_not_built(monkeypatch):
     assert {"attention", "self-attention", "rotary", "norms"} <= absent
     # the reference, the epilogues off, the folds alone, the chosen one again with verification
     assert len(built) <= 4
+
+
+def _cnn_with_a_head_reshape():
+    """A CNN head as detectors and classifiers write it: Conv, then Shape/Slice/Concat to a
+    Reshape target, a Transpose, one MatMul (a classifier's) and a Softmax; attention's SDPA needs
+    two MatMul around its Softmax, so no attention."""
+    from onnx import TensorProto, helper
+
+    from graphs import model, rng, tensor, vinfo
+
+    w = rng(3).standard_normal((8, 8, 1, 1)).astype("float32")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv"),
+             helper.make_node("Shape", ["y"], ["shape"], name="shape"),
+             helper.make_node("Slice", ["shape", "zero", "two"], ["lead"], name="slice"),
+             helper.make_node("Concat", ["lead", "minus_one"], ["target"], axis=0, name="concat"),
+             helper.make_node("Reshape", ["y", "target"], ["flat"], name="reshape"),
+             helper.make_node("Transpose", ["flat"], ["moved"], perm=[0, 2, 1], name="transpose"),
+             helper.make_node("MatMul", ["moved", "fc"], ["logits"], name="classifier"),
+             helper.make_node("Softmax", ["logits"], ["out"], axis=-1, name="softmax")]
+    fc = rng(4).standard_normal((8, 5)).astype("float32")
+    inits = [tensor("w", w), tensor("fc", fc), tensor("zero", [0]), tensor("two", [2]), tensor("minus_one", [-1])]
+    return model(nodes, [vinfo("x", [1, 8, 4, 4])], [vinfo("out", None, TensorProto.FLOAT)], inits)
+
+
+def test_the_attention_gate_asks_for_its_sdpa_stage_not_its_shape_stage():
+    """Attention's first stage (the head split's Shape/Slice/Concat/Reshape/Transpose) matches a CNN;
+    the gate asks for the SDPA stage's own ops, as many as it has (two MatMul, a Softmax), so a CNN
+    with a classifier's one MatMul and Softmax has no attention,
+    while a decode step (its scale a Mul, no Div: onnxscript's Mul | Div | nothing) has it."""
+    import onnx_ir as ir
+
+    from opfuse.passes.pattern_gate import patterns_that_could_match
+    from opfuse.passes.patterns import PATTERN_ORDER
+    from opfuse.targets.kernels import load_target
+
+    target = load_target("onnxruntime")
+    cnn = ir.from_proto(_cnn_with_a_head_reshape())
+    assert "attention" not in patterns_that_could_match(cnn, target, PATTERN_ORDER)
+    step = ir.from_proto(decode_step())
+    assert "Div" not in op_counts(step) and "attention" in patterns_that_could_match(step, target, PATTERN_ORDER)
+
+
+def test_a_cnn_with_a_head_reshape_builds_no_attention_variant(monkeypatch):
+    """Tuned on that CNN head, no configuration with attention fused is built (each build is a
+    whole optimiser run); attention's forms are 'not in this graph' with the reason; it verifies."""
+    from opfuse import pipeline
+
+    built = []
+    real = pipeline._prepare
+
+    def counting(model, options, plan):
+        built.append(plan.chosen.patterns.get("attention"))
+        return real(model, options, plan)
+
+    monkeypatch.setattr(timing, "measure", _fake_measure(lambda v: 1.0))
+    monkeypatch.setattr(pipeline, "_prepare", counting)
+    _, report = optimize(_cnn_with_a_head_reshape(), target="onnxruntime", tune=True)
+    attention = [f for f in report.tuning.families if f.family == "attention"]
+    assert attention and all("finds all its ops" in f.reason for f in attention)
+    assert built and "fuse" not in built
+    assert report.verification.ok

@@ -44,7 +44,14 @@ Steps, each a well-kept pass where one exists:
    (two draws are not one), and only when asked (``eliminate_common``: the pipeline's run
    after the rewrites; before them, two convs of one input and one weight merged into one
    conv with two readers would keep a BatchNormalization from folding into either, where
-   a private copy of the shared weight folds);
+   a private copy of the shared weight folds). Before it, in the same run, small integer
+   initializers of equal type, shape and bytes (up to :data:`SHARED_CONSTANT_LIMIT`
+   elements: shapes, axes, indices) become one, as onnx-ir's ``DeduplicateInitializersPass``
+   does for every type: the constants each rewrite writes for itself (a rotary rewrite's
+   ``Reshape(.., [-1, h])`` and ``Range(0, rows, 1)``, once per query and key) are then one
+   value, and the nodes reading them one node. Integers only: a float initializer is a
+   weight, a bias or a scale, which a later step (quantisation, bias correction,
+   equalisation) may change for one layer alone;
 5. dead-code removal - onnx-ir's ``RemoveUnusedNodesPass``: nodes and initializers no
    output depends on.
 
@@ -114,6 +121,7 @@ class CleanupPass(OpfusePass):
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
         if self.eliminate_common and not random_nodes(model):  # (it skips RandomNormal and kin, not Bernoulli)
+            _share_integer_constants(model)
             common.CommonSubexpressionEliminationPass()(model)
         common.RemoveUnusedNodesPass()(model)
         after = _all_ops(model)
@@ -157,10 +165,29 @@ def _quiet_folder():
         folder.setLevel(level)
 
 
+def _share_integer_constants(model: ir.Model) -> None:
+    """Step 4's first half: each graph's small integer initializers of equal type, shape and bytes
+    made one (the first in the graph's order is kept; graph inputs and outputs are never touched)."""
+    for graph in model.graphs():
+        kept: dict[tuple, ir.Value] = {}
+        for value in tuple(graph.initializers.values()):
+            tensor = value.const_value
+            if (tensor is None or not tensor.dtype.is_integer() or tensor.size > SHARED_CONSTANT_LIMIT
+                    or value.is_graph_input() or value.is_graph_output()):
+                continue
+            key = (tensor.dtype, tuple(tensor.shape), tensor.tobytes())
+            if key not in kept:
+                kept[key] = value
+                continue
+            value.replace_all_uses_with(kept[key])
+            graph.initializers.pop(value.name)
+
+
 BRANCH_ROUNDS = 8  # shape values and folding again while Ifs become their branches (silero-vad: 2)
 KEEP = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")  # a quantised model's structure
 FILL_LIMIT = 1 << 16  # ConstantOfShape outputs folded up to this many elements
 INPUT_LIMIT = 1 << 22  # constant inputs up to this many elements (a weight sliced by an exporter)
+SHARED_CONSTANT_LIMIT = 1024  # initializers up to this many elements made one where equal (step 4)
 
 
 def _default_input_limit() -> int:

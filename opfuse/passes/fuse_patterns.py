@@ -60,6 +60,7 @@ from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display
 
 from opfuse.core.analysis import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
+from opfuse.passes.pattern_gate import patterns_that_could_match  # (re-exported)
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules, rules_in_form
 from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord, Refusal
@@ -316,37 +317,6 @@ class PatternFusionPass(OpfusePass):
         records.append(record)
         if main is not None:
             self._made[main] = (record, title)
-
-
-def patterns_that_could_match(model: ir.Model, target: Target, patterns, *, forms=("standard", "onnxruntime"),
-                              approximate: bool = False) -> set[str]:
-    """The ``patterns`` some rule of which (in any of ``forms``, or the target's own) finds every op
-    of its pattern in ``model``: a necessary condition for a rewrite (a later stage's ops made by
-    an earlier one are found there), checked without running any rule (the measured choice builds
-    no variant for a family none of whose patterns could match)."""
-    present = {("" if n.domain in ONNX_DOMAINS else n.domain, n.op_type)
-               for scope in iter_scopes(model) for n in scope.graph}
-    found = set()
-    for pattern in patterns:
-        options = {target.form(pattern), *forms}
-        stages = [stage for form in options for stage in rules_in_form(pattern, form, approximate=approximate).stages]
-        if any(_required_ops(rule) <= present for stage in stages for rule in stage):
-            found.add(pattern)
-    return found
-
-
-def _required_ops(rule) -> frozenset[tuple[str, str]]:
-    """The (domain, op) of every node of the rule's pattern whose op is one fixed name: a match
-    needs each in the graph (empty when the pattern is not onnxscript's, which then could match)."""
-    graph = getattr(rule, "_target_pattern", None)
-    if graph is None:
-        return frozenset()
-    required = set()
-    for node in graph:
-        op, domain = getattr(node, "op", None), getattr(node, "domain", None)
-        if type(op).__name__ == "StringConstantPattern" and hasattr(domain, "value"):
-            required.add(("" if domain.value() in ONNX_DOMAINS else domain.value(), op.value()))
-    return frozenset(required)
 
 
 def _could_match(found, present: set[tuple[str, str]]) -> bool:

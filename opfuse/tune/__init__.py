@@ -261,7 +261,7 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
     test may stand a deterministic clock in for it); ``feeds`` (feeds, description) skips the
     search for sizes. ``possible(patterns, passes)`` says whether one of a family's passes runs or
     one of its patterns could match the graph at all
-    (:func:`opfuse.passes.fuse_patterns.patterns_that_could_match`): a family for which it says
+    (:func:`opfuse.passes.pattern_gate.patterns_that_could_match`): a family for which it says
     no is "not in this graph" without a build.
     """
     measure = measure or timing.measure

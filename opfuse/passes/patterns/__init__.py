@@ -32,7 +32,9 @@ standard ops, except where a module's ``FORMS`` lists it: gelu's com.microsoft G
 opset 20, the form QNN runs), as
 stages run one after the other over the whole graph. A module whose first stages emit
 intermediate ops that later ones consume (attention) names their domains in
-``INTERMEDIATE_DOMAINS``: its stages run on a copy, kept only when none is left. A target says per pattern
+``INTERMEDIATE_DOMAINS``: its stages run on a copy, kept only when none is left; its ``ENTRY_STAGE``
+is the stage that finds the pattern in the graph's own ops (attention's SDPA stage), which the gate
+of :mod:`opfuse.passes.pattern_gate` reads. A target says per pattern
 whether to fuse it (:attr:`opfuse.targets.kernels.Target.patterns`); the pass that runs
 them is :mod:`opfuse.passes.fuse_patterns`; ``PATTERN_ORDER`` is the order it runs them
 (a LayerNorm or an RMSNorm must exist before an Add can join it, and a bias Add must not become a Gemm
@@ -78,6 +80,7 @@ class PatternRules:
     stages: tuple[tuple, ...]
     intermediate_domains: frozenset[str] = frozenset()
     record_titles: dict = dataclasses.field(default_factory=dict)  # rule name -> its title (source before "->")
+    entry_stage: int | None = None  # the stage that finds the pattern in the graph's own ops (None: any)
 
     @property
     def transactional(self) -> bool:
@@ -93,7 +96,7 @@ def _rules(pattern: str, form: str, approximate: bool) -> PatternRules:
     stages = tuple(tuple(r for rule in stage for r in _commuted(rewriter, rule))
                    for stage in module.stages(form, approximate))
     return PatternRules(module.TITLE, stages, frozenset(getattr(module, "INTERMEDIATE_DOMAINS", ())),
-                        dict(getattr(module, "RECORD_TITLES", {})))
+                        dict(getattr(module, "RECORD_TITLES", {})), getattr(module, "ENTRY_STAGE", None))
 
 
 def _commuted(rewriter, rule) -> list:

@@ -35,7 +35,7 @@ graph bigger than it found it.
 
 from __future__ import annotations
 
-__all__ = ["TITLE", "RECORD_TITLES", "stages", "INTERMEDIATE_DOMAINS"]
+__all__ = ["TITLE", "RECORD_TITLES", "stages", "INTERMEDIATE_DOMAINS", "ENTRY_STAGE"]
 
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale, sdpa, sdpa_via_mha, shape_optimization
@@ -46,6 +46,9 @@ TITLE = "attention->Attention"
 # stage 1's rule slices dims out of a Shape of a reshape: its records say so, not "attention"
 RECORD_TITLES = {"ExtractDim": "Shape+Slice->dims"}
 INTERMEDIATE_DOMAINS = frozenset({"ai.onnxruntime._fusion"})
+# the stage that finds attention in the graph's own ops (the SDPA stage: MatMul, Softmax...); stage 1's
+# shape rule matches most CNNs, so the measured choice asks for this stage's ops before it builds a form
+ENTRY_STAGE = 1
 
 
 _FUSION = "ai.onnxruntime._fusion"  # onnxscript's domain for the intermediate SDPA
