@@ -22,9 +22,10 @@ verified again, and staged bytes that changed on disk are never committed.
 from __future__ import annotations
 
 __all__ = ["save_model", "write_text_atomic", "needs_external_data", "declared_types",
-           "restore_declared_types", "check_destinations", "StagedModel", "fingerprint"]
+           "restore_declared_types", "check_destinations", "StagedModel", "fingerprint", "commit_staged_files"]
 
 import hashlib
+from collections.abc import Sequence
 import os
 import pathlib
 import shutil
@@ -33,7 +34,7 @@ import tempfile
 import onnx_ir as ir
 
 from opfuse.core.analysis import iter_scopes, tensor_nbytes
-from opfuse.errors import BadInputError
+from opfuse.errors import BadInputError, OpfuseError
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # headroom below protobuf's 2 GiB for the graph itself
 
@@ -257,3 +258,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def commit_staged_files(directory: pathlib.Path, moves: Sequence[tuple[str, str | os.PathLike]]) -> None:
+    """A device's compiled files (``moves``: a name in ``directory``, its destination) renamed
+    into place, after the model and the report; ``directory`` is removed whatever happens. A
+    destination that cannot be written is one line (:class:`OpfuseError`)."""
+    destination = None
+    try:
+        for name, destination in moves:
+            os.replace(directory / name, destination)
+    except OSError as e:
+        raise OpfuseError(f"{os.fspath(destination)}: cannot write ({e.strerror or e})") from None
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

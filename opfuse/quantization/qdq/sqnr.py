@@ -30,7 +30,7 @@ output resolves, whatever the quantiser did. :func:`below_output_step` says when
 
 from __future__ import annotations
 
-__all__ = ["sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs",
+__all__ = ["three_way", "sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs",
            "layer_pairs", "below_output_step", "output_steps"]
 
 import math
@@ -259,3 +259,24 @@ def layer_pairs(layers: list[QdqLayer]) -> dict[str, tuple[str, str, int]]:
 
 CHANNEL_FIRST = ("Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "Resize",
                  "BatchNormalization", "InstanceNormalization")
+
+
+def three_way(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]],
+              on_device: Sequence[Sequence[np.ndarray]], names: Sequence[str]
+              ) -> tuple[float, float, float, dict[str, float]]:
+    """A device's run of ``qdq_model`` judged three ways over ``samples`` (``on_device``: its
+    outputs ``names`` per sample): the device against float, the QDQ model on ONNX Runtime's
+    CPU (all optimisations: its int8 kernels) against float, and the device against that CPU
+    run; with the device against float per output. The float reference runs unoptimised."""
+    reference = create_session(float_model, "disabled")
+    cpu = create_session(qdq_model, "all")
+    device_float, cpu_float, device_cpu = Accumulator(), Accumulator(), Accumulator()
+    for sample, device in zip(samples, on_device):
+        f = reference.run(list(names), dict(sample))
+        q = cpu.run(list(names), dict(sample))
+        for name, fv, qv, dv in zip(names, f, q, device):
+            device_float.add(name, fv, dv)
+            cpu_float.add(name, fv, qv)
+            device_cpu.add(name, qv, dv)
+    return (device_float.total_db(names), cpu_float.total_db(names), device_cpu.total_db(names),
+            {n: device_float.db(n) for n in names})

@@ -27,6 +27,7 @@ import time
 import onnx
 
 from opfuse.errors import OpfuseError, VerificationError
+from opfuse.save import commit_staged_files
 from opfuse.targets.ethos_u.vela import EthosOptions, VelaResult, compile_with_vela
 
 # the TFLite ops Vela 5.2.0 runs on the U85 and not on the U55 or U65 (its SUPPORTED_OPS.md)
@@ -106,13 +107,8 @@ class EthosCompileLog:
         if self._pending is None or self.context is None:
             self.discard()  # (no context asked for: Vela's files go)
             return
-        try:
-            os.replace(self._pending / "model.tflite", lowered_path(self.context))
-            os.replace(self.vela.compiled, self.context)
-        except OSError as e:
-            raise OpfuseError(f"{self.context}: cannot write ({e.strerror or e})") from None
-        finally:
-            self.discard()
+        pending, self._pending = self._pending, None
+        commit_staged_files(pending, [("model.tflite", lowered_path(self.context)), (self.vela.compiled, self.context)])
 
     def discard(self) -> None:
         if self._pending is not None:

@@ -28,8 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import onnx
 
-from opfuse.quantization.qdq.sqnr import Accumulator
-from opfuse.runtime import create_session
+from opfuse.quantization.qdq.sqnr import three_way
 
 NCHW_TO_NHWC = (0, 2, 3, 1)
 NHWC_TO_NCHW = (0, 3, 1, 2)
@@ -153,18 +152,7 @@ def tflite_accuracy(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto,
     names = [o.name for o in float_model.graph.output]
     samples = [dict(s) for s in samples]
     on_tflite = (runner or TfliteRunner()).outputs(qdq_model, samples, names, session=session)
-    reference = create_session(float_model, "disabled")
-    cpu = create_session(qdq_model, "all")
-    vs_float, qdq_float, tflite_qdq = Accumulator(), Accumulator(), Accumulator()
-    for sample, lite in zip(samples, on_tflite):
-        f = reference.run(names, sample)
-        q = cpu.run(names, sample)
-        for name, fv, qv, tv in zip(names, f, q, lite):
-            vs_float.add(name, fv, tv)
-            qdq_float.add(name, fv, qv)
-            tflite_qdq.add(name, qv, tv)
-    return TfliteAccuracy(len(samples), vs_float.total_db(names), qdq_float.total_db(names),
-                          tflite_qdq.total_db(names), {n: vs_float.db(n) for n in names})
+    return TfliteAccuracy(len(samples), *three_way(float_model, qdq_model, samples, on_tflite, names))
 
 
 def _proto(model) -> onnx.ModelProto:

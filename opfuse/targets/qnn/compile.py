@@ -30,7 +30,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from opfuse.errors import OpfuseError, VerificationError
+from opfuse.errors import VerificationError
+from opfuse.save import commit_staged_files
 from opfuse.targets.qnn.backend import HtpCompileError, HtpOptions, open_session
 from opfuse.targets.qnn.branches import branch_fixes
 from opfuse.targets.qnn.placement import Fallback, Placement
@@ -71,12 +72,8 @@ class HtpCompileLog:
         """Move the EPContext model into place (after the other outputs are written)."""
         if self._pending is None or self.context is None:
             return
-        try:
-            os.replace(self._pending / "context.onnx", self.context)
-        except OSError as e:
-            raise OpfuseError(f"{self.context}: cannot write ({e.strerror or e})") from None
-        finally:
-            self.discard()
+        pending, self._pending = self._pending, None
+        commit_staged_files(pending, [("context.onnx", self.context)])
 
     def discard(self) -> None:
         if self._pending is not None:

@@ -28,8 +28,7 @@ import numpy as np
 import onnx
 
 from opfuse.targets.qnn.backend import HtpOptions, HtpSession, open_session
-from opfuse.quantization.qdq.sqnr import Accumulator
-from opfuse.runtime import create_session
+from opfuse.quantization.qdq.sqnr import three_way
 
 
 @dataclasses.dataclass
@@ -80,18 +79,7 @@ def htp_accuracy(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, sampl
     runner = runner or HtpRunner()
     samples = [dict(s) for s in samples]
     on_htp = runner.outputs(qdq_model, samples, names, session=session)
-    reference = create_session(float_model, "disabled")
-    cpu = create_session(qdq_model, "all")
-    vs_float, cpu_float, htp_cpu = Accumulator(), Accumulator(), Accumulator()
-    for sample, htp in zip(samples, on_htp):
-        f = reference.run(names, sample)
-        q = cpu.run(names, sample)
-        for name, fv, qv, hv in zip(names, f, q, htp):
-            vs_float.add(name, fv, hv)
-            cpu_float.add(name, fv, qv)
-            htp_cpu.add(name, qv, hv)
-    return HtpAccuracy(len(samples), vs_float.total_db(names), cpu_float.total_db(names), htp_cpu.total_db(names),
-                       {n: vs_float.db(n) for n in names})
+    return HtpAccuracy(len(samples), *three_way(float_model, qdq_model, samples, on_htp, names))
 
 
 def int16_activation_overrides(float_model: onnx.ModelProto, nodes: Iterable[str]) -> dict[str, list[dict]]:
