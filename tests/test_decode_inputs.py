@@ -103,6 +103,26 @@ def test_a_concat_of_an_input_along_another_axis_is_no_decode_step():
     assert [site.name for site, _ in decode_step_sites(ir.from_proto(decode_step()))] == ["softmax"]
 
 
+def test_a_sliding_window_cache_sliced_before_its_concat_is_a_decode_step():
+    """Mistral's exports keep the cache's last positions (Slice of the past along axis 2) before
+    the Concat: still a decode step, so the untimed policy writes the standard Attention, equal."""
+    m = decode_step()
+    (append,) = [n for n in m.graph.node if n.name == "append"]
+    append.input[0] = "past_window"
+    m.graph.initializer.extend([tensor("window_start", np.array([-4095], np.int64)),
+                                tensor("window_end", np.array([np.iinfo(np.int64).max], np.int64)),
+                                tensor("window_axis", np.array([2], np.int64))])
+    m.graph.node.insert(0, helper.make_node("Slice", ["past_key", "window_start", "window_end", "window_axis"],
+                                            ["past_window"], name="window"))
+    assert [site.name for site, _ in decode_step_sites(ir.from_proto(m))] == ["softmax"]
+    out, report = optimize(m, target="onnxruntime")
+    assert report.verification.ok
+    assert ("", "Attention") in [(n.domain, n.op_type) for n in out.graph]
+    assert any("untimed policy for a KV-cache decode step" in n for n in report.notes)
+    feeds = _decode_feeds(8, 9)
+    np.testing.assert_allclose(ort_run(out, feeds)["y"], ort_run(m, feeds)["y"], rtol=1e-5, atol=1e-6)
+
+
 def test_a_mask_dimension_of_its_own_is_still_drawn_apart_and_does_not_run():
     """'mask_len' names no relation: drawn apart, no size runs (the old failure, exit 2)."""
     with pytest.raises(BadInputError, match="at any of .* size"):

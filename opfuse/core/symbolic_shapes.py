@@ -18,6 +18,7 @@ __all__ = ["infer_symbolic_shapes", "run_tool", "tool_quiet"]
 import contextlib
 import logging
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -86,12 +87,10 @@ def run_tool(model, *, auto_merge: bool):
     ``ModelProto`` to read) - its ``sympy_data_`` holds the values of shape tensors, its
     ``known_vi_`` the inferred types - or None when it fails. ``auto_merge`` lets it
     assume two dims equal where a broadcast meets them."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
-
     try:
         with tool_quiet():  # its warnings ("unsupported broadcast") are no user's concern
             # (not its infer_shapes, which writes a file on failure); verbose=0: it logs only warnings
-            tool = SymbolicShapeInference(2**31 - 1, auto_merge, False, 0)
+            tool = _tool_class()(2**31 - 1, auto_merge, False, 0)
             tool._preprocess(model if isinstance(model, onnx.ModelProto) else _inference_proto(model))
             while tool.run_:
                 tool._infer_impl()
@@ -100,6 +99,54 @@ def run_tool(model, *, auto_merge: bool):
         logger.info("symbolic shape inference failed: %s", e)
         return None
     return tool
+
+
+_TOOL = None
+
+
+def _tool_class():
+    """The tool with one correction (:meth:`_infer_Slice`), made once on first use (sympy: heavy).
+
+    The tool reads a negative constant start or end of a Slice on a symbolic dim ``n`` as
+    ``n + start`` without the clamp at 0, so ``x[:, :, -4095:]`` (a sliding-window cache) comes
+    out 4095 long, as if ``n >= 4095``; every shape computed from it, and folded into a
+    constant, would then be wrong for a shorter ``n``. The corrected handler gives such an
+    axis a dim of its own (unknown) unless the index is -1 (any non-empty axis has its last).
+    """
+    global _TOOL
+    if _TOOL is not None:
+        return _TOOL
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset, is_literal  # (sympy: heavy)
+
+    class Tool(SymbolicShapeInference):
+        def _infer_Slice(self, node):  # noqa: N802 - the tool's own naming
+            super()._infer_Slice(node)
+            if get_opset(self.out_mp_) <= 9 or len(node.input) < 3:
+                return
+            starts, ends = self._try_get_value(node, 1), self._try_get_value(node, 2)
+            axes = self._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
+            if starts is None or ends is None:
+                return  # (the tool gave every such axis a dim of its own already)
+            starts, ends = list(np.atleast_1d(starts)), list(np.atleast_1d(ends))
+            axes = list(np.atleast_1d(axes)) if axes is not None else list(range(len(starts)))
+            before = self._get_sympy_shape(node, 0)
+            vi = self.known_vi_[node.output[0]]
+            after = [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+            if len(after) != len(before):
+                return
+            changed = False
+            for axis, start, end in zip(axes, starts, ends):
+                axis = int(axis) % len(before)
+                assumed = any(is_literal(i) and -self.int_max_ < int(i) < -1 for i in (start, end))
+                if assumed and not is_literal(before[axis]):
+                    after[axis] = self._new_symbolic_dim_from_output(node, 0, axis)
+                    changed = True
+            if changed:
+                shape = [str(d) if not isinstance(d, int) else d for d in after]
+                vi.CopyFrom(onnx.helper.make_tensor_value_info(node.output[0], vi.type.tensor_type.elem_type, shape))
+
+    _TOOL = Tool
+    return _TOOL
 
 
 def _less_known(shape, dims) -> bool:

@@ -173,14 +173,22 @@ def _reached(value: ir.Value, op_type: str, forward: bool = True) -> list[ir.Nod
     return found
 
 
+def _cache_input(v: ir.Value) -> bool:
+    """A float rank-4 graph input, or a Slice of one (a sliding-window cache keeps its last
+    positions: Mistral's exports)."""
+    producer = v.producer()
+    if producer is not None and is_op(producer, "Slice"):
+        v = producer.inputs[0]
+    return v.is_graph_input() and v.dtype in _FLOATS and v.shape is not None and len(v.shape) == 4
+
+
 def _past_concat(node: ir.Node) -> bool:
-    """A Concat along the sequence axis of a float rank-4 graph input with a computed tensor."""
+    """A Concat along the sequence axis of the cache (:func:`_cache_input`) with a computed tensor."""
     if not is_op(node, "Concat") or len(node.inputs) != 2 or any(v is None for v in node.inputs):
         return False
     axis = node.attributes.get_int("axis", 0)
-    past = [v for v in node.inputs if v.is_graph_input() and v.dtype in _FLOATS
-            and v.shape is not None and len(v.shape) == 4]
-    new = [v for v in node.inputs if v.producer() is not None]
+    past = [v for v in node.inputs if _cache_input(v)]
+    new = [v for v in node.inputs if v not in past and v.producer() is not None]
     return len(past) == 1 and len(new) == 1 and axis in (2, -2)
 
 

@@ -35,6 +35,7 @@ Legality (each failure is a refusal with its reason):
   cache does not broadcast a shorter one (ONNX Runtime 1.32 fails to run it);
 - neither the query nor the mask is computed from the presents (a mask reshaped to Shape(keys)
   would read the new op's own output: a cycle);
+- the keys and the values are two caches (one Concat read as both would be written twice);
 - the attention node takes no cache yet, has no ``is_causal`` (its diagonal would move with
   a past) and no ``qk_matmul_output_mode`` output.
 """
@@ -176,6 +177,8 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
             if value is not None and _reads(value, {present_key.producer(), present_value.producer()}):
                 return (f"the {what} is computed from the present keys or values (a Shape of them, say), which "
                         "the op with a cache writes: it would read its own output")
+        if present_key.producer() is present_value.producer():
+            return "the keys and the values are one cache (one Concat), which the op writes as two presents"
         heads = present_key.producer().inputs[0].shape[1]
         if self.repeated:
             for present, what, prefix in ((present_key, "key", "k"), (present_value, "value", "v")):
