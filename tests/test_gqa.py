@@ -25,13 +25,14 @@ from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 HEADS, DH, HIDDEN = 4, 8, 32
 
 
-def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False):
+def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0):
     """x [B, S, 32] -> q, k, v projections (4 query heads of 8, ``kv_heads`` key heads); keys and
     values after the past ones; the key heads repeated as transformers' ``repeat_kv`` does (each
     head n times in a row) or, with ``grouping="tiled"``, the whole set n times (head h % kv);
     attention with the mask made additive from ``attention_mask`` [B, P + S]; the output
-    projection; ``rotary``: q and k rotated as transformers' Llama does, at ``position_ids``.
-    Returns y and the two presents."""
+    projection; ``rotary``: q and k rotated as transformers' Llama does, at ``position_ids``;
+    ``window``: a sliding-window cache as Mistral's exports keep it (the past's last window - 1
+    positions before the new one). Returns y and the two presents."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -64,6 +65,8 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
             if rotary:
                 q, k = apply_rotary_pos_emb(q, k, *rope(x, position_ids))
             v = self.v(x).view(b, s, kv_heads, DH).transpose(1, 2)
+            if window:
+                past_key, past_value = past_key[:, :, -(window - 1):], past_value[:, :, -(window - 1):]
             present_key = torch.cat([past_key, k], dim=2)
             present_value = torch.cat([past_value, v], dim=2)
             bias = torch.where(attention_mask[:, None, None, :].bool(), 0.0, float("-inf"))
@@ -74,7 +77,7 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
     return Block().eval()
 
 
-def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False) -> str:
+def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0) -> str:
     torch = pytest.importorskip("torch")
     past = 5
     args = (torch.randn(2, 1, HIDDEN), torch.ones(2, past + 1, dtype=torch.int64),
@@ -86,7 +89,7 @@ def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: 
     path = tmp_path / "block.onnx"
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(_decode_block(kv_heads, grouping, rotary), args, str(path), dynamo=True, opset_version=18,
+        torch.onnx.export(_decode_block(kv_heads, grouping, rotary, window), args, str(path), dynamo=True, opset_version=18,
                           external_data=False, input_names=names, output_names=["y", "present_key", "present_value"],
                           dynamic_shapes=({0: batch}, {0: batch, 1: past_len + 1}, {0: batch, 2: past_len},
                                           {0: batch, 2: past_len}, *([{0: batch}] if rotary else [])))
@@ -133,6 +136,24 @@ def test_the_cache_and_repeat_kv_go_into_attention_23(tmp_path, kv_heads, rotary
     assert declared[1] == ["batch", kv_heads, "past + 1", DH]
     for past, masked_out in ((5, 0), (1, 0), (40, 3)):
         inputs = _inputs(kv_heads, past, masked_out, seed=past, rotary=rotary)
+        assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
+
+
+def test_a_sliding_window_cache_goes_in_with_its_mask_expanded_to_the_keys(tmp_path):
+    """Mistral's cache: Concat(past[:, :, -4095:], new). The keys are ``past - Max(0, past - 4095) + 1``
+    long and the mask ``past + 1``: equal wherever the export runs, which the shapes cannot show, so
+    the mask is expanded to the keys' length before the op; the window's Slice stays the op's past."""
+    path = _export_block(tmp_path, 2, rotary=True, window=4096)
+    out, report = opfuse.optimize(path, target="onnx", opset=23, runtime_level="disabled", tune=False)
+    assert report.verification.ok
+    (attention,) = _attention(out)
+    assert attention.attributes["kv_num_heads"].value == 2
+    past = attention.inputs[4]
+    assert past.producer() is not None and past.producer().op_type == "Slice", ops(out)
+    assert [v.name for v in attention.outputs[1:]] == ["present_key", "present_value"]
+    original = onnx.load(path)
+    for past_len, masked_out in ((5, 0), (1, 0), (40, 3)):
+        inputs = _inputs(2, past_len, masked_out, seed=past_len, rotary=True)
         assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
 
 

@@ -32,7 +32,13 @@ Legality (each failure is a refusal with its reason):
 - the matched nodes are replaced by their outputs only (``remove_nodes=False``): the exporter's
   shape arithmetic, dead by then, may still read the repeated keys; what nothing reads goes;
 - the mask's last axis is the keys' length (past + new), as the shapes show: the op with a
-  cache does not broadcast a shorter one (ONNX Runtime 1.32 fails to run it);
+  cache does not broadcast a shorter one (ONNX Runtime 1.32 fails to run it). Where the shapes
+  do not show it (Mistral's sliding-window cache: keys ``past - Max(0, past - 4095) + 1`` long,
+  the mask ``past + 1``), the mask is expanded to the keys' length first,
+  ``Expand(mask, [1, .., 1, P + S])`` with P and S the past's and the new keys' lengths: exact
+  wherever the graph ran (its Add broadcast the mask to the scores' [.., P + S], so the mask's
+  last axis was P + S or 1, which the Expand gives the same values), and a mask of unknown rank
+  is refused;
 - neither the query nor the mask is computed from the presents (a mask reshaped to Shape(keys)
   would read the new op's own output: a cycle);
 - the keys and the values are two caches (one Concat read as both would be written twice);
@@ -111,6 +117,16 @@ def _reads(value, nodes: set) -> bool:
     return False
 
 
+def _mask_rank(mask) -> int | None:
+    """The mask's rank where its shape (or, before inference, its Expand's input's) is known."""
+    if mask is None:
+        return None
+    shape = mask.shape
+    if shape is None and mask.producer() is not None and mask.producer().op_type == "Expand":
+        shape = mask.producer().inputs[0].shape
+    return len(shape) if shape is not None and len(shape) >= 2 else None
+
+
 def _mask_problem(mask, present) -> str | None:
     """Why ``mask``'s last axis is not known to be the keys' length (the op with a cache wants
     it so; the graph may broadcast a shorter one), or None."""
@@ -131,6 +147,7 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
     def __init__(self, repeated: bool, masked: bool):
         super().__init__(name=f"KVCache{'+repeat_kv' if repeated else ''}->Attention{'(mask)' if masked else ''}")
         self.repeated, self.masked = repeated, masked
+        self._widen: int | None = None  # the mask's rank, when it is expanded to the keys' length
         # the exporter's own shape arithmetic still reads the repeated keys (Shape nodes the attention
         # stage left dead until clean-up): replace the outputs only, and drop what nothing reads
         self.remove_nodes = False
@@ -171,8 +188,9 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
             return "the query is not known to be rank 4 with a static head count"
         if self.masked:
             problem = _mask_problem(bindings.get("mask"), present_key)
-            if problem:
-                return problem
+            self._widen = _mask_rank(bindings.get("mask")) if problem else None
+            if problem and not self._widen:
+                return problem + "; its rank is not known either, so it cannot be expanded to it"
         for value, what in ((query, "query"), (bindings.get("mask"), "mask")):
             if value is not None and _reads(value, {present_key.producer(), present_value.producer()}):
                 return (f"the {what} is computed from the present keys or values (a Shape of them, say), which "
@@ -195,6 +213,15 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
     def rewrite(self, op, query, past_key, key, past_value, value, attention, mask=None, **_):
         node = attention.producer()
         attributes = {k: a.value for k, a in node.attributes.items()}
+        if self.masked and self._widen:  # (module docstring: the mask to the keys' length, P + S)
+            static = key.shape is not None and len(key.shape) == 4 and isinstance(key.shape[2], int)
+            # (a static new length as a constant: a Shape of the 4-D keys would keep them for the 3-D form)
+            new = op.Constant(value_ints=[key.shape[2]]) if static else op.Shape(key, start=2, end=3)
+            length = op.Add(op.Shape(past_key, start=2, end=3), new)
+            keys = op.Concat(op.Constant(value_ints=[1] * (self._widen - 1)), length, axis=0)
+            rows = mask.producer() if mask.producer() is not None and mask.producer().op_type == "Expand" else None
+            # under the attention stage's Expand over the query's rows, which the 3-D form reads
+            mask = op.Expand(op.Expand(rows.inputs[0], keys), rows.inputs[1]) if rows else op.Expand(mask, keys)
         return op.Attention(query, key, value, mask if self.masked else None, past_key, past_value,
                             _outputs=3, **attributes)
 
