@@ -89,7 +89,8 @@ def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: 
     path = tmp_path / "block.onnx"
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(_decode_block(kv_heads, grouping, rotary, window), args, str(path), dynamo=True, opset_version=18,
+        block = _decode_block(kv_heads, grouping, rotary, window)
+        torch.onnx.export(block, args, str(path), dynamo=True, opset_version=18,
                           external_data=False, input_names=names, output_names=["y", "present_key", "present_value"],
                           dynamic_shapes=({0: batch}, {0: batch, 1: past_len + 1}, {0: batch, 2: past_len},
                                           {0: batch, 2: past_len}, *([{0: batch}] if rotary else [])))
