@@ -22,16 +22,17 @@ An SQNR judges a quantisation only where the float outputs span the int8 output'
 output's step is the larger of its ``DequantizeLinear``'s scale and, where a bounded op writes
 it (an op with an ``output_range`` in :data:`opfuse.core.ops.OPS`: a Sigmoid's or Softmax's
 probabilities in [0, 1]), 1/256 of that op's range: the finest step an int8 probability has
-(TFLite fixes a LOGISTIC's and a SOFTMAX's output scale at 1/256). Where the float model's outputs on the samples are smaller than one step
-(a text detector's probability map on random inputs: about 1e-6, nothing detected anywhere),
-what the SQNR measures is the error in the bounded op's saturated tail, far below what an int8
-output resolves, whatever the quantiser did. :func:`below_output_step` says when that is so.
+(TFLite fixes a LOGISTIC's and a SOFTMAX's output scale at 1/256). Where the float model's
+outputs on the samples are smaller than one step (a text detector's probability map on random
+inputs: about 1e-6, nothing detected anywhere), what the SQNR measures is the error in the
+bounded op's saturated tail, far below what an int8 output resolves, whatever the quantiser
+did. :func:`below_output_step` says when that is so.
 """
 
 from __future__ import annotations
 
-__all__ = ["three_way", "sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db", "layer_costs",
-           "layer_pairs", "below_output_step", "output_steps"]
+__all__ = ["three_way", "sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db",
+           "layer_costs", "layer_pairs", "below_output_step", "output_steps"]
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
