@@ -2,9 +2,12 @@
 
     python benchmarks/qnn_ops.py                 # every case, float and QDQ, a table
     python benchmarks/qnn_ops.py --json out.json --cases gelu-20,erf-gelu
+    python benchmarks/qnn_ops.py --cases rotary-23,attention-23-past,add+rms-norm-23
 
 Each case is a one-op or one-pattern graph with static shapes and tiny tensors, built here
-(onnx.helper). :func:`opfuse.targets.qnn.probe.probe` compiles it on the HTP backend as float and
+(onnx.helper); the decoder forms (rotary, attention with a KV cache, skip + RMSNorm, each
+fused and written out) in ``benchmarks/qnn_decoder_ops.py``.
+:func:`opfuse.targets.qnn.probe.probe` compiles it on the HTP backend as float and
 as ONNX Runtime's QNN flow quantises it (``get_qnn_qdq_config``), and the table gives, per
 form, "QNN" when every node went to QNN, else each CPU node with QNN's reason. About a
 second a case. Needs ``opfuse[qnn]``.
@@ -20,7 +23,9 @@ import time
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from opfuse.targets.qnn.probe import probe
+from opfuse.targets.qnn.backend import HtpCompileError, open_session
+from opfuse.targets.qnn.probe import _random_feeds, probe
+from qnn_decoder_ops import CASES as DECODER_CASES  # (the decoder forms: rotary, KV cache, skip + RMSNorm)
 
 MS = "com.microsoft"
 F = TensorProto.FLOAT
@@ -163,24 +168,51 @@ CASES = {
     "ms-fused-gemm": lambda: _model(
         [helper.make_node("FusedGemm", ["x", "W", "B"], ["y"], transB=1, activation="Relu", name="fused", domain=MS)],
         [_v("x", [2, 8])], [_v("y", [2, 4])], [_w("W", 4, 8), _w("B", 4)], ms=True),
+    **DECODER_CASES,
 }
+
+
+def htp_error(model) -> float | None:
+    """The float graph's outputs on the HTP against ONNX Runtime's CPU provider (optimisations off),
+    one random sample: max |HTP - CPU| / max |CPU| over the outputs (the HTP computes float graphs in
+    float16, so about 1e-3 is exact); None when a node falls back or the graph does not run."""
+    import onnxruntime as ort
+
+    feeds = _random_feeds(model, 1, seed=1)[0]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        session = open_session(model, strict=True)
+        got = session.run(feeds)
+    except (HtpCompileError, RuntimeError, ValueError):
+        return None
+    want = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    return max(float(np.abs(g.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-12)) for g, w in zip(got, want))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help="comma-separated case names (default: all)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--numerics", action="store_true",
+                        help="also run each float graph QNN takes whole on the HTP against ONNX Runtime's CPU")
     args = parser.parse_args(argv)
     names = args.cases.split(",") if args.cases else list(CASES)
     results = {}
-    print(f"{'case':26} {'float':40} qdq (get_qnn_qdq_config)")
+    err = f" {'HTP/CPU':9}" if args.numerics else ""
+    print(f"{'case':34} {'float':40}{err} qdq (get_qnn_qdq_config)")
     for name in names:
         start = time.perf_counter()
-        r = probe(CASES[name]())
+        model = CASES[name]()
+        r = probe(model)
         results[name] = {form: {"verdict": p.verdict(), "whole": p.whole, "on_cpu": p.on_cpu, "error": p.error}
                          for form, p in r.items()}
-        print(f"{name:26} {r['float'].verdict()[:40]:40} {r['qdq'].verdict()}  ({time.perf_counter() - start:.1f} s)",
-              flush=True)
+        if args.numerics:
+            e = htp_error(model) if r["float"].whole else None
+            results[name]["float"]["htp_vs_cpu"] = e
+            err = f" {e:9.1e}" if e is not None else f" {'-':9}"
+        print(f"{name:34} {r['float'].verdict()[:40]:40}{err} {r['qdq'].verdict()}  "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
