@@ -12,12 +12,27 @@ approximations), ``com.microsoft`` Gelu and QuickGelu, HardSwish, HardSigmoid, S
 x * Sigmoid(x), Softmax, InstanceNormalization, Resize, LSTM, Attention (23) and attention
 written out (MatMul, scale, Softmax, MatMul).
 
+The decoder forms (``benchmarks/qnn_decoder_ops.py``; ``--numerics`` runs each float graph on
+the HTP against ONNX Runtime's CPU: every one QNN takes agrees to 2e-3 of the output's scale,
+the HTP computing float graphs in float16): QNN takes whole RotaryEmbedding (23) in every form
+(rotate-half and interleaved, full and partial ``rotary_embedding_dim``, [B, S, R/2] caches or
+tables at ``position_ids``, 4-D and 3-D), Attention (23) with ``past_key``/``past_value`` and the
+present outputs (as many key heads as query heads or fewer, 4-D and 3-D with
+``q_num_heads``/``kv_num_heads``, with a mask, a decode step or a prefill after a past), an
+Add before RMSNormalization (23) or LayerNormalization (17), and the written-out forms of each
+(rotate-half, rotate-every-two, partial; the past Concat and ``repeat_kv``; RMSNorm spelled as
+the exporters do).
+
 QNN does not take: ``Erf`` in a quantised graph ("Operators of type `Erf` are not supported
 by QNN EP"; in a float graph the provider fuses an Erf GELU itself, so float hides it);
 ONNX Runtime's CPU fusions ``FusedConv``, ``FusedGemm``, ``SkipLayerNormalization``,
 ``BiasGelu``, ``FastGelu``, ``MultiHeadAttention`` (each "not supported by QNN EP");
 ``SimplifiedLayerNormalization`` (the graph fails to compile, and ONNX Runtime's quantiser
-cannot calibrate it); ``GroupNormalization`` (21) quantised, or on a graph input even in
+cannot calibrate it); ``SkipSimplifiedLayerNormalization`` and ``SkipLayerNormalization`` (with
+the sum as output 3 too: "not supported by QNN EP"); ``com.microsoft`` ``RotaryEmbedding`` ("QNN
+EP only supports standard ONNX RotaryEmbedding (opset 23+), not com.microsoft.RotaryEmbedding");
+``GroupQueryAttention`` ("filtered off QNN by the op_affinity provider option": the provider's
+default affinity keeps it off the HTP); ``GroupNormalization`` (21) quantised, or on a graph input even in
 float: the NHWC layout transformation inserts it, then QNN rejects it and the session fails
 to open ("was inserted using the NHWC format as requested by QNNExecutionProvider, but was
 not selected by that EP").
@@ -33,15 +48,21 @@ So, per pattern (:data:`PATTERNS`):
     hardswish        fuse     HardSwish
     silu             fuse     Swish (24+); below, x * Sigmoid(x) already runs whole
     matmul-add       fuse     Gemm
-    attention        keep     written out, QNN runs it; MultiHeadAttention it does not
-    rotary           keep     written out (its Mul, Slice, Concat run; RotaryEmbedding unmeasured)
-    skip-layer-norm  keep     (SkipLayerNormalization falls back)
-    skip-rms-norm    keep     (no SimplifiedLayerNormalization to join: QNN runs neither)
+    attention        fuse     Attention (23), its KV cache as past_key/past_value and grouped-query
+                              heads taken in, then its 3-D form (the standard form's stages:
+                              :mod:`opfuse.passes.patterns.kv_cache`, ``heads_3d``); never
+                              MultiHeadAttention or GroupQueryAttention (neither runs)
+    rotary           fuse     RotaryEmbedding (23); never the com.microsoft op (it falls back)
+    skip-layer-norm  keep     Add then LayerNormalization, which runs (SkipLayerNormalization falls back)
+    skip-rms-norm    keep     Add then RMSNormalization, which runs (SkipSimplifiedLayerNormalization
+                              falls back; the standard form has no skip op to write)
     bias-gelu        keep     (BiasGelu falls back)
     GroupNormalization unfuse its ONNX function body (Reshape, InstanceNormalization...)
 
 The op form is ``"qnn"`` (:mod:`opfuse.passes.patterns`: standard ops, with the Gelu
-exception above). No epilogue kernels: QNN's compiler fuses Conv + activation from
+exception above). Attention and RotaryEmbedding exist from opset 23: below it each site is
+refused with the opset named (``--opset 23`` upgrades the model first), and its written-out form,
+which QNN also runs whole, stays. No epilogue kernels: QNN's compiler fuses Conv + activation from
 standard ops itself, so opfuse writes them as they are.
 
 Static shapes (:mod:`opfuse.prepare.static_shapes`): QNN refuses every node whose shape is
@@ -68,10 +89,10 @@ PATTERNS: dict[str, str] = {
     "hardswish": "fuse",
     "silu": "fuse",
     "matmul-add": "fuse",
-    "attention": "keep",
-    "rotary": "keep",
-    "skip-layer-norm": "keep",
-    "skip-rms-norm": "keep",
+    "attention": "fuse",  # Attention-23, with its KV cache: runs whole (benchmarks/qnn_decoder_ops.py)
+    "rotary": "fuse",  # RotaryEmbedding-23: runs whole; com.microsoft RotaryEmbedding falls back
+    "skip-layer-norm": "keep",  # SkipLayerNormalization falls back; Add + LayerNormalization runs
+    "skip-rms-norm": "keep",  # SkipSimplifiedLayerNormalization falls back; Add + RMSNormalization runs
     "bias-gelu": "keep",
     "GroupNormalization": "unfuse",  # QNN's layout transformation takes it, then QNN rejects it
 }

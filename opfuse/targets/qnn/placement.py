@@ -51,6 +51,14 @@ FIXES: tuple[tuple[str, str], ...] = (
     ("data type", "QNN's HTP runs quantised (8/16-bit) or float16 arithmetic: quantise the model "
                   "(opfuse quantize --preset qnn)"),
     ("Unsupported data type", "quantise the model (opfuse quantize --preset qnn)"),
+    # ONNX Runtime's decoder fusions (a model exported for its CPU provider): the standard forms run whole
+    ("`SkipSimplifiedLayerNormalization`", "QNN runs the Add and RMSNormalization (opset 23) it fuses; write "
+                                           "them separately (opfuse writes RMSNorm so for --target qnn)"),
+    ("`SkipLayerNormalization`", "QNN runs the Add and LayerNormalization it fuses; write them separately"),
+    ("not com.microsoft.RotaryEmbedding", "QNN runs the standard RotaryEmbedding (opset 23): opfuse writes "
+                                          "rotary so for --target qnn --opset 23"),
+    ("GroupQueryAttention filtered off", "QNN runs the standard Attention (opset 23) with past_key/past_value "
+                                         "and fewer key heads: opfuse writes attention so for --target qnn --opset 23"),
 )
 
 
