@@ -2,7 +2,7 @@
 
     python benchmarks/qnn_ops.py                 # every case, float and QDQ, a table
     python benchmarks/qnn_ops.py --json out.json --cases gelu-20,erf-gelu
-    python benchmarks/qnn_ops.py --cases rotary-23,attention-23-past,add+rms-norm-23
+    python benchmarks/qnn_ops.py --numerics --cases decoder   # the decoder forms, and the HTP's numbers
 
 Each case is a one-op or one-pattern graph with static shapes and tiny tensors, built here
 (onnx.helper); the decoder forms (rotary, attention with a KV cache, skip + RMSNorm, each
@@ -192,12 +192,13 @@ def htp_error(model) -> float | None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", help="comma-separated case names (default: all)")
+    parser.add_argument("--cases", help="comma-separated case names, or 'decoder' for the decoder forms (default: all)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--numerics", action="store_true",
                         help="also run each float graph QNN takes whole on the HTP against ONNX Runtime's CPU")
     args = parser.parse_args(argv)
-    names = args.cases.split(",") if args.cases else list(CASES)
+    groups = {"decoder": list(DECODER_CASES)}  # a group name stands for its cases
+    names = [n for c in args.cases.split(",") for n in groups.get(c, [c])] if args.cases else list(CASES)
     results = {}
     err = f" {'HTP/CPU':9}" if args.numerics else ""
     print(f"{'case':34} {'float':40}{err} qdq (get_qnn_qdq_config)")
