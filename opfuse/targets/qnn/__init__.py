@@ -3,7 +3,8 @@
 Every row below is what QNN's own compiler said (``python benchmarks/qnn_ops.py``: one-op
 and one-pattern graphs with static shapes, compiled on the HTP backend of
 onnxruntime-qnn 2.7.0, QNN API 2.40, soc_model 57, as float and as ONNX Runtime's QNN flow
-quantises them); ``tests/test_qnn_target.py`` checks the table against the backend.
+quantises them); ``tests/test_qnn_target.py`` checks the table against the backend, and
+``tests/test_qnn_decoder.py`` the decoder forms on a decoder block.
 
 QNN takes whole (float and QDQ): Conv, and Conv followed by Relu, Clip, LeakyRelu,
 Sigmoid, Tanh, HardSigmoid, HardSwish, Elu, Selu, Softplus, PRelu or Gelu; Gemm, MatMul,
