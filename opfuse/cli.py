@@ -14,12 +14,17 @@ Errors are one line on stderr.
 
 from __future__ import annotations
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "SUPERVISED_CHILD"]
 
 import argparse
 import json
 import os
+import pathlib
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 from rich.console import Console
@@ -240,6 +245,8 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None and _needs_supervision(args):  # QNN's compiler can die of a signal: one line, no core dump
+        return _run_supervised(sys.argv[1:], args)
     try:
         return COMMANDS[args.command](args)
     except VerificationError as e:
@@ -411,6 +418,71 @@ def _quantize(args) -> int:
 
 
 COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench, "quantize": _quantize}
+
+
+# -- a command whose native compiler may crash runs in a child interpreter ----------------------------
+# QNN's HTP compiler (libQnnHtp.so inside ONNX Runtime) can die of a signal while a session is
+# created (a tiny Llama exported by dynamo with position_ids as an input: SIGSEGV,
+# docs/results/qnn.md). A signal cannot be caught in the process it kills, so a command line
+# given to the process (`opfuse ...`, `python -m opfuse ...`, not main(argv) from a caller's own
+# process) that opens a QNN session runs again in a child interpreter whose output passes
+# through. Its exit code is the command's; when a signal ends it, one line names the signal, the
+# staging files it left beside the outputs (`.opfuse-*`: opfuse.save commits outputs whole at
+# the end, so nothing half-written reaches an output path) are removed, and the exit is 1. The
+# child's temporary files go to a directory of its own (TMPDIR), removed when it ends.
+
+SUPERVISED_CHILD = "OPFUSE_SUPERVISED_CHILD"  # set in the child's environment: it runs the command itself
+
+
+def _needs_supervision(args) -> bool:
+    """Whether this parsed command line opens a session on QNN's HTP (and is not the child)."""
+    if os.environ.get(SUPERVISED_CHILD):
+        return False
+    preset = PRESETS.get(getattr(args, "preset", None) or "")
+    return getattr(args, "target", None) == "qnn" or (preset is not None and preset.target == "qnn")
+
+
+def _output_dirs(args) -> list[pathlib.Path]:
+    paths = [getattr(args, name, None) for name in ("output", "context", "report")]
+    return sorted({pathlib.Path(p).resolve().parent for p in paths if p})
+
+
+def _entries(directory: pathlib.Path, prefixes: tuple[str, ...]) -> set[pathlib.Path]:
+    try:
+        return {p for p in directory.iterdir() if p.name.startswith(prefixes)}
+    except OSError:
+        return set()
+
+
+def _remove(path: pathlib.Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _run_supervised(argv: list[str], args) -> int:
+    """Run ``opfuse argv`` in a child interpreter; its exit code, or 1 with one line on stderr
+    when a signal killed it (its staging files removed)."""
+    watched = _output_dirs(args)
+    before = {d: _entries(d, (".opfuse-",)) for d in watched}
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    with tempfile.TemporaryDirectory(prefix="opfuse-child-") as scratch:
+        env = {**os.environ, SUPERVISED_CHILD: "1", "TMPDIR": scratch}
+        child = subprocess.run([sys.executable, "-m", "opfuse", *argv], env=env, check=False)
+    if child.returncode >= 0:
+        return child.returncode
+    for d in watched:
+        for leftover in _entries(d, (".opfuse-",)) - before[d]:
+            _remove(leftover)
+    try:
+        name = signal.Signals(-child.returncode).name
+    except ValueError:
+        name = f"signal {-child.returncode}"
+    print(f"opfuse: error: the compiler crashed ({name}) while opening the model on QNN's HTP "
+          "(inside onnxruntime-qnn); nothing was written", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
