@@ -28,8 +28,8 @@ FULLY_CONNECTED, ADD or MUL becomes that op's ``fused_activation_function``; in 
 the fused op writes the activation's output quantisation. An activation that cannot fuse
 stays its own op, and when ``refusals`` is given the reason is appended to it.
 
-LSTM: a float UNIDIRECTIONAL_SEQUENCE_LSTM per direction, an island between a DEQUANTIZE and a
-QUANTIZE in an int8 model (:mod:`opfuse.targets.ethos_u.tflite_lstm`; Vela places it on the CPU).
+LSTM: a UNIDIRECTIONAL_SEQUENCE_LSTM per direction, float or TFLite's integer (8x8->16) form
+(:mod:`opfuse.targets.ethos_u.tflite_lstm`; Vela 5.2 runs the integer one on the NPU).
 
 An op with no lowering is refused (:class:`LoweringError`, one line); for an op this module does
 not write but a user may expect (:data:`NOT_WRITTEN`: GRU) the line says why and what to do
