@@ -147,7 +147,7 @@ def _sqnr(reference, got):
     return 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - got) ** 2))
 
 
-@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 def test_int8_lstm_is_the_integer_kernel_close_to_the_qdq_model(direction, tmp_path):
     from ai_edge_litert import schema_py_generated as schema
 

@@ -64,12 +64,12 @@ _DEFAULT_ACTIVATIONS = ("sigmoid", "tanh", "tanh")
 def gate_tensors(w: np.ndarray, r: np.ndarray, b: np.ndarray | None, hidden: int):
     """One direction's ONNX ``W`` ``[4H, I]``, ``R`` ``[4H, H]``, ``B`` ``[8H]`` (or None) as TFLite's
     four input weights, four recurrent weights and four gate biases, each list in TFLite's order
-    (input, forget, cell, output); the biases are ``Wb + Rb`` in float64, rounded once to float32."""
+    (input, forget, cell, output); the biases are ``Wb + Rb`` in float64 (the caller rounds them once)."""
     rows = {g: slice(k * hidden, (k + 1) * hidden) for k, g in enumerate(_ONNX_GATES)}
     bias = np.zeros(8 * hidden) if b is None else b.astype(np.float64).reshape(-1)
     inputs = [np.ascontiguousarray(w[rows[g]], np.float32) for g in _TFLITE_GATES]
     recurrent = [np.ascontiguousarray(r[rows[g]], np.float32) for g in _TFLITE_GATES]
-    biases = [(bias[rows[g]] + bias[4 * hidden:][rows[g]]).astype(np.float32) for g in _TFLITE_GATES]
+    biases = [bias[rows[g]] + bias[4 * hidden:][rows[g]] for g in _TFLITE_GATES]
     return inputs, recurrent, biases
 
 
@@ -78,7 +78,7 @@ def _input(node, i: int) -> str:
 
 
 def _check(L: Lowering, node, directions: int, steps: int) -> None:
-    """Refuse, with TFLite's reason, every form the float UNIDIRECTIONAL_SEQUENCE_LSTM does not compute."""
+    """Refuse, with the reason, every form TFLite's UNIDIRECTIONAL_SEQUENCE_LSTM computes otherwise."""
     acts = attr(node, "activations")
     if acts is not None:
         names = tuple((a.decode() if isinstance(a, bytes) else a).lower() for a in acts)
@@ -167,10 +167,10 @@ def _direction(L: Lowering, node, x: Value, seq: int, d: int, hidden: int, time_
     for g, a, w_scale in zip(gates, biases, input_scales):
         if quantised:  # int32 at the input-to-gate product's scale (the integer kernel adds it there)
             scale = float(x.quant.scale[0]) * w_scale
-            data = np.round(a.astype(np.float64) / scale).astype(np.int32)
+            data = np.round(a / scale).astype(np.int32)
             ids.append(L.w.tensor(f"{prefix}/{g}_gate_bias", data.shape, np.int32, data=data, quant=_quant(scale)))
         else:
-            ids.append(L.w.tensor(f"{prefix}/{g}_gate_bias", a.shape, np.float32, data=a))
+            ids.append(L.w.tensor(f"{prefix}/{g}_gate_bias", a.shape, np.float32, data=a.astype(np.float32)))
     ids += [-1, -1]  # no projection
     batch = L.w.shape(seq)[1 if time_major else 0]
     steps = L.w.shape(seq)[0 if time_major else 1]
