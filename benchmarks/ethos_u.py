@@ -173,6 +173,7 @@ def sqnr_db(tflite: bytes, proto: onnx.ModelProto, held: list[dict]) -> float:
             if scale:
                 x = np.clip(np.round(x / scale) + zero, -128, 127)
             interpreter.set_tensor(detail["index"], np.ascontiguousarray(x.reshape(shape).astype(detail["dtype"])))
+        interpreter.reset_all_variables()  # each sample from a zero LSTM state, as ONNX's LSTM starts
         interpreter.invoke()
         for detail, f in zip(outs, want):
             q = interpreter.get_tensor(detail["index"]).astype(np.float64)

@@ -76,6 +76,7 @@ def sqnr(tflite_path: str, held_path: str, reference_path: str) -> float:
         scale, zero = detail["quantization"]
         x = np.clip(np.round(x / scale) + zero, -128, 127) if scale else x
         interpreter.set_tensor(detail["index"], x.astype(detail["dtype"]))
+        interpreter.reset_all_variables()  # each sample from a zero recurrent state (TFLite keeps it across runs)
         interpreter.invoke()
         got = []
         for out in interpreter.get_output_details():

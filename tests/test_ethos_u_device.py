@@ -270,7 +270,7 @@ def test_quantize_preset_ethos_u_end_to_end(tmp_path, capsys):
     ["quantize", "--calibration", "random:8", "--preset", "ethos-u", "--reconstruct", "off"],
 ])
 def test_an_unlowerable_op_is_refused_in_one_line(command, tmp_path, capsys):
-    """An op TFLite cannot express (an LSTM in ddddocr's recogniser; an Einsum here) is unsupported
+    """An op the lowering does not write (a GRU; an Einsum here) is unsupported
     input, for optimize and quantize alike: one line, exit 2, nothing written, not an internal error."""
     _lowering()
     nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv", pads=[1, 1, 1, 1]),

@@ -477,16 +477,15 @@ def test_refused_ops_raise_one_line_naming_node_op_and_reason():
     assert "\n" not in str(info.value)
 
 
-def test_an_lstm_is_refused_with_what_tflite_and_vela_have_and_what_to_do():
-    # ddddocr's recogniser: a bidirectional LSTM over the CNN's columns (here [T=5, N=1, I=4], hidden 3)
-    lstm = _model([helper.make_node("LSTM", ["x", "W", "R"], ["y"], name="lstm", hidden_size=3,
-                                    direction="bidirectional")],
-                  [("x", [5, 1, 4])], ["y"], [("W", _w(2, 12, 4)), ("R", _w(2, 12, 3))])
+def test_a_gru_is_refused_with_what_tflite_has_and_what_to_do():
+    # (an LSTM is lowered: tests/test_ethos_u_lstm.py); a GRU over [T=5, N=1, I=4], hidden 3
+    gru = _model([helper.make_node("GRU", ["x", "W", "R"], ["y"], name="gru", hidden_size=3)],
+                 [("x", [5, 1, 4])], ["y"], [("W", _w(1, 9, 4)), ("R", _w(1, 9, 3))])
     with pytest.raises(LoweringError) as info:
-        lower_to_tflite(lstm)
+        lower_to_tflite(gru)
     said = str(info.value)
-    assert "\n" not in said and said.startswith("node 'lstm' (LSTM): no TFLite lowering is written for LSTM")
-    assert "UNIDIRECTIONAL_SEQUENCE_LSTM" in said and "onnx.utils.extract_model" in said
+    assert "\n" not in said and said.startswith("node 'gru' (GRU): no TFLite lowering is written for GRU")
+    assert "TFLite has no GRU op" in said and "onnx.utils.extract_model" in said
 
 
 def test_clip_with_other_bounds_is_refused():

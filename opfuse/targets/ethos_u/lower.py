@@ -28,9 +28,12 @@ FULLY_CONNECTED, ADD or MUL becomes that op's ``fused_activation_function``; in 
 the fused op writes the activation's output quantisation. An activation that cannot fuse
 stays its own op, and when ``refusals`` is given the reason is appended to it.
 
-An op with no lowering is refused (:class:`LoweringError`, one line); for an op TFLite could
-express but this module does not write (:data:`NOT_WRITTEN`: LSTM, GRU) the line says why and
-what to do meanwhile.
+LSTM: a UNIDIRECTIONAL_SEQUENCE_LSTM per direction, float or TFLite's integer (8x8->16) form
+(:mod:`opfuse.targets.ethos_u.tflite_lstm`; Vela 5.2 runs the integer one on the NPU).
+
+An op with no lowering is refused (:class:`LoweringError`, one line); for an op this module does
+not write but a user may expect (:data:`NOT_WRITTEN`: GRU) the line says why and what to do
+meanwhile.
 
 Refusal: an op it cannot lower raises :class:`LoweringError`, one line naming the node, its op
 type and the reason. The op functions live in :mod:`opfuse.targets.ethos_u.tflite_ops`; the
@@ -44,7 +47,7 @@ __all__ = ["lower_to_tflite", "LoweringError", "FUSED_ACTIVATIONS", "LOWERINGS"]
 import onnx
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.targets.ethos_u import tflite_layout, tflite_ops
+from opfuse.targets.ethos_u import tflite_layout, tflite_lstm, tflite_ops
 from opfuse.targets.ethos_u.tflite_graph import Lowering, LoweringError
 
 _ACT = schema.ActivationFunctionType
@@ -95,19 +98,15 @@ LOWERINGS = {
     "HardSigmoid": tflite_ops.hard_sigmoid,
     "ConvTranspose": tflite_ops.transpose_conv,
     "BatchNormalization": tflite_ops.batch_norm,
+    "LSTM": tflite_lstm.lstm,
 }
 
 
-# ONNX ops TFLite expresses that this lowering does not write: why, and what to do meanwhile
-_RECURRENT = ("TFLite's UNIDIRECTIONAL_SEQUENCE_LSTM expresses an LSTM (a bidirectional one as two, the second on "
-              "the reversed sequence) and Vela 5.2 runs it on the NPU without CIFG, peephole, projection or "
-              "layer normalisation, but opfuse does not write it: its quantised form takes the 12 gate weights, "
-              "per-gate intermediate scales and a 16-bit cell state, and ONNX Runtime's static quantiser leaves "
-              "an LSTM float. "
-              "Meanwhile cut the model before the {op} (onnx.utils.extract_model) and run the {op} on the host CPU")
+# ONNX ops TFLite cannot express as one op that this lowering does not write: why, and what to do meanwhile
 NOT_WRITTEN = {
-    "LSTM": _RECURRENT.format(op="LSTM"),
-    "GRU": _RECURRENT.replace("expresses an LSTM", "has no GRU; an LSTM it expresses").format(op="GRU"),
+    "GRU": ("TFLite has no GRU op (its recurrent builtins are LSTMs and plain RNNs), so it would be a loop of "
+            "FULLY_CONNECTED, LOGISTIC and TANH per step, which opfuse does not write. "
+            "Meanwhile cut the model before the GRU (onnx.utils.extract_model) and run the GRU on the host CPU"),
 }
 
 

@@ -54,6 +54,7 @@ class TfliteSession:
         for i, detail in enumerate(self.inputs):
             key = detail["name"] if detail["name"] in feeds else given[i]
             self.interpreter.set_tensor(detail["index"], _to_tflite(np.asarray(feeds[key]), detail))
+        self.interpreter.reset_all_variables()  # each run from a zero LSTM state, as ONNX's LSTM starts
         self.interpreter.invoke()
         by_name = {d["name"]: d for d in self.outputs}
         order = list(self.shapes)
