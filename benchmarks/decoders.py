@@ -141,6 +141,8 @@ MODELS = {d.name: d for d in (
     Decoder("mistral", "MistralConfig", "MistralForCausalLM", LLAMA),
     Decoder("gpt2", "GPT2Config", "GPT2LMHeadModel",
             dict(SMALL, n_embd=256, n_layer=4, n_head=8, n_positions=256)),
+    Decoder("gptj", "GPTJConfig", "GPTJForCausalLM",
+            dict(SMALL, n_embd=256, n_layer=4, n_head=8, rotary_dim=16, n_positions=256)),
     Decoder("t5", "T5Config", "T5ForConditionalGeneration",
             dict(SMALL, d_model=256, d_kv=32, d_ff=512, num_layers=4, num_heads=8, decoder_start_token_id=0),
             seq2seq=True),

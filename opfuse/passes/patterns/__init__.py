@@ -13,8 +13,8 @@ pattern            what it matches                               becomes (standa
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
 ``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
 ``hardswish``      x * HardSigmoid(x; 1/6, 1/2); Clip forms      HardSwish (14+)
-``rotary``         x * cos + Concat(-x2, x1) * sin [, partial:   RotaryEmbedding (23+) /
-                   Concat(., x[R:])]                             RotaryEmbedding (contrib)
+``rotary``         x * cos + Concat(-x2, x1) * sin, or GPT-J's     RotaryEmbedding (23+) /
+                   interleaved pairs [, partial: Concat(., x[R:])] RotaryEmbedding (contrib)
 ``self-attention`` x Wq|Wk|Wv + b, head split, q k / c [+ mask],   - / Attention (packed QKV)
                    Softmax, v, head merge (TorchScript's encoders)
 ``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
