@@ -264,13 +264,12 @@ class InterleavedRotary(pattern.RewriteRuleClassBase):
             return "x is not known to be rank 4 with an even static head size"
         d = x.shape[3]
         h = d // 2
-        for node, start, what in ((even.producer(), 0, "even"), (odd.producer(), 1, "odd")):
-            problem = _strided_problem(node, start, d, what)
-            if problem:
-                if what == "odd" and _strided_problem(node, 0, d, what) is None:
-                    return ("the negated slice is the even channels: rotate_every_two negates the odd ones "
-                            "(-x[2i+1], x[2i]), this is the other rotation direction")
-                return problem
+        if _strided_problem(even.producer(), 1, d, "") is None and _strided_problem(odd.producer(), 0, d, "") is None:
+            return ("the negated slice is the even channels: rotate_every_two negates the odd ones "
+                    "(-x[2i+1], x[2i]), this is the other rotation direction")
+        problem = _strided_problem(even.producer(), 0, d, "even") or _strided_problem(odd.producer(), 1, d, "odd")
+        if problem:
+            return problem
         if _ints(u1) not in ([-1], [4]) or _ints(u2) not in ([-1], [4]) \
                 or pairs.producer().attributes.get_int("axis", 0) not in (-1, 4):
             return "its two slices are not paired along a new last axis (Unsqueeze at -1, Concat on -1)"
@@ -384,7 +383,9 @@ class PartialInterleaved3D(pattern.RewriteRuleClassBase):
 def stages(form: str):
     """The first stage's rule and the second stage's partial rules (joined to rotary's stages)."""
     written = "RotaryEmbedding" if form == "standard" else "RotaryEmbedding (com.microsoft below opset 23)"
-    return ([InterleavedRotary.rule(f"interleaved rotary->{written}", form),
-             InterleavedRotary.rule(f"interleaved rotary (TorchScript's reshape)->{written}", form, True)],
+    # (TorchScript's form first: where it matches, its reason is the one a refusal records, not the general
+    # form's "a tensor inside the pattern is used outside it" for the Shape that reads the pairs)
+    return ([InterleavedRotary.rule(f"interleaved rotary (TorchScript's reshape)->{written}", form, True),
+             InterleavedRotary.rule(f"interleaved rotary->{written}", form)],
             [PartialInterleaved3D.rule("partial interleaved rotary->RotaryEmbedding", ""),
              PartialInterleaved3D.rule("partial interleaved rotary->com.microsoft RotaryEmbedding", MS_DOMAIN)])
