@@ -64,14 +64,11 @@ from onnxscript.rewriter import pattern
 
 from opfuse.core.ops import ELEMENTWISE_KINDS, MS_DOMAIN, ONNX_DOMAINS, is_onnx, is_op, op_kind
 from opfuse.passes.patterns import constant_array, model_opset, opset_problem, rotary_interleaved
+from opfuse.passes.patterns import constant_int as _int
+from opfuse.passes.patterns import same_dim as _same_dim
 
 TITLE = "rotary->RotaryEmbedding"
 _TABLE_HOPS = 8  # element-wise ops looked through between a table and its Concat(freqs, freqs)
-
-
-def _int(value) -> int | None:
-    array = constant_array(value)
-    return int(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
 
 def _last_axis_problem(node: ir.Node, rank: int | None, what: str) -> str | None:
@@ -86,12 +83,6 @@ def _last_axis_problem(node: ir.Node, rank: int | None, what: str) -> str | None
     if len(node.inputs) > 4 and node.inputs[4] is not None and _int(node.inputs[4]) != 1:
         return f"the {what} slice's step is not 1"
     return None
-
-
-def _same_dim(a, b) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
 def _table_problem(table4: ir.Value, what: str) -> tuple[ir.Value | None, str | None]:

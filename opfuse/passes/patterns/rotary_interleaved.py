@@ -58,26 +58,15 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS, is_op
+from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS
 from opfuse.passes.patterns import constant_array, model_opset, opset_problem
-
-_BIG = 2 ** 31  # a slice end at or past this is "to the end" whatever the axis' size
-
-
-def _int(value) -> int | None:
-    array = constant_array(value)
-    return int(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
+from opfuse.passes.patterns import constant_int as _int
+from opfuse.passes.patterns import same_dim as _same_dim
 
 
 def _ints(value) -> list[int] | None:
     array = constant_array(value)
     return None if array is None else [int(a) for a in array.reshape(-1)]
-
-
-def _same_dim(a, b) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
 def _onnx(node: ir.Node | None, op_type: str) -> bool:
@@ -92,7 +81,7 @@ def _strided_problem(node: ir.Node, start: int, d: int, what: str) -> str | None
         return f"the {what} slice's bounds, axis or step are not constants"
     if axes not in (-1, 3):
         return f"the {what} slice cuts axis {axes}, not the last"
-    if step != 2 or s != start or not (e >= d or e >= _BIG):
+    if step != 2 or s != start or e < d:
         return f"the {what} slice is [{s}:{e}:{step}], not [{start}::2] over the head's {d} channels"
     return None
 
@@ -205,9 +194,11 @@ def _cache_problem(table: ir.Value, h: int, what: str) -> tuple[tuple | None, st
     elif _onnx(node, "Slice"):
         s, e, axes = (_int(node.inputs[i]) if len(node.inputs) > i else None for i in (1, 2, 3))
         step = _int(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else 1
-        if axes not in (-1, 2) or step != 1 or s is None or e is None or min(e, _BIG) - s != h:
+        if axes not in (-1, 2) or step != 1 or s is None or e is None or s < 0:
             return None, reason
         begin, source = s, node.inputs[0]
+        if e - s < h:  # (an end past the table's width, as INT64_MAX, is checked against it below)
+            return None, reason
     else:
         return None, reason
     casts = []
@@ -226,7 +217,9 @@ def _cache_problem(table: ir.Value, h: int, what: str) -> tuple[tuple | None, st
         return None, reason
     array = constant_array(gather.inputs[0])
     if array is None or array.ndim != 2 or begin + h > array.shape[1] or positions.shape is None \
-            or len(positions.shape) != 2:
+            or len(positions.shape) != 2 or positions.dtype != ir.DataType.INT64:
+        return None, reason
+    if _onnx(node, "Slice") and min(_int(node.inputs[2]), array.shape[1]) - begin != h:
         return None, reason
     block = array[:, begin:begin + h]
     for to in casts:
@@ -300,7 +293,8 @@ class InterleavedRotary(pattern.RewriteRuleClassBase):
             if problem:
                 return problem
         self._found = {"layout": heads_axis, "cos": tables["cos"][1], "sin": tables["sin"][1],
-                       "cos_name": tables["cos"][3], "sin_name": tables["sin"][3], "positions": tables["cos"][2], "contrib": self._form != "standard" and model_opset(context) < 23}
+                       "cos_name": tables["cos"][3], "sin_name": tables["sin"][3], "positions": tables["cos"][2],
+                       "contrib": self._form != "standard" and model_opset(context) < 23}
         return None  # (read by the rewrite that follows this check)
 
     def rewrite(self, op, x, **_):
