@@ -174,6 +174,23 @@ def test_a_decode_step_reads_the_positions_after_the_past(target, opset, domain,
         assert_same_on(m, out, feeds(seq=seq, past=past))
 
 
+@pytest.mark.parametrize("target, opset", [("onnxruntime", None), ("onnx", 23)])
+def test_positions_outside_the_table_fail_loudly_as_in_the_original(target, opset):
+    """Past the table both the export's Gather and the fused op fail; a negative id (which Gather reads from
+    the table's end) is not a position, and the fused op fails on it rather than write another number."""
+    m = gptj_model(rotary_dim=4)
+    out, _ = optimize(m, target, opset=opset)
+    for position, original_runs in ((P, False), (-1, True)):
+        inputs = {**feeds(seq=1), "position_ids": np.full((2, 1), position, np.int64)}
+        if original_runs:
+            assert np.isfinite(ort_run(m, inputs)["y"]).all()
+        else:
+            with pytest.raises(Exception, match="GatherND"):
+                ort_run(m, inputs)
+        with pytest.raises(Exception, match="out of range"):
+            ort_run(out, inputs)
+
+
 def test_below_opset_23_the_onnx_target_keeps_it_with_the_opset_named():
     m = gptj_model()
     out, report = optimize(m, "onnx")

@@ -44,8 +44,9 @@ Legality (the first that fails is the refusal's reason):
    [batch, seq] (provably equal: a table of batch 1 broadcast over x's batch is refused).
 4. Both tables are the [h]-wide column blocks of one Gather (axis 0) or GatherND of a constant
    [P, 2h] table by position_ids [batch, seq] (Split along the last axis or a Slice of it, Casts
-   allowed after the Gather). A position id must be in [0, P): a negative one, which Gather reads
-   from the table's end, is not a position a decoder produces, and the fused op does not wrap it.
+   allowed after the Gather). A position id must be in [0, P): past P both the Gather and the op fail
+   (ONNX Runtime checks both); a negative one, which Gather reads from the table's end, is not a
+   position a decoder produces, and ONNX Runtime's op rejects it with an error, not a wrong number.
 5. The [B, S, H, D] layout needs H static (num_heads); the standard form needs opset 23.
 """
 
