@@ -7,8 +7,10 @@
 
 The corpus (:data:`MODELS`): small Hugging Face models built from configs with random weights,
 nothing downloaded: Llama with GQA (hidden 256, 4 layers, 8 heads, 2 KV heads), Qwen2 and
-Mistral (the same shape, GQA), Phi3 (fused QKV, 8 KV heads), GPT-2 and T5 (encoder-decoder),
-vocabulary 1000, and ``llama-32l``, the same Llama with 32 layers (dynamo, decode step only).
+Mistral (the same shape, GQA), Phi3 (fused QKV, 8 KV heads), GPT-2, GPT-J (``gptj``: interleaved rotary on
+16 of each head's 32 channels, its sin/cos table a constant gathered by position ids; not in ``make
+check-models``: its --check takes about 5 minutes) and T5 (encoder-decoder), vocabulary 1000, and
+``llama-32l``, the same Llama with 32 layers (dynamo, decode step only).
 Each is exported by both torch exporters at opset 18 (``torchscript``: ``dynamo=False``;
 ``dynamo``: ``dynamo=True``) as two graphs:
 
@@ -64,8 +66,8 @@ fp32 for CPU on the same config and weights (``save_pretrained`` to a folder wit
 step reads position 256), built once and kept beside the exports. It is timed in the same interleaved
 run on its own inputs (the same tokens and mask; the same past in a decode step, an empty one in prefill)
 after its logits are checked against the original's; ``opfuse ... vs builder`` lines give the paired
-ratio of each opfuse row to it. The builder builds Llama, Qwen2, Phi3 and Mistral; GPT-2 is a row with
-its error, T5 is not run. The verify-only mode never builds it.
+ratio of each opfuse row to it. The builder builds Llama, Qwen2, Phi3 and Mistral; GPT-2 and GPT-J are rows
+with its error, T5 is not run. The verify-only mode never builds it.
 
 Exit 1 if an opfuse row is not ok; ``--json`` keeps every row with its samples.
 """
@@ -141,6 +143,8 @@ MODELS = {d.name: d for d in (
     Decoder("mistral", "MistralConfig", "MistralForCausalLM", LLAMA),
     Decoder("gpt2", "GPT2Config", "GPT2LMHeadModel",
             dict(SMALL, n_embd=256, n_layer=4, n_head=8, n_positions=256)),
+    Decoder("gptj", "GPTJConfig", "GPTJForCausalLM",
+            dict(SMALL, n_embd=256, n_layer=4, n_head=8, rotary_dim=16, n_positions=256)),
     Decoder("t5", "T5Config", "T5ForConditionalGeneration",
             dict(SMALL, d_model=256, d_kv=32, d_ff=512, num_layers=4, num_heads=8, decoder_start_token_id=0),
             seq2seq=True),

@@ -13,8 +13,8 @@ pattern            what it matches                               becomes (standa
 ``bias-gelu``      Add(bias) then Gelu                           - / BiasGelu
 ``silu``           x * Sigmoid(x)                                Swish (24+) / QuickGelu(1)
 ``hardswish``      x * HardSigmoid(x; 1/6, 1/2); Clip forms      HardSwish (14+)
-``rotary``         x * cos + Concat(-x2, x1) * sin [, partial:   RotaryEmbedding (23+) /
-                   Concat(., x[R:])]                             RotaryEmbedding (contrib)
+``rotary``         x * cos + Concat(-x2, x1) * sin, or GPT-J's     RotaryEmbedding (23+) /
+                   interleaved pairs [, partial: Concat(., x[R:])] RotaryEmbedding (contrib)
 ``self-attention`` x Wq|Wk|Wv + b, head split, q k / c [+ mask],   - / Attention (packed QKV)
                    Softmax, v, head merge (TorchScript's encoders)
 ``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
@@ -44,7 +44,7 @@ before BiasGelu takes it).
 from __future__ import annotations
 
 __all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "rules_in_form", "model_opset",
-           "constant_array",
+           "constant_array", "constant_int", "same_dim",
            "opset_problem", "reduce_axes", "trailing_axis"]
 
 import dataclasses
@@ -145,6 +145,19 @@ def constant_array(value):
         return None
     found = find_constant(value)
     return found.array if isinstance(found, Constant) else None
+
+
+def constant_int(value) -> int | None:
+    """The integer of a one-element constant (a Slice's start, an axis), else None."""
+    array = constant_array(value)
+    return int(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
+
+
+def same_dim(a, b) -> bool:
+    """Two dims of inferred shapes are provably equal: the same integer, or the same named symbol."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
 def reduce_axes(node) -> list[int] | None:

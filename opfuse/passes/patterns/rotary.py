@@ -48,7 +48,10 @@ Legality (the first that fails is the refusal's reason):
    join is along the last axis; ONNX Runtime's op needs the head count (x's axis 1) static.
 5. The standard form needs opset 23.
 
-Interleaved rotation (GPT-J's rotate_every_two) is not matched.
+Interleaved rotation (GPT-J's rotate_every_two): :mod:`opfuse.passes.patterns.rotary_interleaved`, whose rules
+run in these stages. Its partial form on [B, H, S, D] is the second stage above (the op with
+interleaved=1 and rotary_embedding_dim=R rotates pairs within the first R channels and copies the rest,
+as the op's definition says); on [B, S, H, D] (GPT-J's) its own second stage joins the 3-D view.
 """
 
 from __future__ import annotations
@@ -60,15 +63,12 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from opfuse.core.ops import ELEMENTWISE_KINDS, MS_DOMAIN, ONNX_DOMAINS, is_onnx, is_op, op_kind
-from opfuse.passes.patterns import constant_array, model_opset, opset_problem
+from opfuse.passes.patterns import constant_array, model_opset, opset_problem, rotary_interleaved
+from opfuse.passes.patterns import constant_int as _int
+from opfuse.passes.patterns import same_dim as _same_dim
 
 TITLE = "rotary->RotaryEmbedding"
 _TABLE_HOPS = 8  # element-wise ops looked through between a table and its Concat(freqs, freqs)
-
-
-def _int(value) -> int | None:
-    array = constant_array(value)
-    return int(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
 
 def _last_axis_problem(node: ir.Node, rank: int | None, what: str) -> str | None:
@@ -83,12 +83,6 @@ def _last_axis_problem(node: ir.Node, rank: int | None, what: str) -> str | None
     if len(node.inputs) > 4 and node.inputs[4] is not None and _int(node.inputs[4]) != 1:
         return f"the {what} slice's step is not 1"
     return None
-
-
-def _same_dim(a, b) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
 def _table_problem(table4: ir.Value, what: str) -> tuple[ir.Value | None, str | None]:
@@ -246,8 +240,8 @@ class PartialRotary(pattern.RewriteRuleClassBase):
                        f"passed-through [R, {x.shape[3]}) parts of one head")
         elif joined.producer().attributes.get_int("axis", 0) not in (-1, 3):
             problem = "its parts are joined along another axis than the last"
-        elif node.attributes.get_int("rotary_embedding_dim", 0) or node.attributes.get_int("interleaved", 0):
-            problem = "the rotary op already rotates part of its input, or interleaved"
+        elif node.attributes.get_int("rotary_embedding_dim", 0):
+            problem = "the rotary op already rotates part of its input"
         elif self._domain == MS_DOMAIN and not isinstance(x.shape[1], int):
             problem = "ONNX Runtime's RotaryEmbedding needs the head count (x's axis 1) static for a partial rotation"
         return result.fail(problem) if problem else result
@@ -265,6 +259,7 @@ def stages(form: str, approximate: bool = False):
     if form not in ("standard", "onnxruntime"):
         form = "standard"
     written = "RotaryEmbedding" if form == "standard" else "RotaryEmbedding (com.microsoft below opset 23)"
-    return [[RotateHalf.rule(f"rotate-half->{written}", form)],
+    interleaved, interleaved_partial = rotary_interleaved.stages(form)
+    return [[RotateHalf.rule(f"rotate-half->{written}", form), *interleaved],
             [PartialRotary.rule("partial rotary->RotaryEmbedding", ""),
-             PartialRotary.rule("partial rotary->com.microsoft RotaryEmbedding", MS_DOMAIN)]]
+             PartialRotary.rule("partial rotary->com.microsoft RotaryEmbedding", MS_DOMAIN), *interleaved_partial]]
