@@ -44,7 +44,7 @@ __all__ = ["lower_to_tflite", "LoweringError", "FUSED_ACTIVATIONS", "LOWERINGS"]
 import onnx
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.targets.ethos_u import tflite_layout, tflite_ops
+from opfuse.targets.ethos_u import tflite_attention, tflite_layout, tflite_norm, tflite_ops
 from opfuse.targets.ethos_u.tflite_graph import Lowering, LoweringError
 
 _ACT = schema.ActivationFunctionType
@@ -64,7 +64,7 @@ FUSED_ACTIVATIONS: dict[int, frozenset[int]] = {
 LOWERINGS = {
     "Conv": tflite_ops.conv,
     "Gemm": tflite_ops.fully_connected,
-    "MatMul": tflite_ops.fully_connected,
+    "MatMul": tflite_attention.matmul,  # a constant weight: FULLY_CONNECTED, else BATCH_MATMUL
     "Add": tflite_ops.binary,
     "Sub": tflite_ops.binary,
     "Mul": tflite_ops.binary,
@@ -88,13 +88,15 @@ LOWERINGS = {
     "Transpose": tflite_layout.transpose,
     "Concat": tflite_layout.concat,
     "Pad": tflite_layout.pad,
-    "Softmax": tflite_ops.softmax,
+    "Softmax": tflite_attention.softmax,  # over an axis NHWC does not keep last: in ONNX's order
     "Resize": tflite_layout.resize,
     "Split": tflite_layout.split,
     "Slice": tflite_layout.slice_,
     "HardSigmoid": tflite_ops.hard_sigmoid,
     "ConvTranspose": tflite_ops.transpose_conv,
     "BatchNormalization": tflite_ops.batch_norm,
+    # a LayerNorm written out (tflite_norm): Pow(y, -0.5) as RSQRT
+    "Pow": tflite_norm.rsqrt,
 }
 
 

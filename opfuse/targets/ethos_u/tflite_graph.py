@@ -236,10 +236,12 @@ class Lowering:
                               "has no float ops; quantise every op's output")
         return self.g.quant[name]
 
-    def new_value(self, name: str) -> Value:
-        """The TFLite tensor of ONNX tensor ``name`` (NHWC when rank 4), in its quantisation."""
+    def new_value(self, name: str, layout: tuple[int, ...] | None = None) -> Value:
+        """The TFLite tensor of ONNX tensor ``name`` (NHWC when rank 4, unless ``layout`` is given:
+        the ops that read every layout, :mod:`.tflite_attention`), in its quantisation."""
         shape = tuple(self.shape(name))
-        layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
+        if layout is None:
+            layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
         quant = self.quant_of(name)
         index = self.w.tensor(self.g.output_names.get(name, name), [shape[a] for a in layout], self.dtype,
                               quant=quant)
