@@ -67,7 +67,7 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
     ``ranges``: the calibrated ranges (ONNX Runtime's ``TensorsData``), for the quantisations
     TFLite's kernels fix (:func:`.tflite_quant.tflite_overrides`)."""
     from onnxruntime import quantization as ortq  # (the quantiser: heavy, on use)
-    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry  # (its default op list)
 
     overrides = tflite_overrides(float_model, ranges, sixteen)
     overrides.update({t: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True}] for t in sixteen})

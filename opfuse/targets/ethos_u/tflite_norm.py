@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.targets.ethos_u.tflite_graph import Lowering
 from opfuse.targets.ethos_u.tflite_ops import OP
 
@@ -55,13 +56,13 @@ def rsqrt_form(model: onnx.ModelProto) -> list[str]:
             consumers.setdefault(name, []).append(n)
     squares = rsqrts = 0
     for i, node in enumerate(list(graph.node)):
-        if node.op_type == "Pow" and node.domain in ("", "ai.onnx") and len(node.input) == 2:
+        if node.op_type == "Pow" and node.domain in ONNX_DOMAINS and len(node.input) == 2:
             e = constants.get(node.input[1])
             if e is not None and e.size == 1 and float(e.reshape(())) == 2.0:
                 node.op_type = "Mul"
                 node.input[1] = node.input[0]
                 squares += 1
-        elif node.op_type == "Sqrt" and node.domain in ("", "ai.onnx") and node.output[0] not in outputs:
+        elif node.op_type == "Sqrt" and node.domain in ONNX_DOMAINS and node.output[0] not in outputs:
             users = consumers.get(node.output[0], [])
             if not users or any(u.op_type != "Div" or list(u.input).count(node.output[0]) != 1
                                 or u.input[1] != node.output[0] for u in users):

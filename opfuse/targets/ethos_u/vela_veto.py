@@ -145,7 +145,7 @@ def quantize_for_ethos_u(float_proto: onnx.ModelProto, calibration) -> onnx.Mode
         def get_next(self):
             return next(self.it, None)
 
-    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry  # (its default op list)
 
     model = onnx.ModelProto()
     model.CopyFrom(float_proto)
