@@ -6,6 +6,9 @@ TFLite's int8 kernels (and Vela 5.2 on the NPU) have MEAN, SUB, MUL, ADD and RSQ
 but no int8 SQRT, POW or division by a tensor. Before quantisation (:func:`rsqrt_form`) the float
 model is rewritten into ops each of which is one int8 TFLite kernel:
 
+0. ``LayerNormalization`` (opset 17) -> the written-out form above, already in the form of 1. and 2.
+   (mean and variance over the axes from ``axis`` to the last; the node's optional Mean and
+   InvStdDev outputs must be unused, and its input's rank known);
 1. ``Pow(x, 2)`` -> ``Mul(x, x)`` (exact: both are one correctly rounded float32 product);
 2. ``Div(a, Sqrt(y))`` -> ``Mul(a, Pow(y, -0.5))``, the Pow lowered as RSQRT (:func:`rsqrt`).
    Equal in exact arithmetic; in float32 ``a * (1/sqrt(y))`` rounds twice where ``a / sqrt(y)``
@@ -27,7 +30,7 @@ __all__ = ["QUANTISED_OPS", "rsqrt_form", "rsqrt"]
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.targets.ethos_u.tflite_graph import Lowering
@@ -45,9 +48,60 @@ def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return values
 
 
+def _written_out(node: onnx.NodeProto, opset: int, rank: int, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """A LayerNormalization node (rule 0) as the ops of the written-out form, already in rules 1 and 2."""
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), -1)
+    eps = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-5)
+    axes = list(range((axis + rank) % rank, rank))
+    p = f"{node.name or node.output[0]}/"
+    graph.initializer.extend([numpy_helper.from_array(np.array(eps, np.float32), p + "eps"),
+                              numpy_helper.from_array(np.array(-0.5, np.float32), p + "minus_half")])
+    if opset >= 18:  # ReduceMean's axes became an input in opset 18
+        graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), p + "axes"))
+
+    def mean(x: str, y: str, name: str) -> onnx.NodeProto:
+        if opset >= 18:
+            return helper.make_node("ReduceMean", [x, p + "axes"], [y], name=p + name)
+        return helper.make_node("ReduceMean", [x], [y], name=p + name, axes=axes)
+
+    x, scale = node.input[0], node.input[1]
+    nodes = [mean(x, p + "mean", "mean"),
+             helper.make_node("Sub", [x, p + "mean"], [p + "centred"], name=p + "centre"),
+             helper.make_node("Mul", [p + "centred", p + "centred"], [p + "squared"], name=p + "square"),
+             mean(p + "squared", p + "variance", "variance"),
+             helper.make_node("Add", [p + "variance", p + "eps"], [p + "variance_eps"], name=p + "add_eps"),
+             helper.make_node("Pow", [p + "variance_eps", p + "minus_half"], [p + "rsqrt"], name=p + "rsqrt"),
+             helper.make_node("Mul", [p + "centred", p + "rsqrt"], [p + "normalised"], name=p + "normalise")]
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    nodes.append(helper.make_node("Mul", [p + "normalised", scale], [p + "scaled" if bias else node.output[0]],
+                                  name=p + "scale"))
+    if bias:
+        nodes.append(helper.make_node("Add", [p + "scaled", bias], [node.output[0]], name=p + "shift"))
+    return nodes
+
+
 def rsqrt_form(model: onnx.ModelProto) -> list[str]:
-    """Rewrites ``model`` in place (module docstring, rules 1 and 2); returns notes for the report."""
+    """Rewrites ``model`` in place (module docstring, rules 0 to 2); returns notes for the report."""
     graph = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ONNX_DOMAINS), 17)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*graph.input, *graph.value_info, *graph.output]
+             if v.type.tensor_type.HasField("shape")}
+    if any(n.op_type == "LayerNormalization" and n.input[0] not in ranks for n in graph.node):
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+        ranks.update({v.name: len(v.type.tensor_type.shape.dim) for v in inferred.value_info
+                      if v.type.tensor_type.HasField("shape")})
+    layer_norms = []
+    written: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if (node.op_type == "LayerNormalization" and node.domain in ONNX_DOMAINS and node.input[0] in ranks
+                and not any(node.output[1:])):  # its Mean and InvStdDev outputs unused
+            written.extend(_written_out(node, opset, ranks[node.input[0]], graph))
+            layer_norms.append(node.name or node.output[0])
+        else:
+            written.append(node)
+    if layer_norms:
+        del graph.node[:]
+        graph.node.extend(written)
     constants = _constant_values(model)
     outputs = {o.name for o in graph.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -75,6 +129,9 @@ def rsqrt_form(model: onnx.ModelProto) -> list[str]:
                 u.op_type = "Mul"
             rsqrts += 1
     notes = []
+    if layer_norms:
+        notes.append(f"{len(layer_norms)} LayerNormalization written out (ReduceMean, Sub, Mul, ReduceMean, Add, "
+                     "Pow(-0.5), Mul, Mul, Add): TFLite has no int8 layer normalisation")
     if squares:
         notes.append(f"{squares} Pow(x, 2) written as Mul(x, x): TFLite's int8 kernels have no POW")
     if rsqrts:
