@@ -61,12 +61,13 @@ def layer_norm_node_graph(opset: int = 17):
     return _model(nodes, [("x", [1, N, C])], ["y"], inits, opset=opset)
 
 
-def attention_graph():
+def attention_graph(masked: bool = False):
     """One head split, attention and merge as SVTR writes it: q, k, v from projections,
-    [1, N, heads, d] -> [1, heads, N, d], softmax(q k^T) v over the last axis, merged back."""
+    [1, N, heads, d] -> [1, heads, N, d], softmax(q k^T) v over the last axis, merged back;
+    ``masked``: a constant [1, 1, N, N] added to the scores (an op that reads them NHWC)."""
     d = C // HEADS
     nodes, inits = [], [("split", np.array([1, N, HEADS, d], np.int64)), ("merge", np.array([1, N, C], np.int64)),
-                        ("scale", np.array(d ** -0.5, np.float32))]
+                        ("scale", np.array(d ** -0.5, np.float32)), ("mask", _w(1, 1, N, N, scale=0.5))]
     for name in "qkv":
         nodes += [helper.make_node("MatMul", ["x", f"W{name}"], [f"{name}0"], name=f"proj_{name}"),
                   helper.make_node("Reshape", [f"{name}0", "split"], [f"{name}1"], name=f"split_{name}")]
@@ -75,16 +76,20 @@ def attention_graph():
               helper.make_node("Mul", ["q2", "scale"], ["q"], name="q_scale"),
               helper.make_node("Transpose", ["k1"], ["kt"], name="k_heads_t", perm=[0, 2, 3, 1]),
               helper.make_node("Transpose", ["v1"], ["v"], name="v_heads", perm=[0, 2, 1, 3]),
-              helper.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
+              helper.make_node("MatMul", ["q", "kt"], ["s0" if masked else "s"], name="scores"),
+              *([helper.make_node("Add", ["s0", "mask"], ["s"], name="mask")] if masked else []),
               helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=3),
               helper.make_node("MatMul", ["p", "v"], ["o"], name="mix"),
               helper.make_node("Transpose", ["o"], ["o1"], name="merge_heads", perm=[0, 2, 1, 3]),
               helper.make_node("Reshape", ["o1", "merge"], ["y"], name="merge")]
+    if not masked:
+        inits = [(k, v) for k, v in inits if k != "mask"]
     return _model(nodes, [("x", [1, N, C])], ["y"], inits, opset=13)
 
 
 CASES = {"layer_norm_tokens": layer_norm_graph, "layer_norm_channels_nhwc": lambda: layer_norm_graph(rank4=True),
-         "attention": attention_graph, "layer_norm_node": layer_norm_node_graph,
+         "attention": attention_graph, "attention_masked": lambda: attention_graph(masked=True),
+         "layer_norm_node": layer_norm_node_graph,
          "layer_norm_node_opset18": lambda: layer_norm_node_graph(18)}
 
 
