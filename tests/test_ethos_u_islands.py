@@ -15,8 +15,8 @@ import onnx
 import pytest
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 import numpy as np
-from test_ethos_u_lower import (VELA, _feeds, _Reader, assert_int8_close, output_scales, run_ort, run_tflite, tflite_ops,
-                                unary_graph)
+from test_ethos_u_lower import (VELA, _feeds, _Reader, assert_int8_close, output_scales, run_ort, run_tflite,
+                                tflite_ops, unary_graph)
 from test_ethos_u_norm import layer_norm_graph, rewritten
 
 from opfuse.targets.ethos_u.lower import LoweringError, lower_to_tflite

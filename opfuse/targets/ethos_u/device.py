@@ -34,8 +34,8 @@ reconstruction keeps those scales (``kept_scales(float_model)``: the tensors who
 
 from __future__ import annotations
 
-__all__ = ["TITLE", "NAME", "EthosOptions", "Options", "require_backend", "compile", "quantizer_config", "prepare_float",
-           "WANTS_RANGES", "kept_scales", "Runner", "accuracy"]
+__all__ = ["TITLE", "NAME", "EthosOptions", "Options", "require_backend", "compile", "quantizer_config",
+           "prepare_float", "WANTS_RANGES", "kept_scales", "Runner", "accuracy"]
 
 import pathlib
 

@@ -234,8 +234,8 @@ class Lowering:
             return None
         if name not in self.g.quant:
             raise self.refuse(f"tensor '{name}' is not quantised (no QuantizeLinear after it): the int8 TFLite "
-                              "has no float ops; quantise every op's output (or run it on the host CPU between DEQUANTIZE "
-                              "and QUANTIZE: --vela float_ops=cpu)")
+                              "has no float ops; quantise every op's output (or run it on the host CPU between "
+                              "DEQUANTIZE and QUANTIZE: --vela float_ops=cpu)")
         return self.g.quant[name]
 
     def new_value(self, name: str, layout: tuple[int, ...] | None = None) -> Value:
