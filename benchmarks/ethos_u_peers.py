@@ -102,8 +102,13 @@ def main(argv: list[str]) -> int:
         else:
             raise ValueError(f"unknown peer flow {flow!r}")
     except Exception as e:  # noqa: BLE001 - a peer's failure is its row's result
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]}))
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        said = lines[0] if lines else ""
+        # a Keras layer's traced error opens with "in user code:"; the layer and what went wrong follow
+        where = [i for i, line in enumerate(lines) if "Exception encountered when calling layer" in line]
+        if said == "in user code:" and where and where[0] + 1 < len(lines):
+            said = f"{lines[where[0]].split(': ', 1)[-1]} {lines[where[0] + 1]}"
+        print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {said}"[:400]}))
         return 1
     print(json.dumps(result))
     return 0

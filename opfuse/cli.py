@@ -201,7 +201,8 @@ def _add_npu_options(p: argparse.ArgumentParser) -> None:
                         "ethos-u65-256, ethos-u85-256, or another size Vela takes; default ethos-u55-128)")
     p.add_argument("--vela", action="append", type=_vela_option, default=[], metavar="KEY=VALUE",
                    help="with ethos-u: system_config or memory_mode from Vela's Arm/vela.ini (default: Vela's own "
-                        "for the NPU, e.g. Ethos_U55_High_End_Embedded and Shared_Sram)")
+                        "for the NPU, e.g. Ethos_U55_High_End_Embedded and Shared_Sram); float_ops=cpu lowers an "
+                        "op the quantiser left float in float32 for the CPU instead of refusing it")
     p.add_argument("--context", metavar="FILE",
                    help="with qnn: also write the compiled model as an EPContext ONNX a device loads "
                         "without recompiling; with ethos-u: Vela's compiled TFLite (M_vela.tflite), and the "

@@ -192,6 +192,10 @@ OWN_RULES = {
     ("verify/inputs.py", "*"): "how generated inputs follow their consumers",
     ("passes/leftovers.py", "PATTERN_PRIMITIVES"): "which pattern a primitive left over belongs to (for its note)",
     ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",
+    ("targets/ethos_u/tflite_norm.py", "QUANTISED_OPS"): "the ops ONNX Runtime's quantiser is told to quantise "
+                                                         "beyond its registries (the target's policy)",
+    ("targets/ethos_u/tflite_attention.py", "LAYOUT_AWARE"): "the ops whose lowering reads a rank-4 input in any "
+                                                             "layout (its rule)",
 }
 TARGET_MODULES = {"targets/onnxruntime.py", "targets/onnx.py", "targets/qnn/__init__.py",
                   "targets/ethos_u/lower.py", "targets/ethos_u/tflite_ops.py"}

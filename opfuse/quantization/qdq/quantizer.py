@@ -73,6 +73,9 @@ def prepare(proto: onnx.ModelProto, preset: Preset) -> tuple[onnx.ModelProto, li
         notes.append(f"opset upgraded {opset} -> {preset.min_opset} with onnx's version converter: "
                      f"the {preset.name} preset's QDQ needs it")
     _name_nodes(model)  # after the converter, which writes its nodes anew
+    device = preset.device() if preset.target else None
+    if device is not None and hasattr(device, "prepare_float"):  # the device's own rewrite (ethos-u: RSQRT form)
+        notes.extend(device.prepare_float(model))
     renamed = _free_quantiser_names(model)
     if renamed:
         notes.append(f"{renamed} tensor(s) renamed before quantising (e.g. {renamed_example(model)}): ONNX "

@@ -153,7 +153,7 @@ def compile_for_ethos_u(model, report=None, *, options=None, require_npu: bool =
 
     options = options or EthosOptions()
     proto = model if isinstance(model, onnx.ModelProto) else _serialize(model)
-    tflite = lower_to_tflite(proto)  # an op it cannot write: LoweringError, one line
+    tflite = lower_to_tflite(proto, float_islands=options.float_islands)  # an op it cannot write: one line
     parent = pathlib.Path(context).resolve().parent if context is not None else None
     pending = pathlib.Path(tempfile.mkdtemp(prefix=".opfuse-vela-", dir=parent))
     start = time.perf_counter()

@@ -11,6 +11,9 @@ The names :mod:`opfuse.targets.qnn.device` lists, for Arm's Ethos-U through Vela
   (:func:`.compile.compile_for_ethos_u`);
 - ``quantizer_config(...)``: TFLite's int8 conventions as ``quantize_static``'s keywords
   (:func:`quantizer_config`);
+- ``prepare_float(model)``: the float model rewritten before quantisation so that each op is one
+  int8 TFLite kernel (a LayerNorm's ``Div(a, Sqrt(y))`` as ``Mul(a, Pow(y, -0.5))``, RSQRT;
+  :func:`.tflite_norm.rsqrt_form`), in place; returns the report's notes;
 - ``Runner``: the lowered TFLite in LiteRT's interpreter (:class:`.runner.TfliteRunner`);
 - ``accuracy(...)``: the held-out SQNRs, TFLite vs float, QDQ vs float, TFLite vs QDQ
   (:func:`.runner.tflite_accuracy`; in the interface's names ``htp_vs_float``, ``cpu_vs_float``,
@@ -32,7 +35,7 @@ reconstruction keeps those scales (``kept_scales(float_model)``: the tensors who
 from __future__ import annotations
 
 __all__ = ["TITLE", "NAME", "EthosOptions", "Options", "require_backend", "compile", "quantizer_config",
-           "WANTS_RANGES", "kept_scales", "Runner", "accuracy"]
+           "prepare_float", "WANTS_RANGES", "kept_scales", "Runner", "accuracy"]
 
 import pathlib
 
@@ -41,6 +44,8 @@ import onnx
 from opfuse.targets.ethos_u.compile import compile_for_ethos_u as compile  # noqa: A001 - the interface's name
 from opfuse.targets.ethos_u.runner import TfliteRunner as Runner
 from opfuse.targets.ethos_u.runner import tflite_accuracy as accuracy
+from opfuse.targets.ethos_u.tflite_norm import QUANTISED_OPS
+from opfuse.targets.ethos_u.tflite_norm import rsqrt_form as prepare_float
 from opfuse.targets.ethos_u.tflite_quant import kept_scales, tflite_overrides
 from opfuse.targets.ethos_u.vela import EthosOptions
 from opfuse.targets.ethos_u.vela import require_vela as require_backend
@@ -62,6 +67,7 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
     ``ranges``: the calibrated ranges (ONNX Runtime's ``TensorsData``), for the quantisations
     TFLite's kernels fix (:func:`.tflite_quant.tflite_overrides`)."""
     from onnxruntime import quantization as ortq  # (the quantiser: heavy, on use)
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry  # (its default op list)
 
     overrides = tflite_overrides(float_model, ranges, sixteen)
     overrides.update({t: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True}] for t in sixteen})
@@ -70,5 +76,6 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
         options["TensorQuantOverrides"] = overrides
     return dict(calibration_data_reader=reader, quant_format=ortq.QuantFormat.QDQ,
                 activation_type=ortq.QuantType.QInt8, weight_type=ortq.QuantType.QInt8,
-                per_channel=preset.per_channel, calibrate_method=method, op_types_to_quantize=None,
+                per_channel=preset.per_channel, calibrate_method=method,
+                op_types_to_quantize=sorted({*QLinearOpsRegistry, *QDQRegistry, *QUANTISED_OPS}),
                 nodes_to_exclude=list(excluded), extra_options=options)

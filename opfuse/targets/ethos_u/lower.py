@@ -47,7 +47,7 @@ __all__ = ["lower_to_tflite", "LoweringError", "FUSED_ACTIVATIONS", "LOWERINGS"]
 import onnx
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.targets.ethos_u import tflite_layout, tflite_lstm, tflite_ops
+from opfuse.targets.ethos_u import tflite_attention, tflite_islands, tflite_layout, tflite_lstm, tflite_norm, tflite_ops
 from opfuse.targets.ethos_u.tflite_graph import Lowering, LoweringError
 
 _ACT = schema.ActivationFunctionType
@@ -67,7 +67,7 @@ FUSED_ACTIVATIONS: dict[int, frozenset[int]] = {
 LOWERINGS = {
     "Conv": tflite_ops.conv,
     "Gemm": tflite_ops.fully_connected,
-    "MatMul": tflite_ops.fully_connected,
+    "MatMul": tflite_attention.matmul,  # a constant weight: FULLY_CONNECTED, else BATCH_MATMUL
     "Add": tflite_ops.binary,
     "Sub": tflite_ops.binary,
     "Mul": tflite_ops.binary,
@@ -91,7 +91,7 @@ LOWERINGS = {
     "Transpose": tflite_layout.transpose,
     "Concat": tflite_layout.concat,
     "Pad": tflite_layout.pad,
-    "Softmax": tflite_ops.softmax,
+    "Softmax": tflite_attention.softmax,  # over an axis NHWC does not keep last: in ONNX's order
     "Resize": tflite_layout.resize,
     "Split": tflite_layout.split,
     "Slice": tflite_layout.slice_,
@@ -99,6 +99,8 @@ LOWERINGS = {
     "ConvTranspose": tflite_ops.transpose_conv,
     "BatchNormalization": tflite_ops.batch_norm,
     "LSTM": tflite_lstm.lstm,
+    # a LayerNorm written out (tflite_norm): Pow(y, -0.5) as RSQRT
+    "Pow": tflite_norm.rsqrt,
 }
 
 
@@ -110,8 +112,9 @@ NOT_WRITTEN = {
 }
 
 
-def _walk(self: Lowering) -> bytes:
-    """Every node lowered in order (an activation fused into its producer is skipped)."""
+def _walk(self: Lowering, float_islands: bool = False) -> bytes:
+    """Every node lowered in order (an activation fused into its producer is skipped); with
+    ``float_islands``, an op the QDQ model leaves float in float32 (:mod:`.tflite_islands`)."""
     graph = self.model.graph
     inputs = []
     for name in self.g.inputs:
@@ -126,7 +129,10 @@ def _walk(self: Lowering) -> bytes:
             why = NOT_WRITTEN.get(node.op_type,
                                   f"{len(LOWERINGS)} ONNX ops are: opfuse.targets.ethos_u.lower.LOWERINGS")
             raise self.refuse(f"no TFLite lowering is written for {node.op_type} ({why})")
-        lower(self, node)
+        if float_islands and tflite_islands.is_island(self, node):
+            tflite_islands.lower_float(self, node, lower)
+        else:
+            lower(self, node)
     outputs = []
     for name, original in zip(self.g.outputs, (o.name for o in graph.output)):
         self.node = None
@@ -137,13 +143,15 @@ def _walk(self: Lowering) -> bytes:
 
 
 def lower_to_tflite(model: onnx.ModelProto, *, refusals: list | None = None,
-                    fuse_activations: bool = True) -> bytes:
+                    fuse_activations: bool = True, float_islands: bool = False) -> bytes:
     """``model`` (float, or QDQ as ONNX Runtime writes it) as a TFLite flatbuffer in NHWC.
 
     Raises :class:`LoweringError` (one line: node, op type, reason) for an op it cannot lower.
     ``refusals``, when given, receives one ``{"node", "op", "reason"}`` record per activation
     left unfused. ``fuse_activations=False`` keeps every Relu/Clip its own op (to measure what
-    fusing them pays). The model is not modified."""
+    fusing them pays). ``float_islands=True``: an op a QDQ model leaves float is written in float32
+    between DEQUANTIZE and QUANTIZE (for the host CPU, :mod:`.tflite_islands`) instead of refused.
+    The model is not modified."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    return _walk(Lowering(copy, refusals, fuse_activations, FUSED_ACTIVATIONS))
+    return _walk(Lowering(copy, refusals, fuse_activations, FUSED_ACTIVATIONS), float_islands)

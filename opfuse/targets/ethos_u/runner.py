@@ -66,8 +66,8 @@ class TfliteSession:
 
 def _to_tflite(value: np.ndarray, detail: dict) -> np.ndarray:
     shape = tuple(detail["shape"])
-    if value.ndim == 4 and value.shape != shape and tuple(value.transpose(NCHW_TO_NHWC).shape) == shape:
-        value = value.transpose(NCHW_TO_NHWC)
+    if value.ndim == 4 and tuple(value.transpose(NCHW_TO_NHWC).shape) == shape:  # the lowering's rank 4 is NHWC
+        value = value.transpose(NCHW_TO_NHWC)  # (also where C == H == W, when the two shapes are equal)
     scale, zero = detail["quantization"]
     dtype = detail["dtype"]
     if np.issubdtype(dtype, np.integer) and scale:
@@ -79,10 +79,12 @@ def _to_tflite(value: np.ndarray, detail: dict) -> np.ndarray:
 def _from_tflite(value: np.ndarray, detail: dict, onnx_shape: tuple | None) -> np.ndarray:
     scale, zero = detail["quantization"]
     out = (value.astype(np.float32) - zero) * np.float32(scale) if scale else value
-    if onnx_shape is None or out.shape == onnx_shape:
+    if onnx_shape is None:
         return out
     if out.ndim == 4 and out.transpose(NHWC_TO_NCHW).shape == onnx_shape:  # NHWC back to the ONNX model's NCHW
-        return out.transpose(NHWC_TO_NCHW)
+        return out.transpose(NHWC_TO_NCHW)  # (also where C == H == W: the lowering's rank 4 is NHWC)
+    if out.shape == onnx_shape:
+        return out
     return out.reshape(onnx_shape)
 
 
@@ -105,7 +107,8 @@ class TfliteRunner:
         from opfuse.targets.ethos_u.lower import lower_to_tflite  # (the lowering loads the TFLite schema)
 
         proto = _proto(model)
-        return TfliteSession(lower_to_tflite(proto), proto)
+        islands = bool(getattr(self.options, "float_islands", False))  # --vela float_ops=cpu
+        return TfliteSession(lower_to_tflite(proto, float_islands=islands), proto)
 
     def outputs(self, model, samples: Iterable[Mapping[str, np.ndarray]], names: Sequence[str] | None = None,
                 session: TfliteSession | None = None) -> list[list[np.ndarray]]:

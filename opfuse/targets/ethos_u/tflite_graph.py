@@ -196,6 +196,7 @@ class Lowering:
             for name in node.input:
                 self.consumers.setdefault(name, []).append(node)
         self.absorbed: set[int] = set()  # ids of nodes written as a fused activation
+        self.float_values: dict[str, Value] = {}  # an int8 tensor DEQUANTIZEd for a float island (tflite_islands)
         self.node: onnx.NodeProto | None = None
 
     # --- tensors ---------------------------------------------------------------------------
@@ -233,13 +234,16 @@ class Lowering:
             return None
         if name not in self.g.quant:
             raise self.refuse(f"tensor '{name}' is not quantised (no QuantizeLinear after it): the int8 TFLite "
-                              "has no float ops; quantise every op's output")
+                              "has no float ops; quantise every op's output (or run it on the host CPU between "
+                              "DEQUANTIZE and QUANTIZE: --vela float_ops=cpu)")
         return self.g.quant[name]
 
-    def new_value(self, name: str) -> Value:
-        """The TFLite tensor of ONNX tensor ``name`` (NHWC when rank 4), in its quantisation."""
+    def new_value(self, name: str, layout: tuple[int, ...] | None = None) -> Value:
+        """The TFLite tensor of ONNX tensor ``name`` (NHWC when rank 4, unless ``layout`` is given:
+        the ops that read every layout, :mod:`.tflite_attention`), in its quantisation."""
         shape = tuple(self.shape(name))
-        layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
+        if layout is None:
+            layout = NCHW_TO_NHWC if len(shape) == 4 else tuple(range(len(shape)))
         quant = self.quant_of(name)
         index = self.w.tensor(self.g.output_names.get(name, name), [shape[a] for a in layout], self.dtype,
                               quant=quant)

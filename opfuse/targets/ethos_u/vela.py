@@ -96,13 +96,18 @@ def default_configs(npu: str) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class EthosOptions:
-    """The NPU and Vela's system configuration and memory mode (None: Vela's default for the NPU)."""
+    """The NPU and Vela's system configuration and memory mode (None: Vela's default for the NPU);
+    ``float_ops``: what the lowering does with an op the quantiser left float, ``refuse`` (the
+    default) or ``cpu`` (float32 between DEQUANTIZE and QUANTIZE, which Vela leaves to the CPU:
+    :mod:`.tflite_islands`)."""
 
     npu: str = "ethos-u55-128"
     system_config: str | None = None
     memory_mode: str | None = None
+    float_ops: str | None = None
 
-    KEYS = ("npu", "system_config", "memory_mode")
+    KEYS = ("npu", "system_config", "memory_mode", "float_ops")
+    FLOAT_OPS = ("refuse", "cpu")
 
     @classmethod
     def parse(cls, items: Mapping[str, str] | None) -> EthosOptions:
@@ -115,6 +120,8 @@ class EthosOptions:
         if fields.get("npu") is None:
             fields.pop("npu", None)
         options = cls(**fields)
+        if options.float_ops not in (None, *cls.FLOAT_OPS):
+            raise BadInputError(f"--vela float_ops={options.float_ops}: choose from {', '.join(cls.FLOAT_OPS)}")
         if options.npu not in NPUS:
             raise BadInputError(f"--npu {options.npu}: unknown Ethos-U configuration; choose from {', '.join(NPUS)}")
         return options
@@ -124,13 +131,18 @@ class EthosOptions:
         system, memory = default_configs(self.npu)
         return self.system_config or system, self.memory_mode or memory
 
+    @property
+    def float_islands(self) -> bool:
+        return self.float_ops == "cpu"
+
     def describe(self) -> str:
         system, memory = self.resolved
-        return f"{self.npu}, {system}, {memory}"
+        return f"{self.npu}, {system}, {memory}" + (", float ops on the CPU" if self.float_islands else "")
 
     def to_dict(self) -> dict:
         system, memory = self.resolved
-        return {"npu": self.npu, "system_config": system, "memory_mode": memory}
+        return {"npu": self.npu, "system_config": system, "memory_mode": memory,
+                **({"float_ops": "cpu"} if self.float_islands else {})}
 
 
 @dataclasses.dataclass(frozen=True)

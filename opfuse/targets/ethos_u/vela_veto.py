@@ -33,6 +33,7 @@ from onnx import helper
 
 from opfuse.cost.profiles import HardwareProfile
 from opfuse.core.ops import first_line
+from opfuse.targets.ethos_u.tflite_norm import QUANTISED_OPS, rsqrt_form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,8 @@ def quantize_for_ethos_u(float_proto: onnx.ModelProto, calibration) -> onnx.Mode
     """ONNX Runtime's ``quantize_static`` with TFLite's int8 conventions: QDQ, int8 asymmetric
     activations, int8 symmetric per-channel weights (int32 bias), MinMax over ``calibration`` (a
     sequence of feeds), every Relu/Clip kept as its own node (``QDQKeepRemovableActivations``) so
-    that fusing it is the lowering's decision. The bench's configurations use it too."""
+    that fusing it is the lowering's decision; a LayerNorm written out is rewritten first and its ops
+    quantised (:mod:`.tflite_norm`). The bench's configurations use it too."""
     # ORT's quantiser loads a lot: only when a model is quantised
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
@@ -143,9 +145,15 @@ def quantize_for_ethos_u(float_proto: onnx.ModelProto, calibration) -> onnx.Mode
         def get_next(self):
             return next(self.it, None)
 
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry  # (its default op list)
+
+    model = onnx.ModelProto()
+    model.CopyFrom(float_proto)
+    rsqrt_form(model)  # a LayerNorm written out, as TFLite's int8 kernels run it (tflite_norm)
     with tempfile.TemporaryDirectory(prefix="opfuse-ethos-q-") as tmp:
-        onnx.save(float_proto, f"{tmp}/float.onnx")
+        onnx.save(model, f"{tmp}/float.onnx")
         quantize_static(f"{tmp}/float.onnx", f"{tmp}/qdq.onnx", Samples(), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=sorted({*QLinearOpsRegistry, *QDQRegistry, *QUANTISED_OPS}),
                         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
                         calibrate_method=CalibrationMethod.MinMax,
                         extra_options={"ActivationSymmetric": False, "WeightSymmetric": True,
