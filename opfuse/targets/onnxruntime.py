@@ -175,11 +175,19 @@ def _reached(value: ir.Value, op_type: str, forward: bool = True) -> list[ir.Nod
 
 def _cache_input(v: ir.Value) -> bool:
     """A float rank-4 graph input, or a Slice of one (a sliding-window cache keeps its last
-    positions: Mistral's exports)."""
+    positions: Mistral's exports), seen through the copies an export leaves before clean-up
+    (TorchScript's one-input Concat of the past, an Identity)."""
     producer = v.producer()
     if producer is not None and is_op(producer, "Slice"):
         v = producer.inputs[0]
+    while v.producer() is not None and _copies(v.producer()):
+        v = v.producer().inputs[0]
     return v.is_graph_input() and v.dtype in _FLOATS and v.shape is not None and len(v.shape) == 4
+
+
+def _copies(node: ir.Node) -> bool:
+    """An Identity, or a Concat of one input: its output is its input."""
+    return (is_op(node, "Identity") or is_op(node, "Concat")) and len(node.inputs) == 1 and node.inputs[0] is not None
 
 
 def _past_concat(node: ir.Node) -> bool:
