@@ -140,22 +140,49 @@ def test_the_cache_and_repeat_kv_go_into_attention_23(tmp_path, kv_heads, rotary
         assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
 
 
-def test_a_sliding_window_cache_goes_in_with_its_mask_expanded_to_the_keys(tmp_path):
-    """Mistral's cache: Concat(past[:, :, -4095:], new). The keys are ``past - Max(0, past - 4095) + 1``
-    long and the mask ``past + 1``: equal wherever the export runs, which the shapes cannot show, so
-    the mask is expanded to the keys' length before the op; the window's Slice stays the op's past."""
+def test_a_sliding_window_cache_goes_in_whole_where_the_mask_shows_it_within_the_window(tmp_path):
+    """Mistral's cache: Concat(past[:, :, -4095:], new). The mask is ``past + 1`` long and the keys
+    ``min(past, 4095) + 1``: wherever the export runs they are equal, so the past is within the window
+    and the Slice keeps all of it. The op takes the past itself (no Slice, no mask expanded to the keys),
+    and it computes what the export does, presents included."""
     path = _export_block(tmp_path, 2, rotary=True, window=4096)
     out, report = opfuse.optimize(path, target="onnx", opset=23, runtime_level="disabled", tune=False)
     assert report.verification.ok
     (attention,) = _attention(out)
     assert attention.attributes["kv_num_heads"].value == 2
-    past = attention.inputs[4]
-    assert past.producer() is not None and past.producer().op_type == "Slice", ops(out)
+    assert [v.name for v in attention.inputs[4:6]] == ["past_key", "past_value"], ops(out)
+    assert "Slice" not in {n.op_type for n in out.graph if any(v is not None and v.name in ("past_key", "past_value")
+                                                               for v in n.inputs)}, ops(out)
     assert [v.name for v in attention.outputs[1:]] == ["present_key", "present_value"]
+    assert not [n for n in out.graph if n.op_type == "Shape"], ops(out)  # (the keys' length is no longer computed)
     original = onnx.load(path)
     for past_len, masked_out in ((5, 0), (1, 0), (40, 3)):
         inputs = _inputs(2, past_len, masked_out, seed=past_len, rotary=True)
         assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
+
+
+def test_a_window_slice_not_shown_to_keep_the_cache_stays_with_the_mask_expanded_to_the_keys(tmp_path):
+    """The same export with the window's Slice ending before the window's length (end 4094 < 4095): the
+    rule cannot show it keeps the whole past, so the Slice stays the op's past and the mask is expanded
+    to the keys' length (``past - Max(0, past - 4095)``-style, not ``past + 1``): exact where it runs."""
+    path = _export_block(tmp_path, 2, rotary=True, window=4096)
+    m = onnx.load(path)
+    window = [n for n in m.graph.node if n.op_type == "Slice" and n.input[0] in ("past_key", "past_value")]
+    assert len(window) == 2
+    m.graph.initializer.append(tensor("window_end", np.array([4094], np.int64)))
+    for node in window:
+        node.input[2] = "window_end"
+    out, report = opfuse.optimize(m, target="onnx", opset=23, runtime_level="disabled", tune=False)
+    assert report.verification.ok
+    (attention,) = _attention(out)
+    past = attention.inputs[4]
+    assert past.producer() is not None and past.producer().op_type == "Slice", ops(out)
+    mask = attention.inputs[3]
+    assert "Expand" in {n.op_type for n in out.graph}, ops(out)
+    assert mask is not None
+    for past_len, masked_out in ((5, 0), (1, 0), (40, 3)):
+        inputs = _inputs(2, past_len, masked_out, seed=past_len, rotary=True)
+        assert_outputs_close(ort_run(m, inputs), ort_run(out, inputs), 1e-5, 1e-5)
 
 
 def test_heads_tiled_are_another_grouping_refused_with_the_reason(tmp_path):

@@ -62,6 +62,7 @@ import ast
 
 from onnxscript.rewriter import pattern
 
+from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.passes.patterns import constant_array, opset_problem
 
 TITLE = "KV cache->Attention"
@@ -127,22 +128,26 @@ def _reads(value, nodes: set) -> bool:
     return False
 
 
-def _mask_rank(mask) -> int | None:
-    """The mask's rank where its shape (or, before inference, its Expand's input's) is known."""
+def _mask_shape(mask):
+    """The mask's shape, or before inference its Expand's input's (the standard form's Expand over the
+    query axis), else None."""
     if mask is None:
         return None
-    shape = mask.shape
-    if shape is None and mask.producer() is not None and mask.producer().op_type == "Expand":
-        shape = mask.producer().inputs[0].shape
+    if mask.shape is None and mask.producer() is not None and mask.producer().op_type == "Expand":
+        return mask.producer().inputs[0].shape
+    return mask.shape
+
+
+def _mask_rank(mask) -> int | None:
+    """The mask's rank where its shape (:func:`_mask_shape`) is known."""
+    shape = _mask_shape(mask)
     return len(shape) if shape is not None and len(shape) >= 2 else None
 
 
 def _mask_problem(mask, present) -> str | None:
     """Why ``mask``'s last axis is not known to be the keys' length (the op with a cache wants
     it so; the graph may broadcast a shorter one), or None."""
-    shape = mask.shape if mask is not None else None
-    if shape is None and mask is not None and mask.producer() is not None and mask.producer().op_type == "Expand":
-        shape = mask.producer().inputs[0].shape  # (the standard form's Expand over the query axis, not inferred yet)
+    shape = _mask_shape(mask)
     length = present.shape[2] if present.shape is not None and len(present.shape) == 4 else None
     if shape is None or len(shape) == 0 or length is None or not _same(shape[-1], length):
         return (f"the mask's last axis ({shape[-1] if shape else 'unknown'}) is not known to be the keys' length "
@@ -155,7 +160,7 @@ def _window_slice(past) -> tuple[object, int] | None:
     """(the cache, W) when ``past`` is ``Slice(cache, -W, E)`` along axis 2 with E >= W >= 1 and step 1
     (a sliding window keeping the last W positions, all of them when the cache is at most W long), else None."""
     node = past.producer()
-    if node is None or node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 4:
+    if node is None or node.op_type != "Slice" or node.domain not in ONNX_DOMAINS or len(node.inputs) < 4:
         return None
     starts, ends, axes = (constant_array(node.inputs[i]) for i in (1, 2, 3))
     steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
@@ -195,14 +200,13 @@ def _whole_window(mask, present_key, present_value) -> tuple[object, object] | N
         return None
     (cache_k, window_k), new_k = found[0]
     (cache_v, window_v), new_v = found[1]
-    length, count = (cache_k.shape[2] if cache_k.shape is not None and len(cache_k.shape) == 4 else None), new_k.shape[2]
-    if (not isinstance(getattr(length, "value", None), str) or not isinstance(count, int) or window_k != window_v
-            or cache_v.shape is None or len(cache_v.shape) != 4 or not _same(cache_v.shape[2], length)
-            or new_v.shape[2] != count):
+    if any(c.shape is None or len(c.shape) != 4 for c in (cache_k, cache_v)):
         return None
-    shape = mask.shape if mask is not None else None
-    if shape is None and mask is not None and mask.producer() is not None and mask.producer().op_type == "Expand":
-        shape = mask.producer().inputs[0].shape
+    length, count = cache_k.shape[2], new_k.shape[2]
+    if (not isinstance(getattr(length, "value", None), str) or not isinstance(count, int) or window_k != window_v
+            or not _same(cache_v.shape[2], length) or new_v.shape[2] != count):
+        return None
+    shape = _mask_shape(mask)
     if shape is None or len(shape) == 0 or not _spells_sum(shape[-1], length.value, count):
         return None
     return cache_k, cache_v
