@@ -48,7 +48,8 @@ export's time in the tuner's run and 0.74x in ``benchmarks/decoders.py``'s (Atte
 without the cache: 0.74-0.81 in earlier runs), and the log says so; the exception's own
 policy (kept written out, one refusal per site) is what a configuration without that form
 follows. A decode step is recognised from the graph: a float rank-4 graph input (the
-past keys or values, [batch, heads, past, head_dim]) joined by a Concat along the
+past keys or values, [batch, heads, past, head_dim]; or a sliding window of it, a Slice,
+seen through TorchScript's one-input Concat copy of it) joined by a Concat along the
 sequence axis (2) with a computed tensor (this step's keys or values), whose result is a
 graph output (the present) or reaches a MatMul; the input's name (``past``, ``cache``) is
 taken as the second signal in place of those two. Prefill graphs and encoders have no such
