@@ -42,8 +42,8 @@ Legality (each failure is a refusal with its reason):
 - a sliding-window cache's Slice of the past, ``Slice(past, -W, E, axis 2)`` with E >= W >= 1
   (Mistral's exports: W = 4095), is dropped (the op takes the past itself) where the mask's last
   axis is the past's length plus the new keys', as the shapes show (``past_seq + 1``): wherever the
-  graph ran, its Add broadcast that mask against keys ``min(past, W) + S`` long, so the two were
-  equal (past <= W) or one of them was 1 (past 0), and the Slice kept the whole past. The key's and
+  graph ran, its Add broadcast that mask against keys ``min(past, W) + S`` long (S >= 1, static),
+  so the two were equal (past <= W) or one of them was 1 (past 0), and the Slice kept the whole past. The key's and
   the value's Slices must be alike (the same W, past length and new length); the Slice of the present
   that the export writes after the Concat stays. Elsewhere the Slice stays the op's past, with the
   mask expanded as above;
@@ -203,7 +203,9 @@ def _whole_window(mask, present_key, present_value) -> tuple[object, object] | N
     if any(c.shape is None or len(c.shape) != 4 for c in (cache_k, cache_v)):
         return None
     length, count = cache_k.shape[2], new_k.shape[2]
-    if (not isinstance(getattr(length, "value", None), str) or not isinstance(count, int) or window_k != window_v
+    # (count >= 1: keys of length 1 then mean an empty past, whatever the window)
+    if (not isinstance(getattr(length, "value", None), str) or not isinstance(count, int) or count < 1
+            or window_k != window_v
             or not _same(cache_v.shape[2], length) or new_v.shape[2] != count):
         return None
     shape = _mask_shape(mask)
