@@ -358,3 +358,25 @@ def test_the_start_of_a_range_is_a_position_and_its_limit_a_length():
     ranges = integer_ranges(ir.serde.deserialize_model(m))
     assert ranges["start"].positions and "the start of Range 'range'" in ranges["start"].why
     assert "limit" not in ranges
+
+
+def test_a_window_over_torchscripts_one_input_concat_of_the_past_is_a_decode_step_untimed():
+    """TorchScript writes the window's Slice over a one-input Concat of the past (a copy that clean-up
+    removes only later): the untimed policy, which looks at the graph as loaded, still sees the cache,
+    so the standard Attention is written, equal to the input."""
+    m = decode_step()
+    (append,) = [n for n in m.graph.node if n.name == "append"]
+    append.input[0] = "past_window"
+    m.graph.initializer.extend([tensor("window_start", np.array([-4095], np.int64)),
+                                tensor("window_end", np.array([np.iinfo(np.int64).max], np.int64)),
+                                tensor("window_axis", np.array([2], np.int64))])
+    m.graph.node.insert(0, helper.make_node("Slice", ["past_copy", "window_start", "window_end", "window_axis"],
+                                            ["past_window"], name="window"))
+    m.graph.node.insert(0, helper.make_node("Concat", ["past_key"], ["past_copy"], axis=-2, name="copy"))
+    assert [site.name for site, _ in decode_step_sites(ir.from_proto(m))] == ["softmax"]
+    out, report = optimize(m, target="onnxruntime")
+    assert report.verification.ok
+    assert ("", "Attention") in [(n.domain, n.op_type) for n in out.graph]
+    assert any("untimed policy for a KV-cache decode step" in n for n in report.notes)
+    feeds = _decode_feeds(8, 9)
+    np.testing.assert_allclose(ort_run(out, feeds)["y"], ort_run(m, feeds)["y"], rtol=1e-5, atol=1e-6)

@@ -28,7 +28,9 @@ HEADS, DH, HIDDEN = 4, 8, 32
 def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0):
     """x [B, S, 32] -> q, k, v projections (4 query heads of 8, ``kv_heads`` key heads); keys and
     values after the past ones; the key heads repeated as transformers' ``repeat_kv`` does (each
-    head n times in a row) or, with ``grouping="tiled"``, the whole set n times (head h % kv);
+    head n times in a row) or, with ``grouping="tiled"``, the whole set n times (head h % kv), or with
+    ``grouping="rows"`` (one token, as transformers' TorchScript export writes it) the query's n heads
+    per key head as that head's rows [B, kv, n, 8], no repeat;
     attention with the mask made additive from ``attention_mask`` [B, P + S]; the output
     projection; ``rotary``: q and k rotated as transformers' Llama does, at ``position_ids``;
     ``window``: a sliding-window cache as Mistral's exports keep it (the past's last window - 1
@@ -70,14 +72,20 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
             present_key = torch.cat([past_key, k], dim=2)
             present_value = torch.cat([past_value, v], dim=2)
             bias = torch.where(attention_mask[:, None, None, :].bool(), 0.0, float("-inf"))
-            y = torch.nn.functional.scaled_dot_product_attention(q, repeat(present_key), repeat(present_value),
-                                                                 attn_mask=bias)
+            if grouping == "rows":  # one token: the query heads as rows of their key head (no repeat)
+                rows = q.reshape(b, kv_heads, n * s, DH)
+                y = torch.nn.functional.scaled_dot_product_attention(rows, present_key, present_value, attn_mask=bias)
+                y = y.reshape(b, HEADS, s, DH)
+            else:
+                y = torch.nn.functional.scaled_dot_product_attention(q, repeat(present_key), repeat(present_value),
+                                                                     attn_mask=bias)
             return self.o(y.transpose(1, 2).reshape(b, s, HEADS * DH)), present_key, present_value
 
     return Block().eval()
 
 
-def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0) -> str:
+def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0,
+                  dynamo: bool = True) -> str:
     torch = pytest.importorskip("torch")
     past = 5
     args = (torch.randn(2, 1, HIDDEN), torch.ones(2, past + 1, dtype=torch.int64),
@@ -90,6 +98,14 @@ def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: 
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         block = _decode_block(kv_heads, grouping, rotary, window)
+        if not dynamo:  # TorchScript, its axes named as benchmarks/decoders.py names them
+            axes = {"x": {0: "batch"}, "attention_mask": {0: "batch", 1: "past + 1"},
+                    "past_key": {0: "batch", 2: "past"}, "past_value": {0: "batch", 2: "past"},
+                    "y": {0: "batch"}, "present_key": {0: "batch", 2: "past + 1"},
+                    "present_value": {0: "batch", 2: "past + 1"}, **({"position_ids": {0: "batch"}} if rotary else {})}
+            torch.onnx.export(block, args, str(path), dynamo=False, opset_version=18, input_names=names,
+                              output_names=["y", "present_key", "present_value"], dynamic_axes=axes)
+            return str(path)
         torch.onnx.export(block, args, str(path), dynamo=True, opset_version=18,
                           external_data=False, input_names=names, output_names=["y", "present_key", "present_value"],
                           dynamic_shapes=({0: batch}, {0: batch, 1: past_len + 1}, {0: batch, 2: past_len},
@@ -140,22 +156,93 @@ def test_the_cache_and_repeat_kv_go_into_attention_23(tmp_path, kv_heads, rotary
         assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
 
 
-def test_a_sliding_window_cache_goes_in_with_its_mask_expanded_to_the_keys(tmp_path):
-    """Mistral's cache: Concat(past[:, :, -4095:], new). The keys are ``past - Max(0, past - 4095) + 1``
-    long and the mask ``past + 1``: equal wherever the export runs, which the shapes cannot show, so
-    the mask is expanded to the keys' length before the op; the window's Slice stays the op's past."""
+def test_a_sliding_window_cache_goes_in_whole_where_the_mask_shows_it_within_the_window(tmp_path):
+    """Mistral's cache: Concat(past[:, :, -4095:], new). The mask is ``past + 1`` long and the keys
+    ``min(past, 4095) + 1``: wherever the export runs they are equal, so the past is within the window
+    and the Slice keeps all of it. The op takes the past itself (no Slice, no mask expanded to the keys),
+    and it computes what the export does, presents included."""
     path = _export_block(tmp_path, 2, rotary=True, window=4096)
     out, report = opfuse.optimize(path, target="onnx", opset=23, runtime_level="disabled", tune=False)
     assert report.verification.ok
     (attention,) = _attention(out)
     assert attention.attributes["kv_num_heads"].value == 2
-    past = attention.inputs[4]
-    assert past.producer() is not None and past.producer().op_type == "Slice", ops(out)
+    assert [v.name for v in attention.inputs[4:6]] == ["past_key", "past_value"], ops(out)
+    assert "Slice" not in {n.op_type for n in out.graph if any(v is not None and v.name in ("past_key", "past_value")
+                                                               for v in n.inputs)}, ops(out)
     assert [v.name for v in attention.outputs[1:]] == ["present_key", "present_value"]
+    assert not [n for n in out.graph if n.op_type == "Shape"], ops(out)  # (the keys' length is no longer computed)
     original = onnx.load(path)
     for past_len, masked_out in ((5, 0), (1, 0), (40, 3)):
         inputs = _inputs(2, past_len, masked_out, seed=past_len, rotary=True)
         assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
+
+
+def test_a_window_slice_not_shown_to_keep_the_cache_stays_with_the_mask_expanded_to_the_keys(tmp_path):
+    """The same export with the window's Slice ending before the window's length (end 4094 < 4095): the
+    rule cannot show it keeps the whole past, so the Slice stays the op's past and the mask is expanded
+    to the keys' length (``past - Max(0, past - 4095)``-style, not ``past + 1``): exact where it runs."""
+    path = _export_block(tmp_path, 2, rotary=True, window=4096)
+    m = onnx.load(path)
+    window = [n for n in m.graph.node if n.op_type == "Slice" and n.input[0] in ("past_key", "past_value")]
+    assert len(window) == 2
+    m.graph.initializer.append(tensor("window_end", np.array([4094], np.int64)))
+    for node in window:
+        node.input[2] = "window_end"
+    out, report = opfuse.optimize(m, target="onnx", opset=23, runtime_level="disabled", tune=False)
+    assert report.verification.ok
+    (attention,) = _attention(out)
+    past = attention.inputs[4]
+    assert past.producer() is not None and past.producer().op_type == "Slice", ops(out)
+    mask = attention.inputs[3]
+    assert "Expand" in {n.op_type for n in out.graph}, ops(out)
+    assert mask is not None
+    for past_len, masked_out in ((5, 0), (1, 0), (40, 3)):
+        inputs = _inputs(2, past_len, masked_out, seed=past_len, rotary=True)
+        assert_outputs_close(ort_run(m, inputs), ort_run(out, inputs), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_query_heads_as_rows_of_their_key_head_go_into_the_3d_form(tmp_path, rotary):
+    """TorchScript's one-token export (transformers' Llama and Mistral): the query heads regrouped as
+    rows [B, kv, n, Dh] of their key head, the output back to [B, H, 1, Dh]. The 3-D form's grouping
+    (query head h reads key head h // n) is the same, so the head split, regrouping and merge go and
+    the rotations take [B, 1, H*Dh]; equal on ONNX Runtime at several past lengths, left padding too."""
+    path = _export_block(tmp_path, 2, grouping="rows", rotary=rotary, dynamo=False)
+    out, report = opfuse.optimize(path, target="onnx", opset=23, runtime_level="disabled", tune=False)
+    assert report.verification.ok
+    (attention,) = _attention(out)
+    heads = {k: attention.attributes[k].value for k in ("q_num_heads", "kv_num_heads")}
+    assert heads == {"q_num_heads": HEADS, "kv_num_heads": 2}
+    assert not {"Reshape", "Transpose"} & {n.op_type for n in out.graph}, ops(out)
+    rotations = [n for n in out.graph if n.op_type == "RotaryEmbedding"]
+    assert sorted(n.attributes["num_heads"].value for n in rotations) == ([2, HEADS] if rotary else [])
+    assert [v.name for v in attention.inputs[4:6]] == ["past_key", "past_value"], ops(out)
+    original = onnx.load(path)
+    for past, masked_out in ((5, 0), (1, 0), (40, 3)):
+        inputs = _inputs(2, past, masked_out, seed=past, rotary=rotary)
+        assert_outputs_close(ort_run(original, inputs), ort_run(out, inputs), 1e-5, 1e-5)
+
+
+def test_query_heads_as_rows_read_elsewhere_are_refused_with_the_reason(tmp_path):
+    """The same export whose 4-D query heads are also a graph output: the 3-D form would leave them to
+    be computed apart, so the rule refuses with the reason and the attention keeps its 4-D form."""
+    path = _export_block(tmp_path, 2, grouping="rows", dynamo=False)
+    m = onnx.load(path)
+    producer = {o: n for n in m.graph.node for o in n.output}
+    readers = {i: [n for n in m.graph.node if i in n.input] for n in m.graph.node for i in n.output}
+    # the query's head split: Transpose(Reshape(MatMul(x, wq))), regrouped by a Reshape
+    (split,) = [n for n in m.graph.node if n.op_type == "Transpose" and producer[n.input[0]].op_type == "Reshape"
+                and producer[producer[n.input[0]].input[0]].input[0] == "x"
+                and [c.op_type for c in readers[n.output[0]]] == ["Reshape"]]
+    m.graph.output.append(onnx.helper.make_tensor_value_info(split.output[0], TensorProto.FLOAT, None))
+    out, report = opfuse.optimize(m, target="onnx", opset=23, runtime_level="disabled", tune=False)
+    assert report.verification.ok
+    reasons = [r.reason for r in report.refusals]
+    assert any("4-D q heads are read outside the attention" in r for r in reasons), reasons
+    (attention,) = _attention(out)
+    assert "q_num_heads" not in attention.attributes
+    inputs = _inputs(2, 7, seed=1)
+    assert_outputs_close(ort_run(m, inputs), ort_run(out, inputs), 1e-5, 1e-5)
 
 
 def test_heads_tiled_are_another_grouping_refused_with_the_reason(tmp_path):

@@ -48,7 +48,8 @@ export's time in the tuner's run and 0.74x in ``benchmarks/decoders.py``'s (Atte
 without the cache: 0.74-0.81 in earlier runs), and the log says so; the exception's own
 policy (kept written out, one refusal per site) is what a configuration without that form
 follows. A decode step is recognised from the graph: a float rank-4 graph input (the
-past keys or values, [batch, heads, past, head_dim]) joined by a Concat along the
+past keys or values, [batch, heads, past, head_dim]; or a sliding window of it, a Slice,
+seen through TorchScript's one-input Concat copy of it) joined by a Concat along the
 sequence axis (2) with a computed tensor (this step's keys or values), whose result is a
 graph output (the present) or reaches a MatMul; the input's name (``past``, ``cache``) is
 taken as the second signal in place of those two. Prefill graphs and encoders have no such
@@ -175,11 +176,19 @@ def _reached(value: ir.Value, op_type: str, forward: bool = True) -> list[ir.Nod
 
 def _cache_input(v: ir.Value) -> bool:
     """A float rank-4 graph input, or a Slice of one (a sliding-window cache keeps its last
-    positions: Mistral's exports)."""
+    positions: Mistral's exports), seen through the copies an export leaves before clean-up
+    (TorchScript's one-input Concat of the past, an Identity)."""
     producer = v.producer()
     if producer is not None and is_op(producer, "Slice"):
         v = producer.inputs[0]
+    while v.producer() is not None and _copies(v.producer()):
+        v = v.producer().inputs[0]
     return v.is_graph_input() and v.dtype in _FLOATS and v.shape is not None and len(v.shape) == 4
+
+
+def _copies(node: ir.Node) -> bool:
+    """An Identity, or a Concat of one input: its output is its input."""
+    return (is_op(node, "Identity") or is_op(node, "Concat")) and len(node.inputs) == 1 and node.inputs[0] is not None
 
 
 def _past_concat(node: ir.Node) -> bool:

@@ -39,6 +39,14 @@ Legality (each failure is a refusal with its reason):
   wherever the graph ran (its Add broadcast the mask to the scores' [.., P + S], so the mask's
   last axis was P + S or 1, which the Expand gives the same values), and a mask of unknown rank
   is refused;
+- a sliding-window cache's Slice of the past, ``Slice(past, -W, E, axis 2)`` with E >= W >= 1
+  (Mistral's exports: W = 4095), is dropped (the op takes the past itself) where the mask's last
+  axis is the past's length plus the new keys', as the shapes show (``past_seq + 1``): wherever the
+  graph ran, its Add broadcast that mask against keys ``min(past, W) + S`` long (S >= 1, static),
+  so the two were equal (past <= W) or one of them was 1 (past 0), and the Slice kept the whole past. The key's and
+  the value's Slices must be alike (the same W, past length and new length); the Slice of the present
+  that the export writes after the Concat stays. Elsewhere the Slice stays the op's past, with the
+  mask expanded as above;
 - neither the query nor the mask is computed from the presents (a mask reshaped to Shape(keys)
   would read the new op's own output: a cycle);
 - the keys and the values are two caches (one Concat read as both would be written twice);
@@ -50,8 +58,11 @@ from __future__ import annotations
 
 __all__ = ["TITLE", "rules"]
 
+import ast
+
 from onnxscript.rewriter import pattern
 
+from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.passes.patterns import constant_array, opset_problem
 
 TITLE = "KV cache->Attention"
@@ -117,28 +128,90 @@ def _reads(value, nodes: set) -> bool:
     return False
 
 
-def _mask_rank(mask) -> int | None:
-    """The mask's rank where its shape (or, before inference, its Expand's input's) is known."""
+def _mask_shape(mask):
+    """The mask's shape, or before inference its Expand's input's (the standard form's Expand over the
+    query axis), else None."""
     if mask is None:
         return None
-    shape = mask.shape
-    if shape is None and mask.producer() is not None and mask.producer().op_type == "Expand":
-        shape = mask.producer().inputs[0].shape
+    if mask.shape is None and mask.producer() is not None and mask.producer().op_type == "Expand":
+        return mask.producer().inputs[0].shape
+    return mask.shape
+
+
+def _mask_rank(mask) -> int | None:
+    """The mask's rank where its shape (:func:`_mask_shape`) is known."""
+    shape = _mask_shape(mask)
     return len(shape) if shape is not None and len(shape) >= 2 else None
 
 
 def _mask_problem(mask, present) -> str | None:
     """Why ``mask``'s last axis is not known to be the keys' length (the op with a cache wants
     it so; the graph may broadcast a shorter one), or None."""
-    shape = mask.shape if mask is not None else None
-    if shape is None and mask is not None and mask.producer() is not None and mask.producer().op_type == "Expand":
-        shape = mask.producer().inputs[0].shape  # (the standard form's Expand over the query axis, not inferred yet)
+    shape = _mask_shape(mask)
     length = present.shape[2] if present.shape is not None and len(present.shape) == 4 else None
     if shape is None or len(shape) == 0 or length is None or not _same(shape[-1], length):
         return (f"the mask's last axis ({shape[-1] if shape else 'unknown'}) is not known to be the keys' length "
                 f"({length}, past + new): with a cache ONNX Runtime's Attention wants it so, and a broadcast "
                 "mask would not run")
     return None
+
+
+def _window_slice(past) -> tuple[object, int] | None:
+    """(the cache, W) when ``past`` is ``Slice(cache, -W, E)`` along axis 2 with E >= W >= 1 and step 1
+    (a sliding window keeping the last W positions, all of them when the cache is at most W long), else None."""
+    node = past.producer()
+    if node is None or node.op_type != "Slice" or node.domain not in ONNX_DOMAINS or len(node.inputs) < 4:
+        return None
+    starts, ends, axes = (constant_array(node.inputs[i]) for i in (1, 2, 3))
+    steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    if starts is None or ends is None or axes is None or (len(node.inputs) > 4 and node.inputs[4] is not None
+                                                           and steps is None):
+        return None
+    if starts.size != 1 or ends.size != 1 or axes.size != 1 or int(axes.reshape(-1)[0]) not in (2, -2):
+        return None
+    if steps is not None and (steps.size != 1 or int(steps.reshape(-1)[0]) != 1):
+        return None
+    window, end = -int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+    return (node.inputs[0], window) if 1 <= window <= end else None
+
+
+def _spells_sum(dim, name: str, new: int) -> bool:
+    """Whether the symbolic ``dim`` is spelled ``name + new`` (or ``new + name``), parsed, never evaluated."""
+    text = getattr(dim, "value", None)
+    if not isinstance(text, str):
+        return False
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    if not isinstance(tree, ast.BinOp) or not isinstance(tree.op, ast.Add):
+        return False
+    sides = [tree.left, tree.right]
+    return any(isinstance(a, ast.Name) and a.id == name and isinstance(b, ast.Constant) and b.value == new
+               and type(b.value) is int for a, b in (sides, sides[::-1]))
+
+
+def _whole_window(mask, present_key, present_value) -> tuple[object, object] | None:
+    """(key cache, value cache) when both caches are sliding windows (:func:`_window_slice`) that keep
+    the whole cache wherever the graph ran: the mask's last axis is shown to be the cache's length
+    plus the new keys' (module docstring), else None."""
+    found = [(_window_slice(p.producer().inputs[0]), p.producer().inputs[1]) for p in (present_key, present_value)]
+    if any(w is None or new.shape is None or len(new.shape) != 4 for w, new in found):
+        return None
+    (cache_k, window_k), new_k = found[0]
+    (cache_v, window_v), new_v = found[1]
+    if any(c.shape is None or len(c.shape) != 4 for c in (cache_k, cache_v)):
+        return None
+    length, count = cache_k.shape[2], new_k.shape[2]
+    # (count >= 1: keys of length 1 then mean an empty past, whatever the window)
+    if (not isinstance(getattr(length, "value", None), str) or not isinstance(count, int) or count < 1
+            or window_k != window_v
+            or not _same(cache_v.shape[2], length) or new_v.shape[2] != count):
+        return None
+    shape = _mask_shape(mask)
+    if shape is None or len(shape) == 0 or not _spells_sum(shape[-1], length.value, count):
+        return None
+    return cache_k, cache_v
 
 
 class AttentionWithPast(pattern.RewriteRuleClassBase):
@@ -148,6 +221,7 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
         super().__init__(name=f"KVCache{'+repeat_kv' if repeated else ''}->Attention{'(mask)' if masked else ''}")
         self.repeated, self.masked = repeated, masked
         self._widen: int | None = None  # the mask's rank, when it is expanded to the keys' length
+        self._caches: tuple | None = None  # (key, value) caches whose window Slice keeps them whole
         # the exporter's own shape arithmetic still reads the repeated keys (Shape nodes the attention
         # stage left dead until clean-up): replace the outputs only, and drop what nothing reads
         self.remove_nodes = False
@@ -186,8 +260,10 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
                 return problem
         if query.shape is None or len(query.shape) != 4 or not isinstance(query.shape[1], int):
             return "the query is not known to be rank 4 with a static head count"
+        self._caches = None
         if self.masked:
-            problem = _mask_problem(bindings.get("mask"), present_key)
+            self._caches = _whole_window(bindings.get("mask"), present_key, present_value)
+            problem = None if self._caches else _mask_problem(bindings.get("mask"), present_key)
             self._widen = _mask_rank(bindings.get("mask")) if problem else None
             if problem and not self._widen:
                 return problem + "; its rank is not known either, so it cannot be expanded to it"
@@ -222,6 +298,8 @@ class AttentionWithPast(pattern.RewriteRuleClassBase):
             rows = mask.producer() if mask.producer() is not None and mask.producer().op_type == "Expand" else None
             # under the attention stage's Expand over the query's rows, which the 3-D form reads
             mask = op.Expand(op.Expand(rows.inputs[0], keys), rows.inputs[1]) if rows else op.Expand(mask, keys)
+        if self.masked and self._caches:  # (module docstring: the window keeps the whole cache)
+            past_key, past_value = self._caches
         return op.Attention(query, key, value, mask if self.masked else None, past_key, past_value,
                             _outputs=3, **attributes)
 
