@@ -228,6 +228,8 @@ class Quantizer:
         self.trials = 0
         self.range_choices: list = []  # auto: the range chosen per tensor (opfuse.quantization.algorithms.ranges)
         self._calibrating = False  # the pass that writes the calibration cache for a device that reads it
+        self._lstm_weights: dict | None = None  # a device with an integer LSTM: its W and R, rounded once
+        self.lstm_records: list[str] = []
 
     @property
     def cache(self) -> pathlib.Path:
@@ -268,9 +270,27 @@ class Quantizer:
         model = onnx.load(out)
         out.unlink()
         _restore_removed_activations(model, self.float_model)
+        self._round_lstm_weights(model)
         if keep and keep_as == "float":
             _read_float_inputs(model, set(keep), self.float_model)
         return model
+
+    def _round_lstm_weights(self, model: onnx.ModelProto) -> None:
+        """For a device whose LSTM is integer (its ``ROUNDS_LSTM_WEIGHTS``), the LSTMs' ``W`` and ``R``
+        on its grid, rounded from the calibration data once (:mod:`..algorithms.lstm_rounding`), in place."""
+        if not getattr(self.preset.device(), "ROUNDS_LSTM_WEIGHTS", False):
+            return
+        if self._lstm_weights is None:
+            from opfuse.quantization.algorithms.lstm_rounding import round_lstm_weights  # (only with an LSTM)
+
+            if not any(n.op_type == "LSTM" for n in self.float_model.graph.node):
+                self._lstm_weights = {}
+                return
+            self._lstm_weights, self.lstm_records = round_lstm_weights(self.float_model, self.samples)
+        if self._lstm_weights:
+            from opfuse.quantization.algorithms.lstm_rounding import apply_rounded
+
+            apply_rounded(model, self._lstm_weights)
 
     def _search_ranges(self) -> None:
         """The auto cache: MinMax's ranges (a first quantisation writes them), each tensor's

@@ -35,7 +35,7 @@ reconstruction keeps those scales (``kept_scales(float_model)``: the tensors who
 from __future__ import annotations
 
 __all__ = ["TITLE", "NAME", "EthosOptions", "Options", "require_backend", "compile", "quantizer_config",
-           "prepare_float", "WANTS_RANGES", "kept_scales", "Runner", "accuracy"]
+           "prepare_float", "WANTS_RANGES", "ROUNDS_LSTM_WEIGHTS", "kept_scales", "Runner", "accuracy"]
 
 import pathlib
 
@@ -58,6 +58,9 @@ Options = EthosOptions  # (the interface's name)
 
 
 WANTS_RANGES = True  # quantizer_config reads the calibrated ranges (ranges=), so they are calibrated first
+# its LSTM is TFLite's integer one (one int8 scale per gate matrix, .tflite_lstm), which ONNX Runtime's quantiser
+# leaves float: the quantiser rounds the LSTM's weights on that grid (opfuse.quantization.algorithms.lstm_rounding)
+ROUNDS_LSTM_WEIGHTS = True
 
 
 def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
