@@ -10,7 +10,9 @@ ONNX Runtime's own pre-processing leaves an opset-12 model invalid there).
 :mod:`.ranges`; the ranges of every tensor cached in a file) and then writes
 as many QDQ models as the mixed-precision search asks for, each keeping a different set
 of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``, with 16-bit
-activations (tensor overrides).
+activations (tensor overrides). For a device whose LSTM is integer (``ROUNDS_LSTM_WEIGHTS``), each
+model's LSTM weights are put on that kernel's grid, rounded once from the calibration data
+(:mod:`..algorithms.lstm_rounding`).
 
 How ONNX Runtime's QDQ graph relates to the float one (read by :class:`.layers.QdqLayers`):
 
@@ -45,6 +47,7 @@ from opfuse.errors import BadInputError
 from opfuse.quantization.qdq.layers import QDQ_OPS, removed_activations
 from opfuse.quantization.presets import Preset
 from opfuse.quantization.algorithms.ranges import search_ranges
+from opfuse.quantization.algorithms.lstm_rounding import apply_rounded, round_lstm_weights
 from opfuse.core.ops import ONNX_DOMAINS, WEIGHTED_OPS, first_line
 
 logger = logging.getLogger(__name__)
@@ -281,15 +284,11 @@ class Quantizer:
         if not getattr(self.preset.device(), "ROUNDS_LSTM_WEIGHTS", False):
             return
         if self._lstm_weights is None:
-            from opfuse.quantization.algorithms.lstm_rounding import round_lstm_weights  # (only with an LSTM)
-
             if not any(n.op_type == "LSTM" for n in self.float_model.graph.node):
                 self._lstm_weights = {}
                 return
             self._lstm_weights, self.lstm_records = round_lstm_weights(self.float_model, self.samples)
         if self._lstm_weights:
-            from opfuse.quantization.algorithms.lstm_rounding import apply_rounded
-
             apply_rounded(model, self._lstm_weights)
 
     def _search_ranges(self) -> None:

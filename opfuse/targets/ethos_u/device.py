@@ -14,6 +14,9 @@ The names :mod:`opfuse.targets.qnn.device` lists, for Arm's Ethos-U through Vela
 - ``prepare_float(model)``: the float model rewritten before quantisation so that each op is one
   int8 TFLite kernel (a LayerNorm's ``Div(a, Sqrt(y))`` as ``Mul(a, Pow(y, -0.5))``, RSQRT;
   :func:`.tflite_norm.rsqrt_form`), in place; returns the report's notes;
+- ``ROUNDS_LSTM_WEIGHTS``: the quantiser rounds each LSTM's weights on the integer LSTM's grid (one
+  int8 scale per gate matrix), GPTQ's way, from the calibration data
+  (:mod:`opfuse.quantization.algorithms.lstm_rounding`): ONNX Runtime's quantiser leaves the LSTM float;
 - ``Runner``: the lowered TFLite in LiteRT's interpreter (:class:`.runner.TfliteRunner`);
 - ``accuracy(...)``: the held-out SQNRs, TFLite vs float, QDQ vs float, TFLite vs QDQ
   (:func:`.runner.tflite_accuracy`; in the interface's names ``htp_vs_float``, ``cpu_vs_float``,
