@@ -278,7 +278,8 @@ def test_gptq_rounded_lstm_weights_raise_the_integer_lstms_sqnr(direction, tmp_p
     calib = [_correlated(100 + i) for i in range(16)]
     nearest = _quantise_on(model, calib, tmp_path)
     rounded, records = round_lstm_weights(model, calib)
-    assert set(rounded) == {"W", "R"} and records[0].startswith("lstm: W and R rounded")
+    assert set(rounded) == {"W", "R"} and records[0].startswith("lstm: 8 gate matrices" if direction == "forward"
+                                                                  else "lstm: 16 gate matrices")
     gptq = onnx.ModelProto()
     gptq.CopyFrom(nearest)
     apply_rounded(gptq, rounded)
@@ -318,3 +319,19 @@ def test_the_ethos_u_quantizer_rounds_the_lstm_weights_and_the_cpu_one_does_not(
             steps = block / (np.max(np.abs(original[name][0, g * HR:(g + 1) * HR])) / 127)
             np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
         assert not np.array_equal(weights["ethos-u"][name], original[name])
+
+
+def test_weights_int8_already_are_left_as_the_model_has_them():
+    """A dequantised dynamic int8 LSTM (one scale per direction): its gate matrices hold at most 255
+    values, and are not rounded again."""
+    from opfuse.quantization.algorithms.lstm_rounding import round_lstm_weights
+
+    model = _outlier_tail("forward", 2)
+    for t in model.graph.initializer:
+        if t.name in ("W", "R"):
+            a = numpy_helper.to_array(t).astype(np.float64)
+            scale = np.max(np.abs(a)) / 127
+            t.CopyFrom(numpy_helper.from_array((np.round(a / scale) * scale).astype(np.float32), t.name))
+    rounded, records = round_lstm_weights(model, [_correlated(100 + i) for i in range(4)])
+    assert rounded == {}
+    assert records == ["lstm: 8 left as they are, int8 already (at most 255 values)"]
