@@ -12,7 +12,8 @@ What is written (:func:`lstm`, the ``LSTM`` row of ``lower.LOWERINGS``):
   calibration data (GPTQ, :mod:`opfuse.quantization.algorithms.lstm_rounding`), and the same rounding
   here gives back its integers. (The kernel reads one scale per weight tensor, and without layer
   normalisation it fixes the four gate intermediates at Q3.12 whatever they say; the fifth, the
-  hidden state, is ``Y``'s quantisation, which the recurrent input reads.) Vela 5.2 unrolls it onto the NPU of every Ethos-U.
+  hidden state, is ``Y``'s quantisation, which the recurrent input reads.) Vela 5.2 unrolls it onto
+  the NPU of every Ethos-U.
   (A float LSTM between a DEQUANTIZE and a QUANTIZE is no way out: Vela 5.2 refuses the whole
   TFLite, "UNIDIRECTIONAL_SEQUENCE_LSTM ... does not have valid TFLite semantics: IFM must be INT8
   or INT16"; and LiteRT runs no 16x8 form, int16 activations, to check one against.)
