@@ -103,6 +103,38 @@ def test_a_form_within_the_noise_is_refused_as_no_gain(monkeypatch):
     assert site and site[0].also  # one refusal per attention site, its nodes named
 
 
+def _each_a_little(factor):
+    """Attention-23 and the packed projections each make the step ``factor`` times as long."""
+    def cost(v):
+        ops = _ops(v)
+        return factor ** ("Attention" in ops) * factor ** ("Split" in ops)
+    return cost
+
+
+def test_families_within_the_noise_one_by_one_but_faster_together_are_all_kept(monkeypatch):
+    """Each alone 0.985x (within the 0.02 noise floor), together 0.970x of the input: judged one by
+    one every family would be off and attention written out; together they pay beyond the noise."""
+    monkeypatch.setattr(timing, "measure", _fake_measure(_each_a_little(0.985)))
+    written, report = optimize(decode_step(), target="onnxruntime", tune=True)
+    families = {(f.family, f.candidate): f for f in report.tuning.families}
+    a23, packed = families["attention", "Attention-23"], families["packed-projections", "on"]
+    assert a23.decision == "kept" and "no gain beyond noise" in a23.reason
+    assert a23.reason.startswith("kept with attention Attention-23: every family on measured 0.97x")
+    assert packed.decision == "kept" and "no gain beyond noise" in packed.reason
+    counts = op_counts(written)
+    assert counts.get("Attention", 0) == 1 and counts.get("Split", 0) >= 1
+    assert report.tuning.final.median == pytest.approx(0.985 ** 2)
+    assert report.verification.ok
+
+
+def test_families_within_the_noise_together_too_stay_off(monkeypatch):
+    monkeypatch.setattr(timing, "measure", _fake_measure(_each_a_little(0.995)))
+    written, report = optimize(decode_step(), target="onnxruntime", tune=True)
+    assert "Attention" not in {key.split(".")[-1] for key in op_counts(written)}
+    assert all(f.decision != "kept" for f in report.tuning.families)
+    assert report.verification.ok
+
+
 def test_when_every_rewrite_is_slower_the_input_is_written_unchanged(monkeypatch):
     monkeypatch.setattr(timing, "measure", _fake_measure(lambda v: 1.0 if v.name.startswith("original") else 1.5))
     original = decode_step()
