@@ -68,6 +68,32 @@ def _live(value, matched: set, hops: int = _LIVE_HOPS) -> bool:
                for node, _ in value.uses())
 
 
+def _split_heads(b, inside: set, one_token: bool) -> tuple[str | None, dict[str, int]]:
+    """Each of q, k, v split [B, S, H*Dh] -> [B, S, H, Dh] (S = 1 where ``one_token``), its 4-D heads (and
+    their standard rotation) read by the ``inside`` nodes only: (None, the head counts), or (why not, {})."""
+    form = "[B, 1, H*Dh] -> [B, 1, H, Dh]" if one_token else "[B, S, H*Dh] -> [B, S, H, Dh]"
+    heads = {}
+    for prefix in ("q", "k", "v"):
+        x3, split, four = b[f"{prefix}3"], b[f"{prefix}_split"], b[f"{prefix}_heads"]
+        s3, s4 = x3.shape, split.shape
+        if s3 is None or s4 is None or len(s3) != 3 or len(s4) != 4:
+            return f"the {prefix} head split's shapes are not known ({form})", {}
+        h, dh = s4[2], s4[3]
+        tokens = s3[1] == 1 and s4[1] == 1 if one_token else _same(s4[1], s3[1])
+        if not (isinstance(h, int) and isinstance(dh, int) and _same(s4[0], s3[0]) and tokens and s3[2] == h * dh):
+            token = "one token's " if one_token else ""
+            return f"the {prefix} head split {list(s3)} -> {list(s4)} is not {token}{form}", {}
+        heads[prefix] = h
+        last = b.get(f"{prefix}_rotated") or four
+        if _live(four, inside | {last.producer()}) or (last is not four and _live(last, inside)):
+            return f"the 4-D {prefix} heads are read outside the attention (a present output, say)", {}
+        if last is not four:
+            rope = last.producer()
+            if rope.domain not in ONNX_DOMAINS or rope.attributes.get_int("num_heads", 0):
+                return f"the {prefix} rotation is not the standard RotaryEmbedding on 4-D heads", {}
+    return None, heads
+
+
 class AttentionIn3D(pattern.RewriteRuleClassBase):
     """Attention-23 with a cache, its heads split and merged around it -> its 3-D form (docstring)."""
 
@@ -108,25 +134,9 @@ class AttentionIn3D(pattern.RewriteRuleClassBase):
         node = attention.producer()
         if node.domain not in ONNX_DOMAINS or any(a in node.attributes for a in ("q_num_heads", "kv_num_heads")):
             return "the attention is not the standard op in its 4-D form"
-        heads = {}
-        for prefix in ("q", "k", "v"):
-            x3, split, four = b[f"{prefix}3"], b[f"{prefix}_split"], b[f"{prefix}_heads"]
-            s3, s4 = x3.shape, split.shape
-            if s3 is None or s4 is None or len(s3) != 3 or len(s4) != 4:
-                return f"the {prefix} head split's shapes are not known ([B, S, H*Dh] -> [B, S, H, Dh])"
-            h, dh = s4[2], s4[3]
-            if not (isinstance(h, int) and isinstance(dh, int) and _same(s4[0], s3[0]) and _same(s4[1], s3[1])
-                    and s3[2] == h * dh):
-                return f"the {prefix} head split {list(s3)} -> {list(s4)} is not [B, S, H*Dh] -> [B, S, H, Dh]"
-            heads[prefix] = h
-            last = b.get(f"{prefix}_rotated") or four
-            inside = {node, b["q_rows"].producer()}
-            if _live(four, inside | {last.producer()}) or (last is not four and _live(last, inside)):
-                return f"the 4-D {prefix} heads are read outside the attention (a present output, say)"
-            if last is not four:
-                rope = last.producer()
-                if rope.domain not in ONNX_DOMAINS or rope.attributes.get_int("num_heads", 0):
-                    return f"the {prefix} rotation is not the standard RotaryEmbedding on 4-D heads"
+        problem, heads = _split_heads(b, {node, b["q_rows"].producer()}, one_token=False)
+        if problem:
+            return problem
         if heads["k"] != heads["v"] or heads["q"] % heads["k"]:
             return f"the head counts (q {heads['q']}, k {heads['k']}, v {heads['v']}) do not group"
         out, q3, dh = merged.shape, b["q3"].shape, b["v_split"].shape[3]
@@ -186,26 +196,9 @@ class GroupedRowsIn3D(AttentionIn3D):
         node = attention.producer()
         if node.domain not in ONNX_DOMAINS or any(a in node.attributes for a in ("q_num_heads", "kv_num_heads")):
             return "the attention is not the standard op in its 4-D form"
-        heads = {}
-        for prefix in ("q", "k", "v"):
-            x3, split, four = b[f"{prefix}3"], b[f"{prefix}_split"], b[f"{prefix}_heads"]
-            s3, s4 = x3.shape, split.shape
-            if s3 is None or s4 is None or len(s3) != 3 or len(s4) != 4:
-                return f"the {prefix} head split's shapes are not known ([B, 1, H*Dh] -> [B, 1, H, Dh])"
-            h, dh = s4[2], s4[3]
-            if not (isinstance(h, int) and isinstance(dh, int) and _same(s4[0], s3[0]) and s3[1] == 1
-                    and s4[1] == 1 and s3[2] == h * dh):
-                return (f"the {prefix} head split {list(s3)} -> {list(s4)} is not one token's "
-                        "[B, 1, H*Dh] -> [B, 1, H, Dh]")
-            heads[prefix] = h
-            last = b.get(f"{prefix}_rotated") or four
-            inside = {node, b["q_grouped"].producer()}
-            if _live(four, inside | {last.producer()}) or (last is not four and _live(last, inside)):
-                return f"the 4-D {prefix} heads are read outside the attention (a present output, say)"
-            if last is not four:
-                rope = last.producer()
-                if rope.domain not in ONNX_DOMAINS or rope.attributes.get_int("num_heads", 0):
-                    return f"the {prefix} rotation is not the standard RotaryEmbedding on 4-D heads"
+        problem, heads = _split_heads(b, {node, b["q_grouped"].producer()}, one_token=True)
+        if problem:
+            return problem
         dh, hq, hkv = b["q_split"].shape[3], heads["q"], heads["k"]
         if heads["v"] != hkv or hq % hkv or b["v_split"].shape[3] != dh or b["k_split"].shape[3] != dh:
             return f"the head counts (q {hq}, k {hkv}, v {heads['v']}) do not group"
