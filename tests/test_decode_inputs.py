@@ -103,17 +103,23 @@ def test_a_concat_of_an_input_along_another_axis_is_no_decode_step():
     assert [site.name for site, _ in decode_step_sites(ir.from_proto(decode_step()))] == ["softmax"]
 
 
-def test_a_sliding_window_cache_sliced_before_its_concat_is_a_decode_step():
-    """Mistral's exports keep the cache's last positions (Slice of the past along axis 2) before
-    the Concat: still a decode step, so the untimed policy writes the standard Attention, equal."""
+def _windowed_decode_step(past: str):
+    """decode_step() with Mistral's window on the keys' cache: Slice(past, -4095:, axis 2) before the Concat."""
     m = decode_step()
     (append,) = [n for n in m.graph.node if n.name == "append"]
     append.input[0] = "past_window"
     m.graph.initializer.extend([tensor("window_start", np.array([-4095], np.int64)),
                                 tensor("window_end", np.array([np.iinfo(np.int64).max], np.int64)),
                                 tensor("window_axis", np.array([2], np.int64))])
-    m.graph.node.insert(0, helper.make_node("Slice", ["past_key", "window_start", "window_end", "window_axis"],
+    m.graph.node.insert(0, helper.make_node("Slice", [past, "window_start", "window_end", "window_axis"],
                                             ["past_window"], name="window"))
+    return m
+
+
+def test_a_sliding_window_cache_sliced_before_its_concat_is_a_decode_step():
+    """Mistral's exports keep the cache's last positions (Slice of the past along axis 2) before
+    the Concat: still a decode step, so the untimed policy writes the standard Attention, equal."""
+    m = _windowed_decode_step("past_key")
     assert [site.name for site, _ in decode_step_sites(ir.from_proto(m))] == ["softmax"]
     out, report = optimize(m, target="onnxruntime")
     assert report.verification.ok
@@ -364,14 +370,7 @@ def test_a_window_over_torchscripts_one_input_concat_of_the_past_is_a_decode_ste
     """TorchScript writes the window's Slice over a one-input Concat of the past (a copy that clean-up
     removes only later): the untimed policy, which looks at the graph as loaded, still sees the cache,
     so the standard Attention is written, equal to the input."""
-    m = decode_step()
-    (append,) = [n for n in m.graph.node if n.name == "append"]
-    append.input[0] = "past_window"
-    m.graph.initializer.extend([tensor("window_start", np.array([-4095], np.int64)),
-                                tensor("window_end", np.array([np.iinfo(np.int64).max], np.int64)),
-                                tensor("window_axis", np.array([2], np.int64))])
-    m.graph.node.insert(0, helper.make_node("Slice", ["past_copy", "window_start", "window_end", "window_axis"],
-                                            ["past_window"], name="window"))
+    m = _windowed_decode_step("past_copy")
     m.graph.node.insert(0, helper.make_node("Concat", ["past_key"], ["past_copy"], axis=-2, name="copy"))
     assert [site.name for site, _ in decode_step_sites(ir.from_proto(m))] == ["softmax"]
     out, report = optimize(m, target="onnxruntime")
