@@ -25,7 +25,8 @@ from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 HEADS, DH, HIDDEN = 4, 8, 32
 
 
-def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0):
+def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0,
+                  present_windows: tuple[int, int] | None = None):
     """x [B, S, 32] -> q, k, v projections (4 query heads of 8, ``kv_heads`` key heads); keys and
     values after the past ones; the key heads repeated as transformers' ``repeat_kv`` does (each
     head n times in a row) or, with ``grouping="tiled"``, the whole set n times (head h % kv), or with
@@ -34,7 +35,8 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
     attention with the mask made additive from ``attention_mask`` [B, P + S]; the output
     projection; ``rotary``: q and k rotated as transformers' Llama does, at ``position_ids``;
     ``window``: a sliding-window cache as Mistral's exports keep it (the past's last window - 1
-    positions before the new one). Returns y and the two presents."""
+    positions before the new one); ``present_windows``: the presents cut to their last (key, value)
+    positions as Mistral's exports write them. Returns y and the two presents."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -71,6 +73,7 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
                 past_key, past_value = past_key[:, :, -(window - 1):], past_value[:, :, -(window - 1):]
             present_key = torch.cat([past_key, k], dim=2)
             present_value = torch.cat([past_value, v], dim=2)
+            kept = present_key, present_value
             bias = torch.where(attention_mask[:, None, None, :].bool(), 0.0, float("-inf"))
             if grouping == "rows":  # one token: the query heads as rows of their key head (no repeat)
                 rows = q.reshape(b, kv_heads, n * s, DH)
@@ -79,13 +82,15 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
             else:
                 y = torch.nn.functional.scaled_dot_product_attention(q, repeat(present_key), repeat(present_value),
                                                                      attn_mask=bias)
-            return self.o(y.transpose(1, 2).reshape(b, s, HEADS * DH)), present_key, present_value
+            if present_windows:
+                kept = (present_key[:, :, -present_windows[0]:], present_value[:, :, -present_windows[1]:])
+            return self.o(y.transpose(1, 2).reshape(b, s, HEADS * DH)), *kept
 
     return Block().eval()
 
 
 def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0,
-                  dynamo: bool = True) -> str:
+                  dynamo: bool = True, present_windows: tuple[int, int] | None = None) -> str:
     torch = pytest.importorskip("torch")
     past = 5
     args = (torch.randn(2, 1, HIDDEN), torch.ones(2, past + 1, dtype=torch.int64),
@@ -97,7 +102,7 @@ def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: 
     path = tmp_path / "block.onnx"
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        block = _decode_block(kv_heads, grouping, rotary, window)
+        block = _decode_block(kv_heads, grouping, rotary, window, present_windows)
         if not dynamo:  # TorchScript, its axes named as benchmarks/decoders.py names them
             axes = {"x": {0: "batch"}, "attention_mask": {0: "batch", 1: "past + 1"},
                     "past_key": {0: "batch", 2: "past"}, "past_value": {0: "batch", 2: "past"},

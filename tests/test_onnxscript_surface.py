@@ -24,6 +24,8 @@ from opfuse.passes import cleanup, fuse_patterns
 PRIVATE = [
     ("onnxscript.rewriter._ir_utils", "display_nodes", "passes/fuse_patterns.py (a verbose rule's display)"),
     ("onnxscript.rewriter._pattern_ir", "StringConstantPattern", "passes/fuse_patterns.py _root_op (by type name)"),
+    ("onnxscript.rewriter._matcher", "SimplePatternMatcher._multi_match", "passes/patterns/present_window.py"),
+    ("onnxscript.rewriter._matcher", "SimplePatternMatcher._init_match", "passes/patterns/present_window.py"),
     ("onnxscript.optimizer._constant_folding", "registry.op_evaluators", "passes/cleanup.py _evaluated_ops"),
     ("onnxscript.rewriter.rules.common._matmul_add_to_gemm", "MatMulAddToGemm", "passes/patterns/matmul_add.py"),
     ("onnxscript.rewriter.rules.fusion._rms_normalization", "RmsNormFusion", "passes/patterns/rms_norm.py"),

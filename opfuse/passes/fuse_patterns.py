@@ -331,9 +331,10 @@ def _could_match(found, present: set[tuple[str, str]]) -> bool:
 
 @functools.cache
 def _index(rules: tuple) -> tuple[dict[tuple[str, str], tuple], tuple]:
-    """The rules by the (domain, op) of their pattern's one output node, which a match's root
+    """The rules by the (domain, op) of their pattern's output node, which a match's root
     must be (onnxscript's matcher fails any other node first, but only after a Python call
-    per rule per node); rules with several output nodes are tried everywhere."""
+    per rule per node; with several output nodes it matches the node given against the first);
+    rules whose op is not one fixed name are tried everywhere."""
     by_root: dict[tuple[str, str], list] = {}
     anywhere = []
     for rule in rules:
@@ -346,10 +347,10 @@ def _index(rules: tuple) -> tuple[dict[tuple[str, str], tuple], tuple]:
 
 
 def _root_op(rule) -> tuple[str, str] | None:
-    """(domain, op) the rule's one output node must have; None when it has several or its
-    op is not one fixed name (onnxscript's private pattern objects; absent: None)."""
+    """(domain, op) the rule's output node (its first, with several) must have; None when its op
+    is not one fixed name (onnxscript's private pattern objects; absent: None)."""
     graph = getattr(rule, "_target_pattern", None)
-    if graph is None or not graph.has_single_output_node:
+    if graph is None or not graph.output_nodes:
         return None
     node = graph.output_nodes[0]
     op, domain = getattr(node, "op", None), getattr(node, "domain", None)
@@ -371,6 +372,9 @@ def _record(scope, found, rule, matched, removed, delta, outputs) -> tuple[Fusio
     title = found.record_titles.get(rule.name, found.title)
     source, _, written = title.partition("->")
     op = main.op_type if main is not None else "nothing"
+    if op == "If":  # (a branch chosen at run time: the ops its then-branch writes, "If(Attention)")
+        inner = [n.op_type for n in main.attributes["then_branch"].value if n.op_type not in _PLUMBING]
+        op = f"If({', '.join(dict.fromkeys(inner))})"
     label = title if not written and source == op else f"{source}->{op}"
     approximate = "approximat" in (rule.name or "")
     kept = len(matched) - len(removed)

@@ -24,7 +24,9 @@ so the mask is expanded to [.., S, Skv] first: ``Expand(mask, [1, 1, S, 1])``, e
 A KV cache around it (the past Concat, grouped-query attention's ``repeat_kv``) then goes
 into the same op as its past_key/past_value inputs and present outputs
 (:mod:`opfuse.passes.patterns.kv_cache`, a later stage), and then the op with its cache takes
-its 3-D form, the head split and merge around it gone (:mod:`opfuse.passes.patterns.heads_3d`).
+its 3-D form, the head split and merge around it gone (:mod:`opfuse.passes.patterns.heads_3d`), and a
+sliding window's present Slices go under an If that skips them while the cache fits the window
+(:mod:`opfuse.passes.patterns.present_window`; not for QNN, whose HTP runs no control flow).
 
 Legality: onnxscript's checks (shapes [B, S, H, Dh] that agree, a head size that is
 static, dropout none, the scale a constant...); the standard form needs opset 23. The
@@ -35,16 +37,18 @@ graph bigger than it found it.
 
 from __future__ import annotations
 
-__all__ = ["TITLE", "RECORD_TITLES", "stages", "INTERMEDIATE_DOMAINS", "ENTRY_STAGE"]
+__all__ = ["TITLE", "RECORD_TITLES", "FORMS", "stages", "INTERMEDIATE_DOMAINS", "ENTRY_STAGE"]
 
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale, sdpa, sdpa_via_mha, shape_optimization
 
-from opfuse.passes.patterns import heads_3d, kv_cache, opset_problem
+from opfuse.passes.patterns import heads_3d, kv_cache, opset_problem, present_window
 
 TITLE = "attention->Attention"
 # stage 1's rule slices dims out of a Shape of a reshape: its records say so, not "attention"
-RECORD_TITLES = {"ExtractDim": "Shape+Slice->dims"}
+RECORD_TITLES = {"ExtractDim": "Shape+Slice->dims", "PresentWindow->If": "present window->If"}
+# "qnn": the standard ops without the present window's If (control flow leaves QNN's HTP)
+FORMS = ("standard", "onnxruntime", "qnn")
 INTERMEDIATE_DOMAINS = frozenset({"ai.onnxruntime._fusion"})
 # the stage that finds attention in the graph's own ops (the SDPA stage: MatMul, Softmax...); stage 1's
 # shape rule matches most CNNs, so the measured choice asks for this stage's ops before it builds a form
@@ -113,13 +117,14 @@ def _mha_rules(has_past_present: bool) -> list:
 
 
 def stages(form: str, approximate: bool = False):
-    if form == "standard":
+    if form in ("standard", "qnn"):
         return [
             list(shape_optimization.rules.rules),
             list(sdpa.sdpa_rules.rules),
             [SdpaToAttention.rule(masked=True), SdpaToAttention.rule(masked=False)],
             kv_cache.rules(),
             heads_3d.rules(),
+            *([present_window.rules()] if form == "standard" else []),
         ]
     return [
         list(shape_optimization.rules.rules),
