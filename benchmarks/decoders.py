@@ -66,8 +66,9 @@ fp32 for CPU on the same config and weights (``save_pretrained`` to a folder wit
 ``max_position_embeddings`` raised to 512 there, since its cos/sin caches are sized by it and the decode
 step reads position 256), built once and kept beside the exports. It is timed in the same interleaved
 run on its own inputs (the same tokens and mask; the same past in a decode step, an empty one in prefill)
-after its logits are checked against the original's; ``opfuse ... vs builder`` lines give the paired
-ratio of each opfuse row to it. The builder builds Llama, Qwen2, Phi3 and Mistral; GPT-2 and GPT-J are rows
+after its logits are checked against the original's, and once more as its own A/A control
+(``genai builder (A/A)``); ``... vs builder`` lines give the paired ratio of each opfuse row, and of that
+control (the noise floor of the comparison), to it. The builder builds Llama, Qwen2, Phi3 and Mistral; GPT-2 and GPT-J are rows
 with its error, T5 is not run. The verify-only mode never builds it.
 
 Exit 1 if an opfuse row is not ok; ``--json`` keeps every row with its samples.
@@ -620,6 +621,9 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
     progress(genai_anchor.ROW)
     own_feeds = {}
     rows[genai_anchor.ROW] = _anchor(decoder, path, graph, inputs, reference, files, own_feeds)
+    if genai_anchor.ROW in files:  # its A/A control: the noise floor of the "vs builder" ratios
+        files[BUILDER_AA], own_feeds[BUILDER_AA] = files[genai_anchor.ROW], own_feeds[genai_anchor.ROW]
+        rows[BUILDER_AA] = {"status": "ok"}
     for label, file in files.items():
         written = onnx.load(str(file), load_external_data=False)
         rows[label]["nodes"] = count_nodes(written)
@@ -632,7 +636,7 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
                 for label, file in files.items()]
     result = measure(variants, inputs, threads=1, rounds=rounds, baseline="original", repeat=repeat)
     for label in files:
-        paired = result.paired(label, genai_anchor.ROW) if label in OPFUSE_ROWS else []
+        paired = result.paired(label, genai_anchor.ROW) if label in (*OPFUSE_ROWS, BUILDER_AA) else []
         if paired:
             rows[label].update(vs_builder=float(np.median(paired)),
                                vs_builder_iqr=[float(q) for q in np.percentile(paired, [25, 75])])
@@ -650,6 +654,9 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
     if positions is not None and graph == "decode" and TIME_PAST >= positions:
         shape += f", position {positions - 1} (the table's last)"
     return [{"target": label, "shape": shape, "rounds": rounds, "repeat": repeat, **row} for label, row in rows.items()]
+
+
+BUILDER_AA = f"{genai_anchor.ROW} (A/A)"
 
 
 def _anchor(decoder: Decoder, path: pathlib.Path, graph: str, inputs: dict, reference: dict, files: dict,
