@@ -679,7 +679,7 @@ def _anchor(decoder: Decoder, path: pathlib.Path, graph: str, inputs: dict, refe
     return row
 
 
-TIMED_HEADER = (f"{'model':<8} {'exporter':<11} {'graph':<7} {'row':<15} {'median ms':>9} {'min-max':>13} "
+TIMED_HEADER = (f"{'model':<8} {'exporter':<11} {'graph':<7} {'row':<19} {'median ms':>9} {'min-max':>13} "
                 f"{'ratio [IQR]':>21}  {'nodes':>5} {'status':<6} ops (contrib/fused, MatMul)")
 # short names in the op histogram (others: the op type)
 SHORT = {"GroupQueryAttention": "GQA", "MultiHeadAttention": "MHA", "SkipSimplifiedLayerNormalization": "SkipSLN",
@@ -696,7 +696,7 @@ def op_histogram(ops: dict[str, int]) -> str:
 
 
 def timed_line(row: dict) -> str:
-    head = f"{row['model']:<8} {row['exporter']:<11} {row['graph']:<7} {row.get('as', row['target']):<15}"
+    head = f"{row['model']:<8} {row['exporter']:<11} {row['graph']:<7} {row.get('as', row['target']):<19}"
     ops = op_histogram(row["ops"]) if "ops" in row else ""
     if "median_ms" not in row:
         return f"{head} {'':>9} {'':>13} {'':>21}  {row.get('nodes', ''):>5} {ops}  {row['status']}"

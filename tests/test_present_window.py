@@ -77,3 +77,17 @@ def test_windows_the_key_and_the_value_do_not_share_are_refused_with_the_reason(
     inputs = _inputs(2, 5, 0, seed=5, rotary=True)
     assert_outputs_close(ort_run(onnx.load(path), inputs), ort_run(out, inputs), 1e-5, 1e-5)
 
+
+
+def test_the_written_model_optimised_again_keeps_its_one_if(tmp_path):
+    """Run on its own output: the then-branch's presents are no Slice's, the else-branch is the graph's
+    own nodes (no rule matches there, and no refusal is logged for it): one If, no If inside it."""
+    path = _export_block(tmp_path, 2, rotary=True, window=WINDOW, present_windows=(WINDOW - 1, WINDOW - 1))
+    once, _ = opfuse.optimize(path, target="onnx", opset=23, runtime_level="disabled", tune=False)
+    twice, report = opfuse.optimize(once, target="onnx", opset=23, runtime_level="disabled", tune=False)
+    assert report.verification.ok
+    (branching,) = _ifs(twice)
+    branches = [branching.attributes[k].value for k in ("then_branch", "else_branch")]
+    assert [[n.op_type for n in b] for b in branches] == [["Attention"], ["Attention", "Slice", "Slice"]]
+    assert not [r for r in report.refusals if "If" in r.reason or "branch" in r.reason], report.refusals
+    _assert_equal_on_both_branches(onnx.load(path), twice)

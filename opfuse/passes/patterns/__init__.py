@@ -19,6 +19,7 @@ pattern            what it matches                               becomes (standa
                    Softmax, v, head merge (TorchScript's encoders)
 ``attention``      MatMul, scale, mask, Softmax, MatMul          Attention (23+) /
                    [, past Concat, repeat_kv: kv_cache.py]       MultiHeadAttention, Attention
+                   [, present window Slices: present_window.py]  [under If (23+)]
 ``matmul-add``     MatMul (2-D) then Add(bias)                   Gemm / Gemm
 =================  ============================================  =========================
 

@@ -87,8 +87,6 @@ class PresentWindow(pattern.RewriteRuleClassBase):
 
     def _problem(self, attention, key_all, value_all, present_key, present_value) -> str | None:
         node = attention.producer()
-        if node.graph is not None and node.graph.name == _ELSE:
-            return "this attention node is the If's own else-branch (the graph's Slices, kept as they were)"
         if node.domain not in ONNX_DOMAINS or len(node.inputs) < 6 or node.inputs[4] is None or node.inputs[5] is None:
             return "the attention node has no cache (past_key, past_value)"
         if len(node.outputs) != 3:
@@ -168,6 +166,8 @@ class _SlicesOfTheNode(_matcher.SimplePatternMatcher):
         result = pattern.MatchResult()
         if node.op_type != "Attention" or node.domain not in ONNX_DOMAINS or len(node.outputs) != 3:
             return result.fail("not an Attention node with its presents")
+        if self._graph.name == _ELSE:  # (not a refusal: the If's else-branch is the graph's own nodes)
+            return result.fail("the If's own else-branch")
         cuts = [[user for user, _ in out.uses() if user.op_type == "Slice"] for out in node.outputs[1:]]
         for combination in itertools.product([node], *cuts):
             self._init_match(verbose)
