@@ -48,7 +48,8 @@ takes about 8 more. Not in the test suite.
 
 Without ``--verify-only`` (the timed mode), per model/exporter/graph, one interleaved run
 (``opfuse.bench.measure``: every round runs every session ``--repeat`` times back to back, 3 as the
-tuner does, its fastest run taken, the sessions in a rotating order) at ONNX Runtime's
+tuner does, its fastest run taken, the sessions in a rotating order; each row has ``--copies`` sessions,
+3, its round time their mean, since two sessions of one model differ by 5-15% for as long as they live) at ONNX Runtime's
 ALL level, one thread, ``--rounds`` rounds (31), at batch 1: prefill with 128 tokens, decode with a past
 of 256 (GPT-2's learned positions end at 255: its decode step reads position 255). The rows: the
 original export; the original again (the A/A control: its ratio is the run's noise floor); opfuse
@@ -576,7 +577,7 @@ def _written(path: pathlib.Path, tool: Callable, decoder: Decoder, dst: pathlib.
 
 
 def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, workdir: pathlib.Path,
-               progress: Callable[[str], None] = lambda s: None, repeat: int = 1) -> list[dict]:
+               progress: Callable[[str], None] = lambda s: None, repeat: int = 1, copies: int = 1) -> list[dict]:
     """One interleaved run at ORT ALL, one thread: the original, its A/A control, opfuse on both targets and
     the peers; every written model checked equal to the original on the timing inputs before it is timed."""
     from opfuse.bench.measure import Variant, measure
@@ -634,7 +635,8 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
     variants = [Variant(label, label, str(file), level="all", kind="control" if "(A/A)" in label else "config",
                         feeds=own_feeds.get(label), exact=label not in own_feeds)
                 for label, file in files.items()]
-    result = measure(variants, inputs, threads=1, rounds=rounds, baseline="original", repeat=repeat)
+    result = measure(variants, inputs, threads=1, rounds=rounds, baseline="original", repeat=repeat,
+                     copies=copies)
     for label in files:
         paired = result.paired(label, genai_anchor.ROW) if label in (*OPFUSE_ROWS, BUILDER_AA) else []
         if paired:
@@ -653,7 +655,8 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
     shape = f"batch 1, seq {TIME_SEQ}" if graph == "prefill" else f"batch 1, past {TIME_PAST}"
     if positions is not None and graph == "decode" and TIME_PAST >= positions:
         shape += f", position {positions - 1} (the table's last)"
-    return [{"target": label, "shape": shape, "rounds": rounds, "repeat": repeat, **row} for label, row in rows.items()]
+    return [{"target": label, "shape": shape, "rounds": rounds, "repeat": repeat, "copies": copies,
+             **row} for label, row in rows.items()]
 
 
 BUILDER_AA = f"{genai_anchor.ROW} (A/A)"
@@ -716,7 +719,7 @@ def _selected(models: list[str], exporters: list[str], graphs: list[str]):
 
 
 def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache: pathlib.Path, rounds: int,
-              show: Callable[[dict], None], repeat: int = 1) -> list[dict]:
+              show: Callable[[dict], None], repeat: int = 1, copies: int = 1) -> list[dict]:
     rows = []
     for name, decoder, exporter, graph in _selected(models, exporters, graphs):
         base = {"model": name, "exporter": exporter, "graph": graph}
@@ -727,7 +730,8 @@ def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache:
             with tempfile.TemporaryDirectory(prefix="opfuse-decoders-") as tmp:
                 try:
                     found = [{**base, **r} for r in time_graph(decoder, path, graph, rounds,
-                                                                pathlib.Path(tmp), repeat=repeat)]
+                                                                pathlib.Path(tmp), repeat=repeat,
+                                                                copies=copies)]
                 except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
                     found = [{**base, "target": "-", "status": f"export does not run: {_first_line(e)}"}]
         for row in found:
@@ -809,6 +813,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=31, help="timed mode: interleaved rounds per graph")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed mode: runs per session per round, back to back, the fastest taken (the tuner's 3)")
+    parser.add_argument("--copies", type=int, default=3,
+                        help="timed mode: sessions per row, its round time their mean")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     picked = {k: [x for x in getattr(args, k).split(",") if x] for k in ("models", "exporters", "graphs", "targets")}
@@ -839,11 +845,12 @@ def main_timed(args, picked: dict) -> int:
     """The timed mode: one interleaved run per graph; exit 1 if an opfuse row is not ok (peers are listed)."""
     start = time.perf_counter()
     print(f"exports in {args.cache / versions_tag()}; ORT all, 1 thread, {args.rounds} rounds of {args.repeat} "
-          f"run(s) each (the fastest); prefill: batch 1, "
+          f"run(s) each (the fastest), {args.copies} session(s) per row (their mean); prefill: batch 1, "
           f"seq {TIME_SEQ}; decode: batch 1, past {TIME_PAST}; ratio: median of per-round time / original's")
     print(TIMED_HEADER, flush=True)
     rows = run_timed(picked["models"], picked["exporters"], picked["graphs"], args.cache, args.rounds,
-                     lambda row: print(timed_line(row), flush=True), repeat=args.repeat)
+                     lambda row: print(timed_line(row), flush=True), repeat=args.repeat,
+                     copies=args.copies)
     failed = [r for r in rows if r["target"] in OPFUSE_ROWS and r["status"] != "ok"]
     print(f"{len(failed)} opfuse row(s) not ok; {time.perf_counter() - start:.0f} s")
     if args.json:

@@ -702,3 +702,15 @@ def test_a_variant_runs_on_its_own_feeds_and_is_compared_with_the_baseline():
     assert set(result.timings) == {"a", "b", "c"} and len(result.timings["b"].samples_ms) == 2
     assert "b" not in result.mismatches
     assert "out" in result.mismatches["c"]
+
+
+def test_copies_give_each_variant_several_sessions_and_one_time_per_round():
+    from opfuse.bench.measure import Variant, measure
+
+    x = rng(0).normal(size=(2, 3)).astype(np.float32)
+    variants = [Variant("a", "a", _doubler("x")), Variant("b", "b", _doubler("x")),
+                Variant("broken", "broken", b"not a model")]
+    result = measure(variants, {"x": x}, threads=1, warmup=1, rounds=3, copies=3)
+    assert set(result.timings) == {"a", "b"} and "broken" in result.errors
+    assert all(len(result.timings[k].samples_ms) == 3 for k in ("a", "b"))
+    assert len(result.paired("b", "a")) == 3 and not result.mismatches

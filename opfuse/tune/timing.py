@@ -5,6 +5,9 @@ benchmarks (:mod:`opfuse.bench.measure`, which re-exports it) run:
 
 - Every variant gets its own session, at its own runtime level; an **A/A control** is a
   second, separate session of the same model, whose ratio to the first is the noise floor.
+  ``copies`` gives each variant several sessions, its round time their mean: two sessions of one
+  model can differ by 5-15% for as long as they live (a Mistral decode step, 0.4 ms, at one
+  thread: ``experiments/decode_timing``), which one session per variant reads as the variants'.
 - ``intra_op_num_threads`` is configurable, one inter-op thread, sequential execution, and
   thread spinning off (``session.intra_op.allow_spinning = 0``) so idle sessions do not
   steal the cores the measured one needs.
@@ -169,6 +172,7 @@ def measure(
     min_rounds: int = 7,
     max_rounds: int = 41,
     repeat: int = 1,
+    copies: int = 1,
 ) -> Measurement:
     """Interleaved latency measurement of ``variants`` on the same ``feeds``.
 
@@ -176,10 +180,12 @@ def measure(
     ``baseline`` (default: the first variant) is what paired ratios and output checks use.
     ``rounds`` None: as many as fit in ``budget_s`` (:func:`rounds_for_budget`). ``repeat``:
     runs per session per round, the fastest taken (a burst of another process's work on a
-    shared machine lengthens one run, rarely all of them).
+    shared machine lengthens one run, rarely all of them). ``copies``: sessions per variant,
+    created in turn with the other variants' (copy 0 of each, then copy 1...); a round's time of
+    a variant is the mean of its copies' (two sessions of one model can differ by several percent
+    for as long as they live: where each got its memory, not what it computes).
     """
     baseline = baseline or variants[0].name
-    sessions: dict[str, Any] = {}
     op_counts: dict[str, Counter] = {}
     errors: dict[str, str] = {}
     total_steps = len(variants) + warmup + (rounds or min_rounds)
@@ -191,22 +197,29 @@ def measure(
         if progress is not None:
             progress(stage, step, total_steps)
 
+    copies_of: dict[str, list[Any]] = {}
     with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
-        for i, v in enumerate(variants):
-            optimized = os.path.join(tmp, f"opt{i}.onnx") if v.level != "disabled" else None
-            try:
-                source = serialize(v.model, tmp)
-                sessions[v.name] = ort.InferenceSession(
-                    source, session_options(v.level, threads, optimized_path=optimized),
-                    providers=["CPUExecutionProvider"],
-                )
-                if optimized is not None:
-                    op_counts[v.name] = _graph_op_counts(onnx.load(optimized, load_external_data=False))
-                else:
-                    op_counts[v.name] = _model_op_counts(v.model)
-            except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
-                errors[v.name] = first_line(e)
-            tick(f"session {v.label}")
+        for copy in range(max(1, copies)):
+            for i, v in enumerate(variants):
+                if v.name in errors:
+                    continue
+                optimized = os.path.join(tmp, f"opt{i}.onnx") if v.level != "disabled" and copy == 0 else None
+                try:
+                    source = serialize(v.model, tmp)
+                    copies_of.setdefault(v.name, []).append(ort.InferenceSession(
+                        source, session_options(v.level, threads, optimized_path=optimized),
+                        providers=["CPUExecutionProvider"],
+                    ))
+                    if copy == 0 and optimized is not None:
+                        op_counts[v.name] = _graph_op_counts(onnx.load(optimized, load_external_data=False))
+                    elif copy == 0:
+                        op_counts[v.name] = _model_op_counts(v.model)
+                except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
+                    errors[v.name] = first_line(e)
+                    copies_of.pop(v.name, None)
+                if copy == 0:
+                    tick(f"session {v.label}")
+    sessions = {name: found[0] for name, found in copies_of.items()}
 
     names = [v.name for v in variants if v.name in sessions]
     taken = {name: {i.name for i in sessions[name].get_inputs()} for name in names}
@@ -220,6 +233,8 @@ def measure(
         for name in names:
             try:
                 result = sessions[name].run(None, fed[name])
+                for other in copies_of[name][1:]:
+                    other.run(None, fed[name])
             except Exception as e:  # noqa: BLE001
                 errors[name] = first_line(e)
                 continue
@@ -230,7 +245,7 @@ def measure(
         pass_s = time.perf_counter() - start_pass
         tick("warm-up")
     if rounds is None:
-        rounds = rounds_for_budget(pass_s * repeat, budget_s, min_rounds, max_rounds)
+        rounds = rounds_for_budget(pass_s * repeat, budget_s, min_rounds, max_rounds)  # (a pass runs every copy)
 
     mismatches: dict[str, str] = {}
     inexact = {v.name for v in variants if not v.exact}
@@ -249,12 +264,17 @@ def measure(
         order = names[shift:] + names[:shift]
         this_round: dict[str, float] = {}
         for name in order:
-            best = float("inf")
-            for _ in range(repeat):
-                start = time.perf_counter()
-                sessions[name].run(None, fed[name])
-                best = min(best, time.perf_counter() - start)
-            this_round[name] = best * 1e3
+            own_copies = copies_of[name]
+            turn = r % len(own_copies)
+            times = []
+            for session in own_copies[turn:] + own_copies[:turn]:
+                best = float("inf")
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    session.run(None, fed[name])
+                    best = min(best, time.perf_counter() - start)
+                times.append(best)
+            this_round[name] = sum(times) / len(times) * 1e3
         for name, ms in this_round.items():
             samples[name].append(ms)
             if baseline in this_round:
