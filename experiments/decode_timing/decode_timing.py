@@ -1,7 +1,7 @@
 """A sliding-window decode step with and without the present window's If, timed cold and warm.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python experiments/decode_timing/decode_timing.py \
-        --model mistral --exporter dynamo --rounds 31
+        --model mistral --exporter dynamo --rounds 101 --copies 3
 
 Two questions, one interleaved run each way:
 
@@ -13,6 +13,10 @@ Two questions, one interleaved run each way:
    after the other sessions ran (its weights and caches cold, as ``benchmarks/decoders.py`` did before
    ``--repeat``); ``repeat 3``: three runs back to back, the fastest taken (as the tuner times, and as a
    decode loop runs one step after another). Both with an A/A of the export and of the builder.
+
+Each row has ``--copies`` sessions (``opfuse.bench.measure``'s ``copies``), its round time their mean:
+with one session each, the builder's A/A read 0.83-0.95 of the builder in runs of 301 rounds, and
+the If and the Slices rows traded places from run to run.
 
 The builder's graph and the exports are those ``benchmarks/decoders.py`` cached (run it once first).
 """
@@ -64,7 +68,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mistral", choices=sorted(decoders.MODELS))
     parser.add_argument("--exporter", default="dynamo", choices=decoders.EXPORTERS)
-    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--rounds", type=int, default=101)
+    parser.add_argument("--copies", type=int, default=3, help="sessions per row, its round time their mean")
     parser.add_argument("--cache", type=pathlib.Path, default=decoders.DEFAULT_CACHE)
     args = parser.parse_args(argv)
     decoder = decoders.MODELS[args.model]
@@ -92,11 +97,13 @@ def main(argv=None) -> int:
                             feeds=own if k.startswith("builder") else None, exact=not k.startswith("builder"))
                     for k, v in files.items()]
         for repeat in (1, 3):
-            result = measure(variants, inputs, threads=1, rounds=args.rounds, baseline="original", repeat=repeat)
+            result = measure(variants, inputs, threads=1, rounds=args.rounds, baseline="original", repeat=repeat,
+                             copies=args.copies)
             if result.mismatches or result.errors:
                 print(f"not equal or failed: {result.mismatches or result.errors}", file=sys.stderr)
                 return 1
-            print(f"repeat {repeat} ({args.rounds} rounds; the fastest of {repeat} run(s) per round)")
+            print(f"repeat {repeat} ({args.rounds} rounds; the fastest of {repeat} run(s) per round; "
+                  f"{args.copies} session(s) per row)")
             print(f"  {'row':<16} {'median ms':>9} {'min-max':>13}  {'vs original [IQR]':>22}  {'vs builder [IQR]':>22}")
             for label in files:
                 timing = result.timings[label]

@@ -16,7 +16,9 @@ written:
    positions end at 255), those sizes are halved until it does, and the log says so.
 2. **One interleaved run** (:mod:`opfuse.tune.timing`) at the runtime level the user
    targets (``--runtime-level``, default all), one intra-op thread unless asked otherwise,
-   each session's fastest of :data:`REPEAT` runs per round: the input, its A/A control (a
+   each session's fastest of :data:`REPEAT` runs per round, :data:`COPIES` sessions per
+   variant (a round's time their mean: two sessions of one model can differ by 5-15% for as long
+   as they live, which one session each would read as the variants'): the input, its A/A control (a
    second session of it), the **reference** (every family on, attention written out), the
    reference with each family off in turn, each candidate form of attention, and every
    family off (the folds alone). A variant that writes the same
@@ -73,6 +75,7 @@ NOISE_FLOOR = 0.02  # added to the A/A's distance from 1: what a family must bea
 DECODE_PAST, PREFILL_SEQ = 256, 128  # the default shapes: a decode step's past, any other graph's free dims
 DEFAULT_BUDGET_S = 5.0  # of timing rounds, per interleaved run
 REPEAT = 3  # runs per session per round, the fastest taken (timing.measure)
+COPIES = 2  # sessions per variant, a round's time their mean (timing.measure; experiments/decode_timing)
 MIN_ROUNDS, MAX_ROUNDS = 7, 151  # the budget decides between them (a small model gets many: a tight A/A)
 ENVIRONMENT = "OPFUSE_TUNE"  # "off": the default is not to time (test suites)
 
@@ -294,7 +297,7 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         variants += [timing.Variant(names.get(c, "chosen"), names.get(c, "chosen"), models[c], level=level,
                                     exact=exact) for c in configs]
         found = measure(variants, fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s,
-                        repeat=REPEAT, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS)
+                        repeat=REPEAT, copies=COPIES, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS)
         record.rounds += found.rounds
         return found
 
