@@ -9,6 +9,7 @@ flow); a window the key and the value do not share is refused with the reason.""
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 import pytest
 
 import opfuse
@@ -52,16 +53,30 @@ def test_the_present_windows_go_under_an_if_that_skips_them_while_the_cache_fits
     _assert_equal_on_both_branches(original, out)
 
 
+@pytest.mark.parametrize("target, ifs", [("qnn", 0), ("onnx", 1)])
+def test_qnn_s_form_of_the_rules_writes_no_if(tmp_path, target, ifs):
+    """QNN's HTP runs no control flow: its form of the attention rules has no If stage. The pattern pass
+    alone, on the export at opset 23 with its dims still symbolic (the QNN pipeline binds them first,
+    and a static cache length leaves no Slice to put under an If), against the standard form's."""
+    from onnx import version_converter
+
+    from opfuse.passes.fuse_patterns import PatternFusionPass
+
+    path = _export_block(tmp_path, 2, rotary=True, window=WINDOW, present_windows=(WINDOW - 1, WINDOW - 1))
+    model = ir.from_proto(version_converter.convert_version(onnx.load(path), 23))
+    PatternFusionPass(target=target)(model)
+    assert sum(n.op_type == "If" for n in model.graph) == ifs, ops(model)
+    assert _attention(model), "the KV cache went into Attention-23 on both forms"
+
+
 @pytest.mark.parametrize("past", [3, WINDOW - 1])
-def test_qnn_writes_no_if(tmp_path, past):
-    """QNN's HTP runs no control flow, and QNN's graphs are static (``--dim``): its form of the attention
-    rules has no If stage; the presents are what the export writes, at a length that fits and one cut."""
+def test_qnn_writes_the_presents_the_export_does(tmp_path, past):
+    """QNN's graphs are static (``--dim``): at a length that fits and one that is cut, no If, equal."""
     path = _export_block(tmp_path, 2, rotary=True, window=WINDOW, present_windows=(WINDOW - 1, WINDOW - 1))
     out, report = opfuse.optimize(path, target="qnn", opset=23, runtime_level="disabled", tune=False,
                                   dims={"batch": 2, "past": past})
     assert report.verification.ok
     assert not _ifs(out), ops(out)
-    assert len(_attention(out)) == 1
     inputs = _inputs(2, past, 1, seed=past, rotary=True)
     assert_outputs_close(ort_run(onnx.load(path), inputs), ort_run(out, inputs), 1e-5, 1e-5)
 

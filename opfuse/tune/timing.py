@@ -198,6 +198,7 @@ def measure(
             progress(stage, step, total_steps)
 
     copies_of: dict[str, list[Any]] = {}
+    sources: dict[str, bytes | str] = {}  # (serialised once, whatever the copies)
     with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
         for copy in range(max(1, copies)):
             for i, v in enumerate(variants):
@@ -205,9 +206,10 @@ def measure(
                     continue
                 optimized = os.path.join(tmp, f"opt{i}.onnx") if v.level != "disabled" and copy == 0 else None
                 try:
-                    source = serialize(v.model, tmp)
+                    if v.name not in sources:
+                        sources[v.name] = serialize(v.model, tmp)
                     copies_of.setdefault(v.name, []).append(ort.InferenceSession(
-                        source, session_options(v.level, threads, optimized_path=optimized),
+                        sources[v.name], session_options(v.level, threads, optimized_path=optimized),
                         providers=["CPUExecutionProvider"],
                     ))
                     if copy == 0 and optimized is not None:
