@@ -176,6 +176,8 @@ def test_fresh_names_take_constant_time_per_name():
 OWN_RULES = {
     ("passes/patterns/self_attention.py", "_SCALINGS"): "the two ways an export scales the scores (its rules)",
     ("passes/reshape_dims.py", "_SHAPE_ARITHMETIC"): "the shape arithmetic a constant target leaves dead",
+    ("passes/index_arithmetic.py", "_BROADCASTS"): "the ops an export of broadcast_tensors writes (rule 1)",
+    ("passes/index_arithmetic.py", "_IDENTITY_CONSTANT"): "the ops that return their input with a constant (rule 4)",
     ("core/activations.py", frozenset({"Relu", "Clip"})): "the clamp-merging rule",
     ("bench/table.py", frozenset({"BatchNormalization", "Relu", "Clip", "Add"})): "columns the table shows",
     ("passes/equalize.py", "BETWEEN"): "how each op commutes with a channel scale (the pass's algebra)",

@@ -8,6 +8,9 @@
 ``fuse-activation``       Conv/Gemm + activation -> FusedConv/FusedGemm (onnxruntime)
 ``fuse-epilogue``         Conv + residual Add + activation -> FusedConv (onnxruntime)
 ``reshape-dims``          Reshape targets computed from shapes -> constants (0 = the input's dim)
+``index-arithmetic``      index and mask arithmetic (GatherND over an index grid, Gather of a
+                          whole axis, Unsqueeze chains, And/Or/Expand returning their input)
+                          in fewer nodes
 ``fuse-patterns``         LayerNorm, GELU, SiLU, HardSwish, attention... -> the op the target
                           runs (:mod:`opfuse.passes.patterns`)
 ``pack-projections``      MatMuls reading one input with constant weights -> one MatMul
@@ -50,6 +53,7 @@ REGISTRY: dict[str, str] = {
     "fuse-epilogue": "opfuse.passes.fuse_epilogue:EpilogueFusionPass",
     "fuse-patterns": "opfuse.passes.fuse_patterns:PatternFusionPass",
     "reshape-dims": "opfuse.passes.reshape_dims:ReshapeDimsPass",
+    "index-arithmetic": "opfuse.passes.index_arithmetic:IndexArithmeticPass",
     "pack-projections": "opfuse.passes.pack_projections:PackProjectionsPass",
     "equalize": "opfuse.passes.equalize:EqualizePass",
     "equalize-homogeneous": "opfuse.passes.equalize:HomogeneousEqualizePass",

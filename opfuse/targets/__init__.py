@@ -39,10 +39,10 @@ TARGET_MODULES: dict[str, str] = {
 }
 # target -> the passes ``opfuse optimize --target T`` runs when --passes is not given
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
-    "onnx": _FOLDS + ("reshape-dims", "fuse-patterns"),
-    "onnxruntime": _FOLDS + ("reshape-dims", "fuse-patterns", "pack-projections", "fuse-epilogue"),
-    "qnn": _FOLDS + ("reshape-dims", "fuse-patterns"),
-    "ethos-u": _FOLDS + ("reshape-dims", "fuse-patterns"),
+    "onnx": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
+    "onnxruntime": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "pack-projections", "fuse-epilogue"),
+    "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
+    "ethos-u": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
 }
 TARGETS = tuple(TARGET_MODULES)
 

@@ -16,8 +16,9 @@ The two agree for every x exactly when c1 = c2 and s1 = s2: each table is one te
 angles repeated in both halves, ``Cos(Concat(freqs, freqs))`` and element-wise ops after it
 (the exporters' Cast, ``* attention_scaling``). That, not "cos and sin of the same angles",
 is what exactness needs: the fused op takes any two tables. Its caches are the graph's own
-tables' first halves, ``Slice(cos, 0, h)`` (exact: a copy), so nothing is recomputed and no
-maximum position is assumed:
+tables' first halves: the element-wise ops that make a table from ``Concat(freqs, freqs)`` run on
+``freqs`` (``Cos(freqs)``: the same numbers as the table's first half, without the Concat), else
+``Slice(cos, 0, h)`` (a copy), so no maximum position is assumed:
 
 - standard (opset 23): RotaryEmbedding takes the caches as [B, S, h] without position ids;
 - ONNX Runtime (contrib op, every opset): it takes [max_positions, h] tables and
@@ -190,8 +191,7 @@ class RotateHalf(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, cos, sin, start2, **_):
         h = _int(start2)
-        cos_half, sin_half = (op.Slice(v.producer().inputs[0], _ints(op, [0]), _ints(op, [h]), _ints(op, [-1]))
-                              for v in (cos, sin))
+        cos_half, sin_half = (_first_half(op, v.producer().inputs[0], h) for v in (cos, sin))
         if self._form == "standard" or not self._contrib:
             return op.RotaryEmbedding(x, cos_half, sin_half)
         cos_2d, sin_2d = (op.Reshape(t, _ints(op, [-1, h])) for t in (cos_half, sin_half))
@@ -201,6 +201,35 @@ class RotateHalf(pattern.RewriteRuleClassBase):
         positions = op.Reshape(positions, batch_seq)
         heads = x.shape[1] if isinstance(x.shape[1], int) else 0
         return op.RotaryEmbedding(x, positions, cos_2d, sin_2d, num_heads=heads, _domain=MS_DOMAIN)
+
+
+def _first_half(op, table: ir.Value, h: int):
+    """``table[..., :h]``: where the table is ``Concat(freqs, freqs)`` and element-wise ops after it
+    (:func:`_halves_problem`), those ops on ``freqs`` (the same numbers, element by element, without
+    the Concat and the Slice: ``Cos(freqs)`` for ``Slice(Cos(Concat(freqs, freqs)), 0, h)``); else a
+    Slice of the table (a copy)."""
+    chain, value = [], table
+    for _ in range(_TABLE_HOPS):
+        node = value.producer()
+        if node is None:
+            break
+        if is_op(node, "Concat"):
+            freqs = node.inputs[0]
+            if (len(node.inputs) != 2 or node.inputs[1] is not freqs or node.attributes.get_int("axis", 0) not in (-1, 2)
+                    or freqs.shape is None or len(freqs.shape) != 3 or freqs.shape[-1] != h):
+                break
+            half = freqs
+            for link, index in reversed(chain):
+                inputs = [half if i == index else v for i, v in enumerate(link.inputs)]
+                half = getattr(op, link.op_type)(*inputs, **{k: a.value for k, a in link.attributes.items()})
+            return half
+        operands = [i for i, v in enumerate(node.inputs) if (lambda c: c is None or c.size != 1)(constant_array(v))]
+        if not (is_onnx(node) and op_kind(node) in ELEMENTWISE_KINDS and len(operands) == 1
+                and node.inputs[operands[0]] is not None and len(node.outputs) == 1):
+            break
+        chain.append((node, operands[0]))
+        value = node.inputs[operands[0]]
+    return op.Slice(table, _ints(op, [0]), _ints(op, [h]), _ints(op, [-1]))
 
 
 def _ints(op, values: list[int]):
