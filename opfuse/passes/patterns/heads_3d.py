@@ -19,7 +19,8 @@ and outputs stay 4-D. Six Reshape/Transpose nodes per layer go.
 Legality (each failure a refusal with its reason):
 
 - the mask is the graph's, expanded over the query's rows as the standard form's first stage
-  writes it (``Expand(mask, [1, 1, S, 1])``, S read off the 4-D query: off q3's axis 1 after);
+  writes it (``Expand(mask, [1, 1, S, 1])``, S read off the 4-D query: off q3's axis 1 after; for one
+  token, S static 1, and a rank-4 mask, no Expand after: it would return the mask);
 - the shapes show it: q3 [B, S, H * Dh] reshaped to [B, S, H, Dh] (the same B and S, static H
   and Dh), transposed by [0, 2, 1, 3]; the output transposed back and reshaped to [B, S, H * Dh];
 - the rotation is the standard op without num_heads, on the 4-D heads;
@@ -165,8 +166,12 @@ class AttentionIn3D(pattern.RewriteRuleClassBase):
         attributes = {k: a.value for k, a in node.attributes.items()}
         q = self._rotate3(op, q3, q_rotated, self._heads_q)
         k = self._rotate3(op, k3, k_rotated, self._heads_kv)
-        rows = op.Concat(mask_one, mask_one, op.Shape(q3, start=1, end=2), mask_one, axis=0)
-        return op.Attention(q, k, v3, op.Expand(mask, rows), past_key, past_value, q_num_heads=self._heads_q,
+        if q3.shape is not None and len(q3.shape) == 3 and q3.shape[1] == 1 and mask.shape is not None \
+                and len(mask.shape) == 4:
+            rows_mask = mask  # one token: Expand(mask, [1, 1, 1, 1]) of a rank-4 mask is the mask
+        else:
+            rows_mask = op.Expand(mask, op.Concat(mask_one, mask_one, op.Shape(q3, start=1, end=2), mask_one, axis=0))
+        return op.Attention(q, k, v3, rows_mask, past_key, past_value, q_num_heads=self._heads_q,
                             kv_num_heads=self._heads_kv, _outputs=3, **attributes)
 
 
