@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -127,11 +128,25 @@ def test_families_within_the_noise_one_by_one_but_faster_together_are_all_kept(m
     assert report.verification.ok
 
 
-def test_families_within_the_noise_together_too_stay_off(monkeypatch):
-    monkeypatch.setattr(timing, "measure", _fake_measure(_each_a_little(0.995)))
+def test_families_within_the_noise_and_slower_together_stay_off(monkeypatch):
+    monkeypatch.setattr(timing, "measure", _fake_measure(_each_a_little(1.004)))
     written, report = optimize(decode_step(), target="onnxruntime", tune=True)
     assert "Attention" not in {key.split(".")[-1] for key in op_counts(written)}
     assert all(f.decision != "kept" for f in report.tuning.families)
+    assert report.verification.ok
+
+
+def test_families_within_the_noise_together_too_are_kept_as_the_smaller_graph(monkeypatch):
+    """Together 0.990x of the families chosen one by one: within the noise, so the tie-break decides,
+    and every family on writes fewer nodes than attention written out."""
+    monkeypatch.setattr(timing, "measure", _fake_measure(_each_a_little(0.995)))
+    written, report = optimize(decode_step(), target="onnxruntime", tune=True)
+    a23 = next(f for f in report.tuning.families if f.candidate == "Attention-23")
+    assert a23.decision == "kept" and "no gain beyond noise" in a23.reason
+    assert re.search(r"every family on measured 0\.99x .* in (\d+) nodes against (\d+)", a23.reason), a23.reason
+    fewer, more = map(int, re.search(r"in (\d+) nodes against (\d+)", a23.reason).groups())
+    assert fewer < more
+    assert op_counts(written).get("Attention", 0) == 1
     assert report.verification.ok
 
 

@@ -39,7 +39,10 @@ written:
    the form (a kept rotation lets Attention-23 take its 3-D form, :mod:`opfuse.passes.patterns.
    heads_3d`). Where attention stays written out (no form faster beyond the noise alone), every
    family on with the form measured fastest (or written out, the reference) is compared with the
-   choice from the same rounds, and taken only where it is faster beyond the noise: families that
+   choice from the same rounds, and taken where it is faster beyond the noise, or at least as fast
+   (median paired ratio at most 1) in fewer nodes (the tie-break: where the clock cannot tell two
+   configurations apart, the smaller graph; without it, runs of one model flipped between 118 and
+   274 nodes at 0.74x and 0.76x of the input's time, a Qwen2 TorchScript decode step): families that
    each gain less than the noise can gain more together (a Phi3 TorchScript decode step: each
    family alone 0.97-1.02x, attention 0.94x; all with Attention-23 0.70x of the input's time).
 
@@ -320,10 +323,14 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         whole_ratios = source.paired(names[whole], "original")
         if dict(final)["attention"] != WRITTEN_OUT:  # families judged against attention written out
             better = bool(whole_ratios) and statistics.median(whole_ratios) <= statistics.median(final_ratios)
-        else:  # attention, judged alone, gained nothing beyond the noise: all together must
-            better = judge(source.paired(names[whole], final_name), final_noise)[0]
+        else:  # attention, judged alone, gained nothing beyond the noise: all together must, or tie and be smaller
+            paired = source.paired(names[whole], final_name)
+            smaller = _nodes(models[whole]) < _nodes(models[final]) if final in models else False
+            better = judge(paired, final_noise)[0] or (
+                smaller and bool(paired) and statistics.median(paired) <= 1)
         if better:
-            _take_every_family(record, results, final, whole, whole_ratios, final_ratios)
+            _take_every_family(record, results, final, whole, whole_ratios, final_ratios,
+                               (_nodes(models[whole]), _nodes(models[final])) if final in models else None)
             final, final_ratios = whole, whole_ratios
             record.chosen = label(final, base) if final != base else label(base)
     record.final = Spread.of(final_ratios)
@@ -357,13 +364,16 @@ def _with_every_family(final: Configuration, base: Configuration, built: dict,
 
 
 def _take_every_family(record: Tuning, results: dict, final: Configuration, whole: Configuration,
-                       whole_ratios: list[float], final_ratios: list[float]) -> None:
+                       whole_ratios: list[float], final_ratios: list[float],
+                       nodes: tuple[int, int] | None = None) -> None:
     """``whole`` (every family on, attention in the chosen form) measured at least as fast as the
-    families chosen one by one: the families turned off are kept, and the log says why."""
+    families chosen one by one: the families turned off are kept, and the log says why (``nodes``:
+    both graphs' node counts, the tie-break)."""
     form = dict(whole)["attention"]
     off = {f for f, o in final if o == OFF and dict(whole).get(f) == ON}
+    count = f" in {nodes[0]} nodes against {nodes[1]}" if nodes else ""
     why = (f"kept with attention {form}: every family on measured {Spread.of(whole_ratios)} of "
-           f"the input's time, the families chosen one by one {Spread.of(final_ratios)}; alone: ")
+           f"the input's time{count}, the families chosen one by one {Spread.of(final_ratios)}; alone: ")
     for result in results.values():
         if ((result.family in off or (result.family == "attention" and result.candidate == form))
                 and result.decision == "refused"):
@@ -443,6 +453,11 @@ def _could_be_here(family: str, possible: Callable[[tuple[str, ...], tuple[str, 
     else ``possible(patterns, passes)``: one of its passes runs, or one of its patterns could match."""
     found = next(f for f in FAMILIES if f.name == family)
     return (not found.patterns and not found.passes) or possible(found.patterns, found.passes)
+
+
+def _nodes(model: ir.Model) -> int:
+    """The nodes a model runs, its subgraphs' included."""
+    return sum(op_counts(model).values())
 
 
 def _signature(model: ir.Model, family: str) -> tuple:
