@@ -68,14 +68,12 @@ class IndexArithmeticPass(OpfusePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        candidates = [n for n in graph if is_op(n, "GatherND", "Gather", "Unsqueeze", "Expand", "Shape",
-                                                  *_IDENTITY_CONSTANT)]
-        if not candidates:
-            return ir.passes.PassResult(model, modified=False)
-        infer_shapes(model)
         self._names = NameTable(model)
         self._opset = opset_of(model.opset_imports)
         modified = self._one_dim_one_read(graph)
+        candidates = [n for n in graph if _could_apply(n)]
+        if candidates:
+            infer_shapes(model)  # (once, and only where a rule's structure is there: it reads the whole model)
         for node in candidates:
             if node.graph is None or any(v.is_graph_output() for v in node.outputs):
                 continue
@@ -83,8 +81,6 @@ class IndexArithmeticPass(OpfusePass):
                 modified |= self._gather_nd(node)
             elif is_op(node, "Gather"):
                 modified |= self._whole_axis(node)
-            elif is_op(node, "Shape"):
-                continue  # (rule 5, above)
             elif is_op(node, "Unsqueeze"):
                 modified |= self._unsqueezes(node)
             else:
@@ -250,6 +246,22 @@ class IndexArithmeticPass(OpfusePass):
             pattern=pattern, node=node_label(node), removed=tuple(node_label(n) for n in removed),
             produced="", graph="main", detail=detail))
         return True
+
+
+def _could_apply(node: ir.Node) -> bool:
+    """A cheap look at the structure of rules 1-4 (before shape inference, which reads the whole model)."""
+    def made_by(value, *ops):
+        return value is not None and is_op(value.producer(), *ops)
+
+    if is_op(node, "GatherND"):
+        return len(node.inputs) == 2 and made_by(node.inputs[1], "Concat")
+    if is_op(node, "Gather"):
+        return len(node.inputs) == 2 and made_by(node.inputs[1], "Range")
+    if is_op(node, "Unsqueeze"):
+        return bool(node.inputs) and made_by(node.inputs[0], "Unsqueeze")
+    if is_op(node, "Expand", *_IDENTITY_CONSTANT):
+        return len(node.inputs) == 2 and any(isinstance(find_constant(v), Constant) for v in node.inputs)
+    return False
 
 
 class _Grid:
