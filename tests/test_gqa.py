@@ -146,6 +146,8 @@ def test_the_cache_and_repeat_kv_go_into_attention_23(tmp_path, kv_heads, rotary
     rotations = [n for n in out.graph if n.op_type == "RotaryEmbedding"]
     assert sorted(n.attributes["num_heads"].value for n in rotations) == ([kv_heads, HEADS] if rotary else [])
     assert [v is not None and v.name for v in attention.inputs[4:6]] == ["past_key", "past_value"], ops(out)
+    mask = attention.inputs[3]  # one token: the rank-4 mask as it is, no Expand to [1, 1, 1, 1]
+    assert mask is not None and (mask.producer() is None or mask.producer().op_type != "Expand"), ops(out)
     assert [v.name for v in attention.outputs[1:]] == ["present_key", "present_value"]
     readers = [n.name for n in out.graph for v in n.inputs if v is not None and v.name in ("past_key", "past_value")]
     assert readers == [attention.name] * 2, ops(out)  # no Concat of the cache, no repeat of it

@@ -282,6 +282,12 @@ def test_tiny_llama_rotaries_are_fused(tmp_path, exporter, opset, target, target
     written = Counter((n.domain, n.op_type) for n in out.graph)
     assert written[(domain, "RotaryEmbedding")] == 4, (written, report.refusals)
     assert report.pattern_counts()["rotary->RotaryEmbedding"] == 4
+    # the half-width caches are Cos(freqs) and Sin(freqs): no Slice of Cos(Concat(freqs, freqs)) left
+    trig = {v.name for n in out.graph if n.op_type in ("Cos", "Sin") for v in n.outputs}
+    assert not [n.name for n in out.graph if n.op_type == "Slice" and n.inputs[0] is not None
+                and n.inputs[0].name in trig], ops(out)
+    assert not [n.name for n in out.graph if n.op_type == "Concat" and len(n.inputs) == 2
+                and n.inputs[0] is n.inputs[1]], ops(out)
 
 
 def test_tables_of_batch_one_are_refused_with_the_reason(tmp_path):

@@ -59,3 +59,20 @@ def drop_if_unused(value: ir.Value | None, dropped: list[ir.Value] | None = None
             drop_if_unused(source, dropped)
         return True
     return None
+
+
+def drop_unread_nodes(nodes, ops: frozenset[str] | None = None) -> list[ir.Node]:
+    """Remove each node, and then its producers, while nothing reads it (and, with ``ops``, while it
+    is one of those ops); a node holding a subgraph stays. Returns the nodes removed."""
+    removed, pending = [], list(nodes)
+    while pending:
+        node = pending.pop()
+        if (node is None or node.graph is None or (ops is not None and not is_op(node, *ops))
+                or any(v.uses() or v.is_graph_output() for v in node.outputs)
+                or any(a.type == ir.AttributeType.GRAPH for a in node.attributes.values())):
+            continue
+        sources = [v.producer() for v in node.inputs if v is not None]
+        node.graph.remove(node, safe=True)
+        removed.append(node)
+        pending += sources
+    return removed

@@ -53,7 +53,9 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.core.analysis import Constant, NameTable, find_constant, infer_shapes, node_label, opset_of
+from opfuse.core.edit import drop_unread_nodes
 from opfuse.passes.base import OpfusePass
+from opfuse.passes.patterns import constant_int
 from opfuse.report import FusionRecord
 from opfuse.core.ops import int_attr, is_op
 
@@ -137,7 +139,7 @@ class IndexArithmeticPass(OpfusePass):
         out.replace_all_uses_with(value)
         graph.remove(node, safe=True)
         value.name = name
-        removed = [node, *_drop_unread([indices.producer()])]
+        removed = [node, *drop_unread_nodes([indices.producer()])]
         self.report.records.append(FusionRecord(
             pattern="GatherND(index grid)->Gather", node=node_label(node),
             removed=tuple(node_label(n) for n in removed), produced=node_label(made[-1]), graph="main",
@@ -168,7 +170,7 @@ class IndexArithmeticPass(OpfusePass):
             return False
         axis = int_attr(node, "axis", 0)
         axis = axis + len(x.shape) if axis < 0 else axis
-        if not 0 <= axis < len(x.shape) or _scalar(producer.inputs[0]) != 0 or _scalar(producer.inputs[2]) != 1:
+        if not 0 <= axis < len(x.shape) or constant_int(producer.inputs[0]) != 0 or constant_int(producer.inputs[2]) != 1:
             return False
         dim = _dim_read(producer.inputs[1])
         if dim is None or not _same_dim(dim, x.shape[axis]):
@@ -209,7 +211,7 @@ class IndexArithmeticPass(OpfusePass):
         out.replace_all_uses_with(merged.outputs[0])
         graph.remove(node, safe=True)
         merged.outputs[0].name = name
-        removed = [node, *_drop_unread([inner])]
+        removed = [node, *drop_unread_nodes([inner])]
         self.report.records.append(FusionRecord(
             pattern="Unsqueeze+Unsqueeze", node=node_label(node), removed=tuple(node_label(n) for n in removed),
             produced=node_label(merged), graph="main", detail=f"one Unsqueeze at axes {axes}", output=name))
@@ -240,7 +242,7 @@ class IndexArithmeticPass(OpfusePass):
         node.outputs[0].replace_all_uses_with(x)
         graph = node.graph
         graph.remove(node, safe=True)
-        removed = [node, *_drop_unread(list(also))]
+        removed = [node, *drop_unread_nodes(list(also))]
         # no tensor of its own to check (x is unchanged): the graph outputs and later rewrites check it
         self.report.records.append(FusionRecord(
             pattern=pattern, node=node_label(node), removed=tuple(node_label(n) for n in removed),
@@ -363,16 +365,9 @@ def _axes(node: ir.Node | None) -> list[int] | None:
     return [int(a) for a in attr.value] if attr is not None else None
 
 
-def _scalar(value: ir.Value) -> int | None:
-    found = find_constant(value)
-    if not isinstance(found, Constant) or found.array.size != 1:
-        return None
-    return int(found.array.reshape(-1)[0])
-
-
 def _dim_read(value: ir.Value) -> int | ir.SymbolicDim | None:
     """The dim a scalar is read off: ``Squeeze(Shape(t)[k:k+1])``, ``Gather(Shape(t), k)``, a constant."""
-    constant = _scalar(value)
+    constant = constant_int(value)
     if constant is not None:
         return constant
     producer = value.producer()
@@ -415,18 +410,3 @@ def _broadcasts_into(shape: tuple[int, ...], target: ir.Shape | None) -> bool:
         if d != 1 and not (isinstance(t, int) and t == d):
             return False
     return True
-
-
-def _drop_unread(nodes: list[ir.Node | None]) -> list[ir.Node]:
-    """Remove each node (and then its producers) while nothing reads it; the removed."""
-    removed, pending = [], list(nodes)
-    while pending:
-        node = pending.pop()
-        if (node is None or node.graph is None or any(v.uses() or v.is_graph_output() for v in node.outputs)
-                or any(a.type == ir.AttributeType.GRAPH for a in node.attributes.values())):
-            continue
-        sources = [v.producer() for v in node.inputs if v is not None]
-        node.graph.remove(node, safe=True)
-        removed.append(node)
-        pending += sources
-    return removed

@@ -35,6 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.core.analysis import Constant, NameTable, find_constant, infer_shapes, node_label
+from opfuse.core.edit import drop_unread_nodes
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
 from opfuse.core.symbolic_shapes import infer_symbolic_shapes
@@ -64,7 +65,7 @@ class ReshapeDimsPass(OpfusePass):
             model.graph.register_initializer(value)
             removed = node.inputs[1].producer()
             node.replace_input_with(1, value)
-            _drop_dead(removed)
+            drop_unread_nodes([removed], _SHAPE_ARITHMETIC)
             self.report.records.append(FusionRecord(
                 pattern="computed Reshape target->constant", node=node_label(node),
                 removed=(node_label(removed),), produced=f"Reshape target {target}", graph="main",
@@ -75,19 +76,6 @@ class ReshapeDimsPass(OpfusePass):
 
 
 _SHAPE_ARITHMETIC = frozenset({"Concat", "Unsqueeze", "Gather", "Shape", "Constant", "Cast", "Squeeze", "Slice"})
-
-
-def _drop_dead(node: ir.Node | None) -> None:
-    """Remove ``node`` and the shape arithmetic behind it while nothing reads their outputs."""
-    pending = [node]
-    while pending:
-        node = pending.pop()
-        if (node is None or node.graph is None or not is_op(node, *_SHAPE_ARITHMETIC)
-                or any(v.uses() or v.is_graph_output() for v in node.outputs)):
-            continue
-        sources = [v.producer() for v in node.inputs if v is not None]
-        node.graph.remove(node, safe=True)
-        pending += sources
 
 
 def _constant_target(node: ir.Node) -> list[int] | None:
