@@ -161,6 +161,35 @@ def test_gathernd_that_is_no_ordered_grid_stays(case):
     _same(ort_run(original, inputs), ort_run(out, inputs))
 
 
+@pytest.mark.parametrize("shape", [(3, 7), (1, 7)], ids=["batch 3", "batch 1"])
+def test_a_grid_folded_into_a_constant_becomes_gathers(shape):
+    """With static shapes (``--target qnn`` binds every dim first) the clean-up folds the grid's Shape,
+    Range and Expand into one constant ``indices``; rule 1 reads the vectors off it. At batch 1 the
+    batch index is one value (a scalar Gather, its axis put back by the Unsqueeze)."""
+    original = _grid_model(data_shape=shape)
+    out, report = _optimize(original)
+    assert ops(out) == ["Gather", "Gather", "Unsqueeze", "Cast"], ops(out)
+    assert any(r.pattern == "GatherND(index grid)->Gather" and "a constant grid" in r.detail for r in report.records)
+    inputs = _bool_inputs(shape, seed=shape[0])
+    _same(ort_run(original, inputs), ort_run(out, inputs))
+
+
+@pytest.mark.parametrize("case", ["diagonal", "axes out of order", "broadcast axis"])
+def test_a_constant_index_tensor_that_is_no_ordered_grid_stays(case):
+    """indices[i, j] = (i, i) varies along one axis in both components but reads a diagonal only when
+    the two are the same axis (kept: a vector per component needs an axis of its own); (j, i) would need a
+    Transpose; (i, 0) over a [3, 4] grid repeats along axis 1, which Gathers and Unsqueezes do not write."""
+    i, j = np.meshgrid(np.arange(3), np.arange(4), indexing="ij")
+    grid = {"diagonal": np.stack([i, i], -1), "axes out of order": np.stack([j, i], -1),
+            "broadcast axis": np.stack([i, np.zeros_like(i)], -1)}[case].astype(np.int64)
+    original = model([n("GatherND", ["x", "indices"], ["picked"]), n("Cast", ["picked"], ["y"], to=TensorProto.FLOAT)],
+                     [vinfo("x", [4, 4], TensorProto.BOOL)], [vinfo("y", None)], [tensor("indices", grid)], opset=18)
+    out, _ = _optimize(original)
+    assert "GatherND" in ops(out), ops(out)
+    inputs = _bool_inputs((4, 4))
+    _same(ort_run(original, inputs), ort_run(out, inputs))
+
+
 # -- rule 2: a Gather of a whole axis ----------------------------------------------------------------
 
 def _whole_axis_model(read_from: str, axis: int = 0, start: int = 0) -> onnx.ModelProto:

@@ -23,6 +23,13 @@ eleven nodes. Four rules, each exact:
 
    Gather takes the same indices GatherND does (negative ones counted from the end, out of
    range an error in both). ``batch_dims`` must be 0.
+   **The same grid folded into a constant**: with static shapes (``--target qnn`` binds every
+   dim before the passes run) the clean-up's constant folding turns the Shape, Range, Expand
+   and Concat into one ``indices`` initializer, and QNN cannot run the GatherND left ("Failed
+   to create GatherND node"). Each component ``indices[..., k]`` that varies along one axis
+   only is the vector read along it; one that varies along none is a single index (a scalar
+   Gather, which drops its axis; the Unsqueeze puts it back); every other axis of the grid
+   must be of size 1 (else an Expand would be needed) and the vectors' axes in order.
 2. **A Gather of a whole axis in order**: ``Gather(x, Range(0, n, 1), axis=a)`` is ``x``
    when ``n`` is read off a dim (``Squeeze(Shape(t)[k:k+1])`` or ``Gather(Shape(t), k)``)
    that is ``x``'s dim ``a``: the same number, or the same named symbolic dim after shape
@@ -116,18 +123,21 @@ class IndexArithmeticPass(OpfusePass):
         if int_attr(node, "batch_dims", 0) != 0 or len(node.inputs) != 2 or None in node.inputs:
             return False
         x, indices = node.inputs
-        grid = _grid(indices)
+        grid = _grid(indices) or self._constant_grid(indices)
         if grid is None or x.shape is None or len(x.shape) < len(grid.vectors):
             return False
         graph, out = node.graph, node.outputs[0]
-        made, value = [], x
-        for axis, vector in enumerate(grid.vectors):
+        for vector in grid.vectors if grid.constant else ():
+            graph.register_initializer(vector)
+        made, value, axis = [], x, 0
+        for vector in grid.vectors:
             gather = ir.Node("", "Gather", [value, vector], attributes=[ir.AttrInt64("axis", axis)],
                              name=self._names.fresh(f"{node.name or 'GatherND'}_gather{axis}"),
                              outputs=[ir.Value(name=self._names.fresh(f"{out.name or 'gathered'}_{axis}"),
                                                type=out.type)])
             made.append(gather)
             value = gather.outputs[0]
+            axis += 0 if vector.shape is not None and len(vector.shape) == 0 else 1  # a scalar index drops its axis
         ones = [a for a in range(grid.rank) if a not in grid.positions]
         if ones:
             unsqueeze = self._unsqueeze_node(graph, value, ones, f"{node.name or 'GatherND'}_unsqueeze", out)
@@ -139,15 +149,51 @@ class IndexArithmeticPass(OpfusePass):
         out.replace_all_uses_with(value)
         graph.remove(node, safe=True)
         value.name = name
-        removed = [node, *drop_unread_nodes([indices.producer()])]
+        removed = [node, *drop_unread_nodes([indices.producer()] if indices.producer() is not None else [])]
+        scalars = len(grid.vectors) - len(grid.positions)
         self.report.records.append(FusionRecord(
             pattern="GatherND(index grid)->Gather", node=node_label(node),
             removed=tuple(node_label(n) for n in removed), produced=node_label(made[-1]), graph="main",
-            detail=(f"indices: {len(grid.vectors)} index vectors along axes {list(grid.positions)} of a rank-"
+            detail=(("a constant grid: " if grid.constant else "")
+                    + f"indices: {len(grid.positions)} index vectors along axes {list(grid.positions)}"
+                    + (f" and {scalars} single index(es)" if scalars else "") + f" of a rank-"
                     f"{grid.rank} grid; {len(made) - (1 if ones else 0)} Gather(s)"
                     + (f" and an Unsqueeze at axes {ones}" if ones else "")),
             output=name))
         return True
+
+    def _constant_grid(self, indices: ir.Value) -> _Grid | None:
+        """Rule 1 on a grid already folded into a constant (static shapes fold the Shape, Range and
+        Expand that build it): component ``k`` of ``indices[..., k]`` varying along one axis ``p_k`` is
+        the vector read along it; one varying along none is a single index (a scalar Gather drops the axis,
+        the Unsqueeze puts it back); every axis no component varies along must be of size 1."""
+        found = find_constant(indices)
+        if not isinstance(found, Constant) or found.array.ndim < 2 or found.array.dtype.kind not in "iu":
+            return None
+        array = found.array.astype(np.int64)
+        grid_shape, rank = array.shape[:-1], array.ndim - 1
+        vectors, positions = [], []
+        for k in range(array.shape[-1]):
+            component = array[..., k]
+            varying = [a for a in range(rank) if not np.all(component == np.take(component, [0], axis=a))]
+            if len(varying) > 1:
+                return None
+            if varying:
+                p = varying[0]
+                line = component[tuple(slice(None) if a == p else 0 for a in range(rank))]
+                positions.append(p)
+                vectors.append(self._index_constant(np.ascontiguousarray(line), f"{indices.name or 'indices'}_{k}"))
+            else:
+                vectors.append(self._index_constant(np.array(component.reshape(-1)[0] if component.size else 0,
+                                                             np.int64), f"{indices.name or 'indices'}_{k}"))
+        if positions != sorted(set(positions)) or any(grid_shape[a] != 1 for a in range(rank) if a not in positions):
+            return None  # (out of x's axis order would need a Transpose; a broadcast axis an Expand)
+        return _Grid(vectors, tuple(positions), rank, constant=True)
+
+    def _index_constant(self, array: np.ndarray, base: str) -> ir.Value:
+        value = ir.Value(name=self._names.fresh(base), shape=ir.Shape(list(array.shape)),
+                         type=ir.TensorType(ir.DataType.INT64), const_value=ir.tensor(array.astype(np.int64)))
+        return value  # (registered by _gather_nd once the rule applies)
 
     def _unsqueeze_node(self, graph: ir.Graph, x: ir.Value, axes: list[int], base: str, like: ir.Value) -> ir.Node:
         name = self._names.fresh(base)
@@ -256,7 +302,8 @@ def _could_apply(node: ir.Node) -> bool:
         return value is not None and is_op(value.producer(), *ops)
 
     if is_op(node, "GatherND"):
-        return len(node.inputs) == 2 and made_by(node.inputs[1], "Concat")
+        return len(node.inputs) == 2 and (made_by(node.inputs[1], "Concat")
+                                          or isinstance(find_constant(node.inputs[1]), Constant))
     if is_op(node, "Gather"):
         return len(node.inputs) == 2 and made_by(node.inputs[1], "Range")
     if is_op(node, "Unsqueeze"):
@@ -267,8 +314,8 @@ def _could_apply(node: ir.Node) -> bool:
 
 
 class _Grid:
-    def __init__(self, vectors: list[ir.Value], positions: tuple[int, ...], rank: int):
-        self.vectors, self.positions, self.rank = vectors, positions, rank
+    def __init__(self, vectors: list[ir.Value], positions: tuple[int, ...], rank: int, constant: bool = False):
+        self.vectors, self.positions, self.rank, self.constant = vectors, positions, rank, constant
 
 
 def _grid(indices: ir.Value) -> _Grid | None:
