@@ -120,3 +120,25 @@ def decode_step(mask_dim=PRESENT):
               vinfo("position_ids", ["batch", 1], TensorProto.INT64), vinfo("past_key", ["batch", H, "past_seq", DH])]
     outputs = [vinfo("y", ["batch", 1, D]), vinfo("present_key", ["batch", H, PRESENT, DH])]
     return model(nodes, inputs, outputs, inits)
+
+
+STEP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=100, max_position_embeddings=64)
+
+
+def export_llama_step(path: pathlib.Path, graph: str = "decode") -> pathlib.Path:
+    """A one-layer random Llama's ``graph`` ("decode": one token after a KV cache; "prefill"), exported by
+    ``benchmarks/decoders.py``'s own code (dynamo, its input names and symbolic axes: batch, seq, past_seq,
+    ``past_seq + 1``), so the tests compile what the corpus measures, at a tenth of its size."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib
+    import sys
+
+    benchmarks = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.append(benchmarks)  # (decoders.py imports its neighbours genai_anchor and wild)
+    decoders = importlib.import_module("decoders")
+    decoder = decoders.Decoder("llama-step", "LlamaConfig", "LlamaForCausalLM", dict(decoders.SMALL, **STEP))
+    decoders.export(decoder, "dynamo", graph, path)
+    return path

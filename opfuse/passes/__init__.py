@@ -23,6 +23,9 @@
                           back to float ops with the int8 weights dequantised; not exact
                           (it removes the activations' run-time rounding): ``quantize``
                           runs it on such a model, no target by default
+``mask-fill``             an additive mask filled with float32's minimum (or -inf) before
+                          a Softmax -> Where(allowed, scores, -65504): a value float16 and
+                          a 16-bit range hold, the same Softmax (``--target qnn``)
 ========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -58,6 +61,7 @@ REGISTRY: dict[str, str] = {
     "equalize": "opfuse.passes.equalize:EqualizePass",
     "equalize-homogeneous": "opfuse.passes.equalize:HomogeneousEqualizePass",
     "dequantize-dynamic": "opfuse.passes.dequantize_dynamic:DequantizeDynamicPass",
+    "mask-fill": "opfuse.passes.mask_fill:MaskFillPass",
 }
 PASS_NAMES = tuple(REGISTRY)
 DEFAULT_PASSES = TARGET_DEFAULT_PASSES["onnx"]
