@@ -69,6 +69,13 @@ standard ops itself, so opfuse writes them as they are.
 Static shapes (:mod:`opfuse.prepare.static_shapes`): QNN refuses every node whose shape is
 symbolic ("REASON : Cannot get shape"), so the target binds every dimension first.
 
+A decoder's mask: QNN does not take ``GatherND`` ("Failed to create GatherND node"), which
+transformers' padding mask is read with; ``index-arithmetic`` writes it as Gathers (its index
+grid folded into a constant once the dims are bound, too). Its fill value, float32's minimum, is
+outside the HTP's float16 and any 16-bit range, so ``mask-fill`` (this target's pass list,
+:data:`opfuse.targets.TARGET_DEFAULT_PASSES`) writes ``Where(allowed, scores, -65504)`` before the
+Softmax, the same Softmax on every row (:mod:`opfuse.passes.mask_fill`).
+
 The device beside the target (the package ``opfuse.targets.qnn``, :attr:`Target.device` names
 :mod:`.device`): whether the backend is installed and the HTP options, opening a session on it
 and capturing its compile log (:mod:`.backend`); reading that log, node by node (:mod:`.placement`);
