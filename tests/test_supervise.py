@@ -32,8 +32,9 @@ def test_only_commands_that_open_a_qnn_session_run_supervised(line, supervised, 
 
 def test_a_compiler_crash_is_one_line_exit_1_and_nothing_written(tmp_path):
     """A tiny Llama (dynamo, position_ids an input) crashed QNN's HTP compiler with SIGSEGV in
-    onnxruntime-qnn 2.7.0 (docs/results/qnn.md). Should a later version compile it, the command
-    succeeds; either way it never dies of a signal."""
+    onnxruntime-qnn 2.7.0 while its mask's GatherNDs were left for the CPU (docs/results/qnn.md);
+    since index-arithmetic writes them as Gathers it compiles, and the command succeeds. Either way it
+    never dies of a signal."""
     pytest.importorskip("onnxruntime_qnn", reason="the qnn extra (onnxruntime-qnn) is not installed")
     src = export_tiny_llama(tmp_path / "llama.onnx", positions=True)
     out, ctx = tmp_path / "o.onnx", tmp_path / "ctx.onnx"
