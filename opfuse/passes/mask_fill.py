@@ -56,6 +56,8 @@ class MaskFillPass(OpfusePass):
     """An additive mask of float-minimum fills before a Softmax -> a Where of -65504 (module docstring)."""
 
     name = "mask-fill"
+    after_rewrites = True  # its Where is no attention spelling: it runs once the patterns have settled
+    options = frozenset({"target", "exclude", "veto"})  # (what the fusion stage hands every pass; none used)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
