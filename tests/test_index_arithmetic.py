@@ -161,17 +161,52 @@ def test_gathernd_that_is_no_ordered_grid_stays(case):
     _same(ort_run(original, inputs), ort_run(out, inputs))
 
 
+def _folded_grid(b: int, t: int) -> np.ndarray:
+    """indices [b, 1, 1, t, 2] of x[batch_arange[:, None, None, None], kv_arange[None, None, None, :]], as
+    the clean-up folds them once every dim is bound (``--target qnn``)."""
+    i, j = np.meshgrid(np.arange(b), np.arange(t), indexing="ij")
+    return np.stack([i, j], -1)[:, None, None].astype(np.int64)
+
+
+def _gathernd_of(grid: np.ndarray, data_shape) -> onnx.ModelProto:
+    return model([n("GatherND", ["x", "indices"], ["picked"]), n("Cast", ["picked"], ["y"], to=TensorProto.FLOAT)],
+                 [vinfo("x", list(data_shape), TensorProto.BOOL)], [vinfo("y", None)], [tensor("indices", grid)],
+                 opset=18)
+
+
+def _run_pass(m: onnx.ModelProto, target: str):
+    """The pass alone, as the qnn pipeline hands it its target (opfuse.optimize would compile on the HTP)."""
+    import onnx_ir as ir
+
+    from opfuse.passes.index_arithmetic import IndexArithmeticPass
+    from opfuse.report import FusionReport
+
+    report = FusionReport()
+    work = ir.from_proto(m)
+    IndexArithmeticPass(report, target=target)(work)
+    return ir.to_proto(work), report
+
+
 @pytest.mark.parametrize("shape", [(3, 7), (1, 7)], ids=["batch 3", "batch 1"])
-def test_a_grid_folded_into_a_constant_becomes_gathers(shape):
-    """With static shapes (``--target qnn`` binds every dim first) the clean-up folds the grid's Shape,
-    Range and Expand into one constant ``indices``; rule 1 reads the vectors off it. At batch 1 the
-    batch index is one value (a scalar Gather, its axis put back by the Unsqueeze)."""
-    original = _grid_model(data_shape=shape)
-    out, report = _optimize(original)
+def test_a_grid_folded_into_a_constant_becomes_gathers_for_a_static_target(shape):
+    """With every dim bound the clean-up folds the grid's Shape, Range and Expand into one constant
+    ``indices``; for qnn rule 1 reads the vectors off it. At batch 1 the batch index is one value (a
+    scalar Gather, its axis put back by the Unsqueeze). For onnx the GatherND stays (one node, not three)."""
+    original = _gathernd_of(_folded_grid(*shape), shape)
+    out, report = _run_pass(original, "qnn")
     assert ops(out) == ["Gather", "Gather", "Unsqueeze", "Cast"], ops(out)
     assert any(r.pattern == "GatherND(index grid)->Gather" and "a constant grid" in r.detail for r in report.records)
     inputs = _bool_inputs(shape, seed=shape[0])
     _same(ort_run(original, inputs), ort_run(out, inputs))
+    kept, _ = _run_pass(original, "onnx")
+    assert ops(kept) == ["GatherND", "Cast"], ops(kept)
+
+
+def test_the_qnn_pipeline_folds_the_grid_first():
+    """What makes the rule needed: the grid of :func:`_grid_model` with its dims static is one constant
+    after the clean-up (the pass alone, for onnx, leaves that GatherND)."""
+    out, _ = _optimize(_grid_model(data_shape=(3, 7)))
+    assert ops(out) == ["GatherND", "Cast"], ops(out)
 
 
 @pytest.mark.parametrize("case", ["diagonal", "axes out of order", "broadcast axis"])
@@ -182,12 +217,9 @@ def test_a_constant_index_tensor_that_is_no_ordered_grid_stays(case):
     i, j = np.meshgrid(np.arange(3), np.arange(4), indexing="ij")
     grid = {"diagonal": np.stack([i, i], -1), "axes out of order": np.stack([j, i], -1),
             "broadcast axis": np.stack([i, np.zeros_like(i)], -1)}[case].astype(np.int64)
-    original = model([n("GatherND", ["x", "indices"], ["picked"]), n("Cast", ["picked"], ["y"], to=TensorProto.FLOAT)],
-                     [vinfo("x", [4, 4], TensorProto.BOOL)], [vinfo("y", None)], [tensor("indices", grid)], opset=18)
-    out, _ = _optimize(original)
-    assert "GatherND" in ops(out), ops(out)
-    inputs = _bool_inputs((4, 4))
-    _same(ort_run(original, inputs), ort_run(out, inputs))
+    original = _gathernd_of(grid, (4, 4))
+    out, report = _run_pass(original, "qnn")
+    assert ops(out) == ["GatherND", "Cast"] and not report.records, ops(out)
 
 
 # -- rule 2: a Gather of a whole axis ----------------------------------------------------------------

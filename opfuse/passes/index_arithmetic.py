@@ -29,7 +29,9 @@ eleven nodes. Four rules, each exact:
    to create GatherND node"). Each component ``indices[..., k]`` that varies along one axis
    only is the vector read along it; one that varies along none is a single index (a scalar
    Gather, which drops its axis; the Unsqueeze puts it back); every other axis of the grid
-   must be of size 1 (else an Expand would be needed) and the vectors' axes in order.
+   must be of size 1 (else an Expand would be needed) and the vectors' axes in order. Only for
+   a target that needs static shapes (``Target.static_shapes``: qnn, ethos-u), where the grid
+   folds; on a model whose own dims are static, for another target, one GatherND is fewer nodes.
 2. **A Gather of a whole axis in order**: ``Gather(x, Range(0, n, 1), axis=a)`` is ``x``
    when ``n`` is read off a dim (``Squeeze(Shape(t)[k:k+1])`` or ``Gather(Shape(t), k)``)
    that is ``x``'s dim ``a``: the same number, or the same named symbolic dim after shape
@@ -65,6 +67,7 @@ from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import constant_int
 from opfuse.report import FusionRecord
 from opfuse.core.ops import int_attr, is_op
+from opfuse.targets.kernels import Target, load_target
 
 _BROADCASTS = frozenset({"Max", "Min", "Add", "Mul"})  # what an export of broadcast_tensors writes
 _IDENTITY_CONSTANT = {"And": True, "Or": False}  # op -> the constant it returns x with
@@ -74,6 +77,14 @@ class IndexArithmeticPass(OpfusePass):
     """Index and mask arithmetic in fewer nodes (module docstring)."""
 
     name = "index-arithmetic"
+    options = frozenset({"target"})
+
+    def __init__(self, report=None, *, target: Target | str = "onnx"):
+        super().__init__(report)
+        target = load_target(target) if isinstance(target, str) else target
+        # rule 1 on a folded grid: only where every dim is bound (the grid folds) and one GatherND is
+        # what the compiler refuses; elsewhere one GatherND is fewer nodes than the Gathers
+        self._folded_grids = target.static_shapes
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -123,7 +134,7 @@ class IndexArithmeticPass(OpfusePass):
         if int_attr(node, "batch_dims", 0) != 0 or len(node.inputs) != 2 or None in node.inputs:
             return False
         x, indices = node.inputs
-        grid = _grid(indices) or self._constant_grid(indices)
+        grid = _grid(indices) or (self._constant_grid(indices) if self._folded_grids else None)
         if grid is None or x.shape is None or len(x.shape) < len(grid.vectors):
             return False
         graph, out = node.graph, node.outputs[0]
