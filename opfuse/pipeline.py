@@ -25,6 +25,7 @@ from opfuse.core.analysis import NameLedger, epsilon_census, label_unnamed, op_c
 from opfuse.prepare.constant_inputs import BINDING, bind_inputs, resolve_constant_inputs
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.core.dims import resolve_dims
+from opfuse.core.ops import first_line
 from opfuse.passes.leftovers import leftover_notes
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.prepare.opset import upgrade_opset
@@ -46,8 +47,10 @@ from opfuse.save import (
     restore_declared_types,
     write_text_atomic,
 )
-from opfuse.tune import DEFAULT_BUDGET_S, ENVIRONMENT, tune, tune_by_default, untimed
-from opfuse.tune.families import configure
+from opfuse.tune import ENVIRONMENT, replayed, tune, tune_by_default, tuning_feeds, untimed
+from opfuse.tune.block import cut_lookups, find_block, is_small, prefix_model
+from opfuse.tune.families import configure, policy_configuration
+from opfuse.tune.record import cache_path, load_record, machine, save_record, signature
 from opfuse.verify import verify_models
 
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
@@ -181,10 +184,13 @@ class OptimizeOptions:
     ``htp_options``, ``context`` and ``compile_for_device`` are for a target with a device
     (``qnn``): compile for it, with these backend options, writing this context binary.
     ``tune`` (None: on, unless ``OPFUSE_TUNE=off`` is in the environment) times each fusion
-    family on and off where the target's runtime is on this machine and keeps only those that
-    make the model faster (:mod:`opfuse.tune`), at ``tune_threads`` intra-op threads, in rounds
-    that fit ``tune_budget_s`` seconds per interleaved run; the shapes are ``dims`` or the
-    defaults the log states. Off, the target's default policy applies.
+    family the target fuses on and off where the target's runtime is on this machine, and turns
+    off those that make the model slower (:mod:`opfuse.tune`), at ``tune_threads`` intra-op
+    threads, in ``tune_rounds`` rounds (None: from the graph's work units); the shapes are
+    ``dims`` or the defaults the log states. Off, the target's default policy applies.
+    ``tuning`` replays a record (:mod:`opfuse.tune.record`: a file, or a report holding one)
+    instead of timing; without it a record cached for this graph and machine is replayed unless
+    ``retune``.
     """
 
     passes: Iterable[str] | str | None = None  # None: the target's default passes
@@ -210,7 +216,9 @@ class OptimizeOptions:
     compile_for_device: bool = True
     tune: bool | None = None  # None: tune_by_default() (on unless OPFUSE_TUNE=off)
     tune_threads: int = 1
-    tune_budget_s: float = DEFAULT_BUDGET_S
+    tune_rounds: int | None = None
+    tuning: str | os.PathLike | None = None  # a record to replay (no timing)
+    retune: bool = False  # time again even where a record is cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +280,12 @@ def optimize(model: ModelSource, *, options: OptimizeOptions | None = None,
 
 
 def _untimed_because(options: OptimizeOptions, plan: _Plan) -> str | None:
-    """Why the fusion families are not timed (None: they are)."""
+    """Why the fusion families are not timed (None: they are, or a record is replayed)."""
+    if options.tuning is not None:
+        if not plan.chosen.runs_here or plan.device is not None:
+            raise BadInputError(f"--tuning replays a measured choice of the onnx and onnxruntime targets, "
+                                f"not of {options.target}")
+        return None
     if not (tune_by_default() if options.tune is None else options.tune):
         return "--no-tune" if options.tune is False else f"{ENVIRONMENT}=off"
     if not plan.chosen.runs_here or plan.device is not None:
@@ -297,60 +310,126 @@ def _untimed_policy(model: ModelSource, options: OptimizeOptions, plan: _Plan):
     return options, plan, None
 
 
+def _policy_for(loaded: ir.Model, options: OptimizeOptions, plan: _Plan):
+    """The target's untimed policy for ``loaded`` as a configuration (its exception where the graph is one)."""
+    exception = next((dict(e.untimed) for e in plan.chosen.exceptions
+                      if e.untimed and (e.untimed_where or e.sites)(loaded)), None)
+    return policy_configuration(plan.chosen, options.opset is not None, exception)
+
+
 def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
-    """The rewrites run once per configuration of the fusion families that :func:`opfuse.tune.tune`
-    times (a configuration is the target's policy with families set to ``keep``: data, not a
-    branch), and the run it chooses; the input unchanged (no pass) when nothing chosen beats it."""
-    runs: dict = {}
-
-    def configured(config, verify: bool = False) -> _Run:
-        if config is None:  # the input as given: no pass, no clean-up, no opset raise
-            o = dataclasses.replace(options, opset=None, cleanup=False, verify=verify)
-            p = dataclasses.replace(plan, names=[], fusion=[], inexact=[])
-        else:
-            chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
-            o = dataclasses.replace(options, opset=opset, verify=verify)
-            p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
-        run = _prepare(model, o, p)
-        _rewrite(run, o, p)
-        return run
-
-    def build(config):  # a variant to time: no reference kept for verification
-        if config not in runs:
-            runs[config] = configured(config)
-        return runs[config].work
-
+    """The configuration of the fusion families to write (:mod:`opfuse.tune`): replayed from a
+    record (``--tuning``, or the cache), or timed on the whole model or its first block; then the
+    rewrites run once more with it, on the whole model, with verification's reference. Tuning
+    never fails a run that would succeed untimed: where it raises, the target's policy applies and
+    the log says why."""
     original, _ = load_model(model)
-    try:
-        chosen, tuning = tune(original, build, target=options.target, opset_given=options.opset is not None,
-                              dims=options.dims, bound=resolve_constant_inputs(original, options.constant_inputs),
-                              level=options.runtime_level, threads=options.tune_threads,
-                              budget_s=options.tune_budget_s, seed=options.seed, exact=not plan.inexact,
-                              possible=lambda patterns, passes: bool(set(passes) & set(plan.names)) or bool(
-                                  patterns_that_could_match(original, plan.chosen, patterns,
-                                                            approximate=options.approximate)))
-    except BadInputError as e:  # the input runs at no size tried: nothing to time
-        run = _prepare(model, options, plan)
-        _rewrite(run, options, plan)
-        run.report.tuning = untimed(options.target, str(e), measured_policy=bool(plan.chosen.exceptions))
-        return run
-    run = configured(chosen, verify=options.verify)  # again, with verification's reference
+    policy = _policy_for(original, options, plan)
+    sig = signature(original, target=options.target, level=options.runtime_level, opset=options.opset,
+                    dims=dict(options.dims or {}), passes=plan.names, approximate=options.approximate,
+                    bound=sorted((options.constant_inputs or {}).keys()))
+    cached = cache_path(sig, options.tune_threads)
+    reports: dict = {}
+    if options.tuning is not None:
+        record = load_record(options.tuning)
+        if record.get("signature") not in (sig, None, ""):
+            raise BadInputError(f"{options.tuning}: the tuning record is of another graph or options (signature "
+                                f"{record.get('signature')}, this run's {sig}); --retune times this one")
+        chosen, tuning = replayed(record, f"replayed from {options.tuning}")
+    elif not options.retune and cached.exists():
+        try:
+            chosen, tuning = replayed(load_record(cached), f"replayed from the cache ({cached})")
+        except (BadInputError, ValueError, KeyError, TypeError):  # a stale cache entry: time again
+            chosen, tuning = _timed(model, original, policy, options, plan, reports)
+    else:
+        chosen, tuning = _timed(model, original, policy, options, plan, reports)
+    del original
+    if tuning.timed:
+        tuning.signature, tuning.machine, tuning.target = sig, machine(options.tune_threads), options.target
+        tuning.configuration = None if chosen is None else chosen.to_dict()
+        save_record(tuning.record(), cached)
+    run = _configured(model, options, plan, chosen, verify=options.verify)
     run.report.tuning = tuning
     if chosen is not None:
-        run.report.refusals.extend(_declined(runs, tuning))
+        run.report.refusals.extend(_declined(reports, tuning))
+    tuning.describe_written(run.work)
     return run
 
 
-def _declined(runs: Mapping, tuning) -> list[Refusal]:
+def _configured(model: ModelSource, options: OptimizeOptions, plan: _Plan, config, *, verify: bool) -> _Run:
+    """The rewrites of ``config`` on ``model`` (None: the input as given, no pass)."""
+    if config is None:  # the input as given: no pass, no clean-up, no opset raise
+        o = dataclasses.replace(options, opset=None, cleanup=False, verify=verify)
+        p = dataclasses.replace(plan, names=[], fusion=[], inexact=[])
+    else:
+        chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
+        o = dataclasses.replace(options, opset=opset, verify=verify)
+        p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
+    run = _prepare(model, o, p)
+    _rewrite(run, o, p)
+    return run
+
+
+def _timed(model: ModelSource, original: ir.Model, policy, options: OptimizeOptions, plan: _Plan,
+           reports: dict):
+    """Time the families (:func:`opfuse.tune.tune`) on what :mod:`opfuse.tune.block` says: the whole
+    model when small, else the prefix through its first repeated block; a large model without one
+    is not timed. Fills ``reports`` (configuration -> the report of its rewrites) for the refusals."""
+    bound = resolve_constant_inputs(original, options.constant_inputs)
+    scope, timed_model, lookups = "the whole model", model, []
+    if not is_small(original):
+        block, nodes = find_block(original)
+        if block is None:
+            return policy, untimed(options.target, "a large model with no repeated block to time on its own",
+                                   measured_policy=bool(plan.chosen.exceptions))
+        prefix = prefix_model(original.clone(), nodes)
+        scope = f"on {block.describe()}: the prefix through it, {sum(1 for _ in prefix.graph)} nodes"
+        timed_model = prefix
+    timed_original = timed_model if isinstance(timed_model, ir.Model) else original
+    sub_options = dataclasses.replace(options, constant_inputs={
+        k: v for k, v in (options.constant_inputs or {}).items() if k in {i.name for i in timed_original.graph.inputs}})
+    feeds = None
+    try:
+        if timed_model is not model:  # the prefix: its feeds drawn with its lookups, then the lookups cut
+            fed, shapes = tuning_feeds(timed_original, options.dims, level=options.runtime_level, seed=options.seed,
+                                       bound={k: v for k, v in bound.items() if k in sub_options.constant_inputs})
+            lookups = cut_lookups(timed_original)
+            fed.update({lookup.name: lookup.feed(fed) for lookup in lookups})
+            feeds = (fed, shapes + (f"; {len(lookups)} lookup table(s) fed as inputs" if lookups else ""))
+        runs: dict = {}
+
+        def build(config):  # a variant to time: no reference kept for verification
+            if config not in runs:
+                run = _configured(timed_original if timed_model is not model else model, sub_options, plan, config,
+                                  verify=False)
+                reports[config] = run.report
+                runs[config] = run.work
+            return runs[config]
+
+        return tune(timed_original, build, target=options.target, policy=policy, dims=options.dims,
+                    bound={k: v for k, v in bound.items() if k in sub_options.constant_inputs},
+                    level=options.runtime_level, threads=options.tune_threads, rounds=options.tune_rounds,
+                    seed=options.seed, exact=not plan.inexact, feeds=feeds, scope=scope,
+                    possible=lambda patterns, passes: bool(set(passes) & set(plan.names)) or bool(
+                        patterns_that_could_match(timed_original, plan.chosen, patterns,
+                                                  approximate=options.approximate)))
+    except BadInputError as e:  # the input runs at no size tried: nothing to time
+        return policy, untimed(options.target, str(e), measured_policy=bool(plan.chosen.exceptions))
+    except Exception as e:  # noqa: BLE001 - tuning never fails a run the policy would finish
+        return policy, untimed(options.target, f"tuning failed: {first_line(e, limit=200)}",
+                               measured_policy=bool(plan.chosen.exceptions))
+
+
+def _declined(reports: Mapping, tuning) -> list[Refusal]:
     """One refusal per site of each fusion the measured choice declined: the rewrites the
     configuration with it made and the one without it did not, with the measured reason."""
     out = []
     for with_it, without, reason in tuning.declined:
-        if with_it not in runs or without not in runs:
+        if with_it not in reports or without not in reports:
             continue
-        kept = {(r.pattern, r.node) for r in runs[without].report.records}
+        kept = {(r.pattern, r.node) for r in reports[without].records}
         out += [Refusal(r.pattern, r.node, reason, graph=r.graph, also=r.removed)
-                for r in runs[with_it].report.records if (r.pattern, r.node) not in kept]
+                for r in reports[with_it].records if (r.pattern, r.node) not in kept]
     return out
 
 
