@@ -378,11 +378,11 @@ def _timed(model: ModelSource, original: ir.Model, policy, options: OptimizeOpti
     bound = resolve_constant_inputs(original, options.constant_inputs)
     scope, timed_model, lookups = "the whole model", model, []
     if not is_small(original):
-        block, nodes = find_block(original)
+        block = find_block(original)
         if block is None:
             return policy, untimed(options.target, "a large model with no repeated block to time on its own",
                                    measured_policy=bool(plan.chosen.exceptions))
-        prefix = prefix_model(original.clone(), nodes)
+        prefix = prefix_model(original.clone(), block)
         scope = f"on {block.describe()}: the prefix through it, {sum(1 for _ in prefix.graph)} nodes"
         timed_model = prefix
     timed_original = timed_model if isinstance(timed_model, ir.Model) else original

@@ -368,8 +368,8 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         record.timed = False
         record.reason = "nothing to time: no family's rewrites change this graph; the target's policy applies"
         record.families = [results[c] for c in candidates]
-        record.chosen = policy.label()
-        record.written = f"the target's policy ({policy.label()})"
+        record.chosen = _describe(policy, policy)
+        record.written = "the target's policy"
         record.seconds = time.perf_counter() - start
         return policy, record
     if folds not in models:
@@ -395,7 +395,7 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
     record.noise = noise_of(run.paired("original (A/A)", "original"))
     final = decide(run, record, policy, candidates, timed, names, results)
     record.families = [results[c] for c in candidates]
-    record.chosen = final.label(policy) if final != policy else policy.label()
+    record.chosen = _describe(final, policy)
     written = fall_back(run, record, final, policy, folds, names, models, build, timed_run)
     record.seconds = time.perf_counter() - start
     return written, record
@@ -474,6 +474,7 @@ def fall_back(run: timing.Measurement, record: Tuning, final: Configuration, pol
             models[final] = build(final)
         except Exception as e:  # noqa: BLE001 - the combination failed: the policy instead
             record.written = f"the target's policy: the configuration chosen could not be built ({first_line(e)})"
+            record.chosen = _describe(policy, policy)
             final = policy
             source, name = run, names[policy]
         else:
@@ -538,6 +539,11 @@ def work_units(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> int:
             else:
                 total += 4 * int(np.prod([d.dim_value for d in dims], dtype=np.int64))
     return total
+
+
+def _describe(config: Configuration, policy: Configuration) -> str:
+    """``config`` as the log names it: the target's policy, or what sets it apart from it."""
+    return "the target's policy" if config == policy else f"the target's policy with {config.label(policy)}"
 
 
 def _same_runtime_graphs(run: timing.Measurement, reference: str) -> set[str]:

@@ -82,8 +82,8 @@ def _key(node: ir.Node) -> tuple[str, str] | None:
     return None
 
 
-def find_block(model: ir.Model) -> tuple[Block | None, set[ir.Node]]:
-    """The first repeated block in graph order and its nodes (None and an empty set without one)."""
+def find_block(model: ir.Model) -> Block | None:
+    """The first repeated block in graph order (None without one)."""
     keys = {node: _key(node) for node in model.graph}
     indices: dict[str, list[str]] = {}
     for key in keys.values():
@@ -91,10 +91,8 @@ def find_block(model: ir.Model) -> tuple[Block | None, set[ir.Node]]:
             indices[key[0]].append(key[1])
     for container, found in indices.items():  # (insertion order: the graph's)
         if len(found) >= MIN_COPIES:
-            first = min(found, key=int)
-            nodes = {n for n, k in keys.items() if k == (container, first)}
-            return Block(container, first, len(found)), nodes
-    return None, set()
+            return Block(container, min(found, key=int), len(found))
+    return None
 
 
 def model_bytes(model: ir.Model) -> int:
@@ -108,12 +106,13 @@ def is_small(model: ir.Model) -> bool:
     return nodes <= SMALL_NODES and model_bytes(model) <= SMALL_BYTES
 
 
-def prefix_model(model: ir.Model, nodes: set[ir.Node]) -> ir.Model:
-    """``model`` (mutated: pass a private copy) cut to what computes the block of ``nodes``: its
-    outputs (the values the block's nodes produce that a node outside it, or the graph, reads) are
-    the graph's outputs; every node and initializer that does not reach them, and every input no
-    node reads, is removed."""
+def prefix_model(model: ir.Model, block: Block) -> ir.Model:
+    """``model`` (mutated: pass a private copy) cut to what computes ``block``: its outputs (the
+    values the block's nodes produce that a node outside it, or the graph, reads) are the graph's
+    outputs; every node and initializer that does not reach them, and every input no node reads,
+    is removed."""
     graph = model.graph
+    nodes = {n for n in graph if _key(n) == (block.container, block.index)}
     outside_users = []
     graph_outputs = set(map(id, graph.outputs))
     for node in graph:
