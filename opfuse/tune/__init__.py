@@ -198,7 +198,7 @@ class Tuning:
         if family not in self.in_file or not self.in_file:
             return ""
         found = self.in_file[family]
-        return f" [in the file: {', '.join(f'{op} {n}' for op, n in found.items())}]" if found else " [in the file: none]"
+        return f"; in the file: {', '.join(f'{op} {n}' for op, n in found.items())}" if found else "; in the file: none"
 
     def _file_lines(self) -> list[str]:
         titles = {f.name: f.title for f in FAMILIES}
