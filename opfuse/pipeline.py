@@ -319,36 +319,41 @@ def _policy_for(loaded: ir.Model, options: OptimizeOptions, plan: _Plan):
 
 def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
     """The configuration of the fusion families to write (:mod:`opfuse.tune`): replayed from a
-    record (``--tuning``, or the cache), or timed on the whole model or its first block; then the
-    rewrites run once more with it, on the whole model, with verification's reference. Tuning
-    never fails a run that would succeed untimed: where it raises, the target's policy applies and
-    the log says why."""
-    original, _ = load_model(model)
+    record (``--tuning``, or the cache), or timed on the whole model or its first block (a large
+    model without one is not timed); then the rewrites run once more with it, on the whole model,
+    with verification's reference. Tuning never fails a run that would succeed untimed: where it
+    raises, the target's policy applies and the log says why."""
+    original, display = load_model(model)  # (not mutated by the timing: the final run takes it)
     policy = _policy_for(original, options, plan)
-    sig = signature(original, target=options.target, level=options.runtime_level, opset=options.opset,
-                    dims=dict(options.dims or {}), passes=plan.names, approximate=options.approximate,
-                    bound=sorted((options.constant_inputs or {}).keys()))
-    cached = cache_path(sig, options.tune_threads)
     reports: dict = {}
-    if options.tuning is not None:
-        record = load_record(options.tuning)
-        if record.get("signature") not in (sig, None, ""):
-            raise BadInputError(f"{options.tuning}: the tuning record is of another graph or options (signature "
-                                f"{record.get('signature')}, this run's {sig}); --retune times this one")
-        chosen, tuning = replayed(record, f"replayed from {options.tuning}")
-    elif not options.retune and cached.exists():
-        try:
-            chosen, tuning = replayed(load_record(cached), f"replayed from the cache ({cached})")
-        except (BadInputError, ValueError, KeyError, TypeError):  # a stale cache entry: time again
-            chosen, tuning = _timed(model, original, policy, options, plan, reports)
+    small = is_small(original)
+    block = None if small else find_block(original)
+    if options.tuning is None and not small and block is None:
+        chosen, tuning = policy, untimed(options.target, "a large model with no repeated block to time on its own",
+                                         measured_policy=bool(plan.chosen.exceptions))
     else:
-        chosen, tuning = _timed(model, original, policy, options, plan, reports)
-    del original
-    if tuning.timed:
-        tuning.signature, tuning.machine, tuning.target = sig, machine(options.tune_threads), options.target
-        tuning.configuration = None if chosen is None else chosen.to_dict()
-        save_record(tuning.record(), cached)
-    run = _configured(model, options, plan, chosen, verify=options.verify)
+        sig = signature(original, target=options.target, level=options.runtime_level, opset=options.opset,
+                        dims=dict(options.dims or {}), passes=plan.names, approximate=options.approximate,
+                        bound=sorted((options.constant_inputs or {}).keys()))
+        cached = cache_path(sig, options.tune_threads)
+        if options.tuning is not None:
+            record = load_record(options.tuning)
+            if record.get("signature") not in (sig, None, ""):
+                raise BadInputError(f"{options.tuning}: the tuning record is of another graph or options (signature "
+                                    f"{record.get('signature')}, this run's {sig}); --retune times this one")
+            chosen, tuning = replayed(record, f"replayed from {options.tuning}")
+        elif not options.retune and cached.exists():
+            try:
+                chosen, tuning = replayed(load_record(cached), f"replayed from the cache ({cached})")
+            except (BadInputError, ValueError, KeyError, TypeError):  # a stale cache entry: time again
+                chosen, tuning = _timed(model, original, block, policy, options, plan, reports)
+        else:
+            chosen, tuning = _timed(model, original, block, policy, options, plan, reports)
+        if tuning.timed:
+            tuning.signature, tuning.machine, tuning.target = sig, machine(options.tune_threads), options.target
+            tuning.configuration = None if chosen is None else chosen.to_dict()
+            save_record(tuning.record(), cached)
+    run = _configured(model, options, plan, chosen, verify=options.verify, loaded=(original, display))
     run.report.tuning = tuning
     if chosen is not None:
         run.report.refusals.extend(_declined(reports, tuning))
@@ -356,7 +361,8 @@ def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
     return run
 
 
-def _configured(model: ModelSource, options: OptimizeOptions, plan: _Plan, config, *, verify: bool) -> _Run:
+def _configured(model: ModelSource, options: OptimizeOptions, plan: _Plan, config, *, verify: bool,
+                loaded: tuple[ir.Model, str] | None = None) -> _Run:
     """The rewrites of ``config`` on ``model`` (None: the input as given, no pass)."""
     if config is None:  # the input as given: no pass, no clean-up, no opset raise
         o = dataclasses.replace(options, opset=None, cleanup=False, verify=verify)
@@ -365,23 +371,19 @@ def _configured(model: ModelSource, options: OptimizeOptions, plan: _Plan, confi
         chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
         o = dataclasses.replace(options, opset=opset, verify=verify)
         p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
-    run = _prepare(model, o, p)
+    run = _prepare(model, o, p, loaded)
     _rewrite(run, o, p)
     return run
 
 
-def _timed(model: ModelSource, original: ir.Model, policy, options: OptimizeOptions, plan: _Plan,
+def _timed(model: ModelSource, original: ir.Model, block, policy, options: OptimizeOptions, plan: _Plan,
            reports: dict):
-    """Time the families (:func:`opfuse.tune.tune`) on what :mod:`opfuse.tune.block` says: the whole
-    model when small, else the prefix through its first repeated block; a large model without one
-    is not timed. Fills ``reports`` (configuration -> the report of its rewrites) for the refusals."""
+    """Time the families (:func:`opfuse.tune.tune`) on the whole model (``block`` None), else on the
+    prefix through ``block`` (:mod:`opfuse.tune.block`). Fills ``reports`` (configuration -> the
+    report of its rewrites) for the refusals."""
     bound = resolve_constant_inputs(original, options.constant_inputs)
     scope, timed_model, lookups = "the whole model", model, []
-    if not is_small(original):
-        block = find_block(original)
-        if block is None:
-            return policy, untimed(options.target, "a large model with no repeated block to time on its own",
-                                   measured_policy=bool(plan.chosen.exceptions))
+    if block is not None:
         prefix = prefix_model(original.clone(), block)
         scope = f"on {block.describe()}: the prefix through it, {sum(1 for _ in prefix.graph)} nodes"
         timed_model = prefix
@@ -486,11 +488,13 @@ def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:
     return _Plan(names, chosen, fusion, inexact, veto, backend, device)
 
 
-def _prepare(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
-    """Load; the inexact passes first; the reference kept; inputs bound, shapes made static and
-    the opset raised as the target and options ask; the notes about the input."""
+def _prepare(model: ModelSource, options: OptimizeOptions, plan: _Plan,
+             loaded: tuple[ir.Model, str] | None = None) -> _Run:
+    """Load (or take ``loaded``, a private model from :func:`load_model` and its display name);
+    the inexact passes first; the reference kept; inputs bound, shapes made static and the opset
+    raised as the target and options ask; the notes about the input."""
     o = options
-    work, display = load_model(model)
+    work, display = loaded if loaded is not None else load_model(model)
     label_unnamed(work)  # the log names an unnamed node by op type and position
     ledger = NameLedger(work)  # no new value takes a removed one's name, over the whole run
     bound = resolve_constant_inputs(work, o.constant_inputs)  # a value that does not fit: one line, before any work

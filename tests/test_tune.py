@@ -232,9 +232,9 @@ def test_a_family_whose_patterns_cannot_match_is_not_built(monkeypatch):
     built = []
     real = pipeline._prepare
 
-    def counting(model, options, plan):
+    def counting(model, options, plan, loaded=None):
         built.append(tuple(sorted(plan.chosen.patterns.items())))
-        return real(model, options, plan)
+        return real(model, options, plan, loaded)
 
     monkeypatch.setattr(timing, "measure", _fake_measure(lambda v: 1.0))
     monkeypatch.setattr(pipeline, "_prepare", counting)
@@ -293,9 +293,9 @@ def test_a_cnn_with_a_head_reshape_builds_no_attention_variant(monkeypatch):
     built = []
     real = pipeline._prepare
 
-    def counting(model, options, plan):
+    def counting(model, options, plan, loaded=None):
         built.append((plan.chosen.patterns.get("attention"), plan.chosen.pattern_forms.get("attention")))
-        return real(model, options, plan)
+        return real(model, options, plan, loaded)
 
     monkeypatch.setattr(timing, "measure", _fake_measure(lambda v: 1.0))
     monkeypatch.setattr(pipeline, "_prepare", counting)
