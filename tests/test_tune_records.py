@@ -202,3 +202,13 @@ def test_the_default_command_with_a_deterministic_clock(tmp_path, monkeypatch, c
     written = {k.split(".")[-1]: n for k, n in op_counts(ir.load(out)).items()}
     kind = "MultiHeadAttention" if "MultiHeadAttention" in written else "Attention"
     assert f"in the file: {kind} {written[kind]}" in attention  # ...with what the file written has of it
+
+
+def test_a_decode_steps_mask_dimension_of_its_own_is_timed_at_the_past_and_one():
+    """A TorchScript decode step names its mask's length apart from the past ('total_seq'): timed at a
+    past of 256, the mask covers the past and the new token (not a past of one, where nothing larger ran)."""
+    from opfuse.tune import tuning_feeds
+
+    feeds, shapes = tuning_feeds(ir.from_proto(decode_step(mask_dim="mask_len")), None)
+    assert feeds["past_key"].shape[2] == 256 and feeds["attention_mask"].shape == (1, 257)
+    assert "past_seq=256" in shapes and "did not run" not in shapes

@@ -281,16 +281,27 @@ def tuning_feeds(model: ir.Model, dims: Mapping[str, int] | None, *, level: str 
     if past is not None and past.shape is not None:
         axis = len(past.shape) - 2
         past_key = next((k for k, d in free.items() if (past.name, axis) in d.places), None)
-    defaults = {}
-    for key, dim in free.items():
-        if dim.derived is not None or key in given:
-            continue
-        if dim.batch:
-            defaults[key] = 1
-        elif past is not None:
-            defaults[key] = DECODE_PAST if key == past_key else 1
-        else:
-            defaults[key] = PREFILL_SEQ
+    def defaults_at(halved: int) -> dict[str, int]:
+        """The default sizes, the past and the free sequences halved ``halved`` times; a decode step's
+        mask dimension of its own name (a TorchScript export's total length) covers the past and the
+        new token."""
+        out = {}
+        for key, dim in free.items():
+            if dim.derived is not None or key in given:
+                continue
+            if dim.batch:
+                out[key] = 1
+            elif past is not None and key == past_key:
+                out[key] = DECODE_PAST >> halved
+            elif past is not None:
+                masked = any("mask" in (name or "").lower() for name, _ in dim.places)
+                out[key] = (DECODE_PAST >> halved) + 1 if masked and past_key is not None else 1
+            else:
+                out[key] = PREFILL_SEQ >> halved
+        return out
+
+    halved = 0
+    defaults = defaults_at(halved)
     session = create_session(model, level, 1)
     notes = []
     while True:
@@ -301,14 +312,14 @@ def tuning_feeds(model: ir.Model, dims: Mapping[str, int] | None, *, level: str 
             session.run(None, feeds)
             break
         except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own types
-            grown = {k: v // 2 for k, v in defaults.items() if v > 16}
-            if not grown:
+            if max(defaults.values(), default=0) <= 16:
                 feeds, sizes, _ = find_sizes(model, lambda f: session.run(None, f), fixed=given, seed=seed,
                                              purpose="cannot time")
                 notes.append(f"the defaults did not run ({first_line(e, limit=100)}): the smallest sizes that do")
                 break
             notes.append(f"{describe_sizes(free, sizes)} did not run ({first_line(e, limit=100)})")
-            defaults.update(grown)
+            halved += 1
+            defaults = defaults_at(halved)
     from opfuse.core.dims import derive_sizes  # (the sizes shown with the derived ones)
 
     shown = describe_sizes(free, derive_sizes(free, sizes)) or "the declared shape"
