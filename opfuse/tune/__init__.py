@@ -58,6 +58,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from opfuse.core.analysis import op_counts, opset_of
@@ -524,8 +525,6 @@ def work_units(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> int:
     """The bytes one run of ``model`` on ``feeds`` reads and writes, as ONNX's shape inference sees
     them: its initializers, and every value whose shape it infers at the feeds' sizes (a value of
     unknown shape counts as the largest input)."""
-    import onnx
-
     proto = ir.serde.serialize_model(model)
     for value in proto.graph.input:
         if value.name in feeds:

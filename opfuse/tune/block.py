@@ -39,6 +39,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from opfuse.core.ops import is_op
+
 SMALL_BYTES = 48 * 2**20  # a model timed whole: its initializers at most this...
 SMALL_NODES = 3000  # ...and at most this many nodes
 MIN_COPIES = 2  # a container with at least this many numbered children repeats a block
@@ -153,7 +155,7 @@ def cut_lookups(model: ir.Model) -> list[Lookup]:
     inputs = {v.name: v for v in graph.inputs}
     found = []
     for node in list(graph):
-        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        if not is_op(node, "Gather") or len(node.inputs) < 2:
             continue
         table, indices = node.inputs[0], node.inputs[1]
         if (table is None or indices is None or table.const_value is None or indices.name not in inputs
