@@ -96,15 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs")
     opt.add_argument("--no-verify", action="store_true", help="skip running both models on ONNX Runtime")
     opt.add_argument("--tune", action=argparse.BooleanOptionalAction, default=None,
-                     help="time each fusion family (attention's form, the norms, the activations, the epilogues, "
-                          "the opset raise) on and off on ONNX Runtime here, at --runtime-level and the --dim "
-                          "sizes (default: a decode step at past 256, else 128 per free dimension), and keep only "
-                          "those faster beyond an A/A control's noise; never write a model slower than the input. "
+                     help="time each fusion family the target fuses (attention's form, the norms, the activations, "
+                          "the epilogues, the opset raise) on and off on ONNX Runtime here, at --runtime-level and "
+                          "the --dim sizes (default: a decode step at past 256, else 128 per free dimension), on the "
+                          "whole model when small, else on its first repeated block; turn off those slower beyond an "
+                          "A/A control's noise (within it, the target's policy stands); never write a model slower "
+                          "than the input. The decision is cached by graph and machine and replayed. "
                           "--no-tune follows the target's default policy (default: on, unless OPFUSE_TUNE=off)")
     opt.add_argument("--tune-threads", type=int, default=1, metavar="N",
                      help="intra-op threads while timing (default: %(default)s)")
-    opt.add_argument("--tune-budget", type=float, default=5.0, metavar="SECONDS",
-                     help="seconds of timing rounds per interleaved run (7 to 151 rounds; default: %(default)s)")
+    opt.add_argument("--tune-rounds", type=int, default=None, metavar="N",
+                     help="timing rounds per interleaved run (default: from the graph's size, 9 to 61)")
+    opt.add_argument("--tuning", metavar="FILE",
+                     help="replay a tuning record (a --report JSON, or a record from the cache) instead of timing: "
+                          "the same input and record write the same bytes")
+    opt.add_argument("--retune", action="store_true",
+                     help="time again even where a record of this graph on this machine is cached")
     opt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
     ext = opt.add_mutually_exclusive_group()
     ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,
@@ -316,7 +323,9 @@ def _optimize(args) -> int:
         context=args.context,
         tune=args.tune,
         tune_threads=args.tune_threads,
-        tune_budget_s=args.tune_budget,
+        tune_rounds=args.tune_rounds,
+        tuning=args.tuning,
+        retune=args.retune,
     )
     _, report = optimize(args.input, options=options)
     return _print_result(args, report, print_report, time.perf_counter() - start)

@@ -30,9 +30,8 @@ from opfuse.load import LOAD_NOTES, ModelSource, load_model
 from opfuse.prepare.opset import upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
-from opfuse.passes.pattern_gate import patterns_that_could_match
 from opfuse.passes.constant_branches import RESOLVED
-from opfuse.report import FusionReport, Refusal
+from opfuse.report import FusionReport
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.cost.accelerator import fusion_veto, load_profile
 from opfuse.targets.kernels import Target, load_target
@@ -46,8 +45,9 @@ from opfuse.save import (
     restore_declared_types,
     write_text_atomic,
 )
-from opfuse.tune import DEFAULT_BUDGET_S, ENVIRONMENT, tune, tune_by_default, untimed
+from opfuse.tune import ENVIRONMENT, tune_by_default, untimed
 from opfuse.tune.families import configure
+from opfuse.tune.run import tuned_run
 from opfuse.verify import verify_models
 
 MAX_ROUNDS = 8  # folding repeats until nothing changes; chains settle in two rounds
@@ -181,10 +181,13 @@ class OptimizeOptions:
     ``htp_options``, ``context`` and ``compile_for_device`` are for a target with a device
     (``qnn``): compile for it, with these backend options, writing this context binary.
     ``tune`` (None: on, unless ``OPFUSE_TUNE=off`` is in the environment) times each fusion
-    family on and off where the target's runtime is on this machine and keeps only those that
-    make the model faster (:mod:`opfuse.tune`), at ``tune_threads`` intra-op threads, in rounds
-    that fit ``tune_budget_s`` seconds per interleaved run; the shapes are ``dims`` or the
-    defaults the log states. Off, the target's default policy applies.
+    family the target fuses on and off where the target's runtime is on this machine, and turns
+    off those that make the model slower (:mod:`opfuse.tune`), at ``tune_threads`` intra-op
+    threads, in ``tune_rounds`` rounds (None: from the graph's work units); the shapes are
+    ``dims`` or the defaults the log states. Off, the target's default policy applies.
+    ``tuning`` replays a record (:mod:`opfuse.tune.record`: a file, or a report holding one)
+    instead of timing; without it a record cached for this graph and machine is replayed unless
+    ``retune``.
     """
 
     passes: Iterable[str] | str | None = None  # None: the target's default passes
@@ -210,7 +213,9 @@ class OptimizeOptions:
     compile_for_device: bool = True
     tune: bool | None = None  # None: tune_by_default() (on unless OPFUSE_TUNE=off)
     tune_threads: int = 1
-    tune_budget_s: float = DEFAULT_BUDGET_S
+    tune_rounds: int | None = None
+    tuning: str | os.PathLike | None = None  # a record to replay (no timing)
+    retune: bool = False  # time again even where a record is cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +263,7 @@ def optimize(model: ModelSource, *, options: OptimizeOptions | None = None,
     plan = _plan(model, options)
     untimed_because = _untimed_because(options, plan)
     if untimed_because is None:
-        run = _tuned(model, options, plan)
+        run = tuned_run(model, options, plan, _configured)
     else:
         measured = bool(plan.chosen.exceptions)
         options, plan, note = _untimed_policy(model, options, plan)
@@ -272,7 +277,12 @@ def optimize(model: ModelSource, *, options: OptimizeOptions | None = None,
 
 
 def _untimed_because(options: OptimizeOptions, plan: _Plan) -> str | None:
-    """Why the fusion families are not timed (None: they are)."""
+    """Why the fusion families are not timed (None: they are, or a record is replayed)."""
+    if options.tuning is not None:
+        if not plan.chosen.runs_here or plan.device is not None:
+            raise BadInputError(f"--tuning replays a measured choice of the onnx and onnxruntime targets, "
+                                f"not of {options.target}")
+        return None
     if not (tune_by_default() if options.tune is None else options.tune):
         return "--no-tune" if options.tune is False else f"{ENVIRONMENT}=off"
     if not plan.chosen.runs_here or plan.device is not None:
@@ -297,61 +307,19 @@ def _untimed_policy(model: ModelSource, options: OptimizeOptions, plan: _Plan):
     return options, plan, None
 
 
-def _tuned(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
-    """The rewrites run once per configuration of the fusion families that :func:`opfuse.tune.tune`
-    times (a configuration is the target's policy with families set to ``keep``: data, not a
-    branch), and the run it chooses; the input unchanged (no pass) when nothing chosen beats it."""
-    runs: dict = {}
-
-    def configured(config, verify: bool = False) -> _Run:
-        if config is None:  # the input as given: no pass, no clean-up, no opset raise
-            o = dataclasses.replace(options, opset=None, cleanup=False, verify=verify)
-            p = dataclasses.replace(plan, names=[], fusion=[], inexact=[])
-        else:
-            chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
-            o = dataclasses.replace(options, opset=opset, verify=verify)
-            p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
-        run = _prepare(model, o, p)
-        _rewrite(run, o, p)
-        return run
-
-    def build(config):  # a variant to time: no reference kept for verification
-        if config not in runs:
-            runs[config] = configured(config)
-        return runs[config].work
-
-    original, _ = load_model(model)
-    try:
-        chosen, tuning = tune(original, build, target=options.target, opset_given=options.opset is not None,
-                              dims=options.dims, bound=resolve_constant_inputs(original, options.constant_inputs),
-                              level=options.runtime_level, threads=options.tune_threads,
-                              budget_s=options.tune_budget_s, seed=options.seed, exact=not plan.inexact,
-                              possible=lambda patterns, passes: bool(set(passes) & set(plan.names)) or bool(
-                                  patterns_that_could_match(original, plan.chosen, patterns,
-                                                            approximate=options.approximate)))
-    except BadInputError as e:  # the input runs at no size tried: nothing to time
-        run = _prepare(model, options, plan)
-        _rewrite(run, options, plan)
-        run.report.tuning = untimed(options.target, str(e), measured_policy=bool(plan.chosen.exceptions))
-        return run
-    run = configured(chosen, verify=options.verify)  # again, with verification's reference
-    run.report.tuning = tuning
-    if chosen is not None:
-        run.report.refusals.extend(_declined(runs, tuning))
+def _configured(model: ModelSource, options: OptimizeOptions, plan: _Plan, config, *, verify: bool,
+                loaded: tuple[ir.Model, str] | None = None) -> _Run:
+    """The rewrites of ``config`` on ``model`` (None: the input as given, no pass)."""
+    if config is None:  # the input as given: no pass, no clean-up, no opset raise
+        o = dataclasses.replace(options, opset=None, cleanup=False, verify=verify)
+        p = dataclasses.replace(plan, names=[], fusion=[], inexact=[])
+    else:
+        chosen, names, opset = configure(plan.chosen, plan.names, options.opset, config)
+        o = dataclasses.replace(options, opset=opset, verify=verify)
+        p = dataclasses.replace(plan, chosen=chosen, names=names, fusion=[n for n in plan.fusion if n in names])
+    run = _prepare(model, o, p, loaded)
+    _rewrite(run, o, p)
     return run
-
-
-def _declined(runs: Mapping, tuning) -> list[Refusal]:
-    """One refusal per site of each fusion the measured choice declined: the rewrites the
-    configuration with it made and the one without it did not, with the measured reason."""
-    out = []
-    for with_it, without, reason in tuning.declined:
-        if with_it not in runs or without not in runs:
-            continue
-        kept = {(r.pattern, r.node) for r in runs[without].report.records}
-        out += [Refusal(r.pattern, r.node, reason, graph=r.graph, also=r.removed)
-                for r in runs[with_it].report.records if (r.pattern, r.node) not in kept]
-    return out
 
 
 def hardware_veto(hardware: str):
@@ -407,11 +375,13 @@ def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:
     return _Plan(names, chosen, fusion, inexact, veto, backend, device)
 
 
-def _prepare(model: ModelSource, options: OptimizeOptions, plan: _Plan) -> _Run:
-    """Load; the inexact passes first; the reference kept; inputs bound, shapes made static and
-    the opset raised as the target and options ask; the notes about the input."""
+def _prepare(model: ModelSource, options: OptimizeOptions, plan: _Plan,
+             loaded: tuple[ir.Model, str] | None = None) -> _Run:
+    """Load (or take ``loaded``, a private model from :func:`load_model` and its display name);
+    the inexact passes first; the reference kept; inputs bound, shapes made static and the opset
+    raised as the target and options ask; the notes about the input."""
     o = options
-    work, display = load_model(model)
+    work, display = loaded if loaded is not None else load_model(model)
     label_unnamed(work)  # the log names an unnamed node by op type and position
     ledger = NameLedger(work)  # no new value takes a removed one's name, over the whole run
     bound = resolve_constant_inputs(work, o.constant_inputs)  # a value that does not fit: one line, before any work

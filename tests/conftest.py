@@ -9,17 +9,30 @@ set ``reconstruction_budget_s`` and ``reconstruction_iterations`` where they nee
 ONNX Runtime: seconds per model, and on a shared machine a decision that is noise. The suite runs
 with ``OPFUSE_TUNE=off`` in the environment (set here, so the CLI run in a subprocess sees it too):
 every test follows the target's default policy, as ``--no-tune`` does, and the tests of tuning
-(``test_tune.py``) ask for ``tune=True`` in their own calls.
+(``test_tune.py``) ask for ``tune=True`` in their own calls, with a deterministic clock. Tuning
+records are cached in a folder of the suite's own (``OPFUSE_CACHE_DIR``), removed at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import onnx
 import pytest
 
 os.environ["OPFUSE_TUNE"] = "off"
+# tuning records are cached per graph and machine (opfuse.tune.record): the suite's own, never the user's
+os.environ["OPFUSE_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="opfuse-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning_cache(tmp_path_factory, monkeypatch):
+    """Each test its own tuning cache: a record one test's clock wrote is never another's replay."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path_factory.mktemp("tuning-cache")))
 
 
 @pytest.fixture

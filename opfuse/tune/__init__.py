@@ -1,60 +1,55 @@
-"""Measured fusion choice: every fusion family timed on and off, kept only where it is faster.
+"""Measured fusion choice: every fusion family the target fuses, timed off against its policy.
 
-A fusion that does not fit the runtime makes a model slower (ONNX Runtime's contrib
-MultiHeadAttention runs a KV-cache decode step 20-30% slower than the graph as exported,
-``benchmarks/decoders.py``), so for a target whose runtime is on this machine (ONNX
-Runtime's CPU provider: ``--target onnxruntime`` and ``onnx``) :func:`tune` decides each
-family (:mod:`opfuse.tune.families`) by timing it, after the rewrites and before anything is
-written:
+A fusion that does not fit the runtime can make a model slower (ONNX Runtime's contrib
+MultiHeadAttention in a KV-cache decode step, docs/results/decoders.md), so for a target whose
+runtime is on this machine (ONNX Runtime's CPU provider: ``--target onnxruntime`` and ``onnx``)
+:func:`tune` decides each family (:mod:`opfuse.tune.families`) by timing it, after the rewrites
+and before anything is written. The steps, each a function:
 
-1. **Shapes** (:func:`tuning_feeds`): the sizes a deployment uses. ``--dim`` values where
+1. **What is timed** (:mod:`opfuse.tune.block`): the whole model when it is small; else the
+   prefix through its first repeated block (a decoder's first layer with the embedding, mask and
+   rotary tables before it), whose decision every copy of the block follows; a large model with no
+   repeated block is not timed.
+2. **Shapes** (:func:`tuning_feeds`): the sizes a deployment uses. ``--dim`` values where
    given; otherwise, for a KV-cache decode step (a past cache input, :func:`opfuse.verify.
    inputs.past_cache`), a past of 256 and one new token; for any other graph, 128 for every
-   free dimension but the batch (a prefill's sequence, a CNN's free height and width), and
-   batch 1. The feeds are verification's (:func:`opfuse.verify.inputs.make_feeds`: masks,
-   position ids after the past). Where the input model does not run there (GPT-2's learned
-   positions end at 255), those sizes are halved until it does, and the log says so.
-2. **One interleaved run** (:mod:`opfuse.tune.timing`) at the runtime level the user
-   targets (``--runtime-level``, default all), one intra-op thread unless asked otherwise,
-   each session's fastest of :data:`REPEAT` runs per round, :data:`COPIES` sessions per
-   variant (a round's time their mean: two sessions of one model can differ by 5-15% for as long
-   as they live, which one session each would read as the variants'): the input, its A/A control (a
-   second session of it), the **reference** (every family on, attention written out), the
-   reference with each family off in turn, each candidate form of attention, and every
-   family off (the folds alone). A variant that writes the same
-   graph as the reference is not timed ("not in this graph").
-3. **Decisions** (:func:`judge`). The noise (:func:`noise_of`) is the A/A's distance from
-   1, or the half-width of a 95% interval for its median where that is wider, plus a floor
-   (:data:`NOISE_FLOOR`); a ratio whose own median is less certain than that must beat its
-   own. A family's ratio is the median over rounds of the reference's time
-   over the reference-without-it's in the same round; it is kept only below 1 - noise, else
-   turned off with the ratio and its spread in the reason ("slower", or "no gain beyond
-   noise"). Attention takes the fastest candidate below 1 - noise, else stays written out.
-4. **Never slower than the input.** The configuration chosen is timed against the input (in
-   the same run when it was one of its variants, else in a second one with its own A/A). If
-   it is slower beyond the noise, the folds alone are written when they are not, else the
-   input itself (``None``), and the log says which. Where the choice turned families off, every
-   family on with attention in the chosen form is timed beside it, and taken where it is at
-   least as fast: each family was judged against attention written out, and some pay only with
-   the form (a kept rotation lets Attention-23 take its 3-D form, :mod:`opfuse.passes.patterns.
-   heads_3d`). Where attention stays written out (no form faster beyond the noise alone), every
-   family on with the form measured fastest (or written out, the reference) is compared with the
-   choice from the same rounds, and taken where it is faster beyond the noise, or at least as fast
-   (median paired ratio at most 1) in fewer nodes (the tie-break: where the clock cannot tell two
-   configurations apart, the smaller graph; without it, runs of one model flipped between 118 and
-   274 nodes at 0.74x and 0.76x of the input's time, a Qwen2 TorchScript decode step): families that
-   each gain less than the noise can gain more together (a Phi3 TorchScript decode step: each
-   family alone 0.97-1.02x, attention 0.94x; all with Attention-23 0.70x of the input's time).
+   free dimension but the batch, and batch 1. Where the input model does not run there, those
+   sizes are halved until it does, and the log says so.
+3. **One interleaved run** (:mod:`opfuse.tune.timing`) at the runtime level the user targets,
+   one intra-op thread unless asked otherwise, each session's fastest of :data:`REPEAT` runs per
+   round, :data:`COPIES` sessions per variant (a round's time their mean: two sessions of one
+   model can differ by several percent for as long as they live): the input, its A/A control (a
+   second session of it), the target's **policy** (:func:`opfuse.tune.families.policy_configuration`:
+   what it writes untimed), the policy with each family it fuses off in turn, each other form of
+   attention, and the folds alone. The number of rounds comes from the graph's work units
+   (:func:`rounds_for`), not the clock. A variant whose rewrites raise, or that fails to run or
+   computes something else, is dropped with its reason; the others go on. A variant that writes
+   the same graph as the policy is not timed ("not in this graph"); with nothing to time, nothing is.
+4. **Decisions** (:func:`decide`). The noise (:func:`noise_of`) is the A/A's distance from 1, or
+   the half-width of a 95% interval for its median where that is wider, plus a floor
+   (:data:`NOISE_FLOOR`). A family the policy fuses is turned off only where the policy measured
+   slower with it than without it beyond the noise; another form of attention replaces the
+   policy's only where it measured faster beyond the noise. Where the clock cannot tell, the
+   target's stated policy stands, and the reason says so (and where the runtime, at the level
+   timed, makes the same kernels from the graph without the family).
+5. **Never slower than the input** (:func:`fall_back`). The configuration chosen is timed against
+   the input (in the same run when it was one of its variants, else in a second one with its own
+   A/A). If it is slower beyond the noise, the folds alone are written when they are not, else the
+   input itself (``None``), and the log says which.
 
-Nothing is timed with ``--no-tune`` (or ``OPFUSE_TUNE=off`` in the environment, which test
-suites set: timing is noise there), nor for a target whose runtime is not here (qnn's HTP):
-the target's default policy applies and the report says so (:func:`untimed`).
+Decisions are data (:mod:`opfuse.tune.record`): the record of a timed run is cached by the graph's
+signature and the machine, and replayed (``--tuning FILE``, or the cache) without timing.
+
+Nothing is timed with ``--no-tune`` (or ``OPFUSE_TUNE=off`` in the environment), nor for a target
+whose runtime is not here (qnn's HTP): the target's default policy applies and the report says so
+(:func:`untimed`).
 """
 
 from __future__ import annotations
 
-__all__ = ["tune", "judge", "noise_of", "median_uncertainty", "tuning_feeds", "untimed", "Tuning", "FamilyResult",
-           "Spread", "NOISE_FLOOR", "DEFAULT_BUDGET_S", "tune_by_default"]
+__all__ = ["tune", "decide", "fall_back", "judge", "noise_of", "median_uncertainty", "tuning_feeds", "untimed",
+           "replayed", "rounds_for", "work_units", "Tuning", "FamilyResult", "Spread", "NOISE_FLOOR", "ROUND_BYTES",
+           "tune_by_default"]
 
 import dataclasses
 import os
@@ -63,6 +58,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from opfuse.core.analysis import op_counts, opset_of
@@ -70,16 +66,16 @@ from opfuse.core.dims import free_dims
 from opfuse.core.ops import first_line
 from opfuse.runtime import create_session
 from opfuse.tune import timing
-from opfuse.tune.families import (FAMILIES, OFF, ON, WRITTEN_OUT, Configuration, base_configuration, forms_for,
-                                  label)
+from opfuse.tune.families import FAMILIES, OFF, ON, WRITTEN_OUT, Configuration, forms_for
+from opfuse.tune.record import FORMAT
 from opfuse.verify.inputs import describe_sizes, find_sizes, make_feeds, past_cache
 
 NOISE_FLOOR = 0.02  # added to the A/A's distance from 1: what a family must beat
 DECODE_PAST, PREFILL_SEQ = 256, 128  # the default shapes: a decode step's past, any other graph's free dims
-DEFAULT_BUDGET_S = 5.0  # of timing rounds, per interleaved run
+ROUND_BYTES = 24 * 2**30  # the work units of one timed run: the bytes all its sessions' runs touch
 REPEAT = 3  # runs per session per round, the fastest taken (timing.measure)
 COPIES = 2  # sessions per variant, a round's time their mean (timing.measure; experiments/decode_timing)
-MIN_ROUNDS, MAX_ROUNDS = 7, 151  # the budget decides between them (a small model gets many: a tight A/A)
+MIN_ROUNDS, MAX_ROUNDS = 9, 61  # the work units decide between them (a small graph gets many: a tight A/A)
 ENVIRONMENT = "OPFUSE_TUNE"  # "off": the default is not to time (test suites)
 
 
@@ -140,6 +136,13 @@ class Tuning:
     chosen: str = ""  # the configuration written, as a label
     final: Spread | None = None  # the written model / the input
     written: str = ""  # "the configuration chosen", "the folds alone", "the input unchanged"
+    scope: str = ""  # what was timed: "the whole model", or the prefix through a block
+    source: str = ""  # where the decision came from, when not timed here: "replayed from F", "cached in F"
+    configuration: dict | None = None  # the configuration written ({family: option}; None: the input)
+    signature: str = ""  # of the graph and the options that decide it (opfuse.tune.record.signature)
+    machine: dict = dataclasses.field(default_factory=dict)
+    target: str = ""
+    in_file: dict = dataclasses.field(default_factory=dict)  # family -> {op: count} in the model written
     # each refused decision as (configuration with it, configuration without it, the reason): the
     # pipeline turns the rewrites only the first has into refusals, one per site (not serialised)
     declined: list[tuple[Configuration, Configuration, str]] = dataclasses.field(default_factory=list)
@@ -149,26 +152,84 @@ class Tuning:
         out.update(families=[f.to_dict() for f in self.families],
                    aa=None if self.aa is None else dataclasses.asdict(self.aa),
                    final=None if self.final is None else dataclasses.asdict(self.final))
+        out["record"] = self.record()
         return out
 
+    def record(self) -> dict:
+        """What ``--tuning FILE`` replays (:mod:`opfuse.tune.record`): the decision and what it rests on."""
+        return {"format": FORMAT, "signature": self.signature, "machine": self.machine, "target": self.target,
+                "level": self.level, "shapes": self.shapes, "scope": self.scope, "rounds": self.rounds,
+                "aa": None if self.aa is None else dataclasses.asdict(self.aa), "noise": self.noise,
+                "families": [f.to_dict() for f in self.families], "configuration": self.configuration,
+                "chosen": self.chosen, "written": self.written,
+                "final": None if self.final is None else dataclasses.asdict(self.final)}
+
+    def describe_written(self, model: ir.Model) -> None:
+        """Count each family's ops in the model written (:attr:`in_file`): the log states the file."""
+        counts = op_counts(model)
+        by_op: dict[str, int] = {}
+        for key, n in counts.items():
+            op = key.split(".")[-1]
+            by_op[op] = by_op.get(op, 0) + n
+        self.in_file = {f.name: {op: by_op[op] for op in f.ops if by_op.get(op)} for f in FAMILIES if f.ops}
+
     def lines(self) -> list[str]:
-        """The human log: one line for the run, one per family, one for what was written."""
-        if not self.timed:
-            return [self.reason]
-        aa = f"A/A {self.aa}" if self.aa else "no A/A"
-        out = [f"timed at ORT {self.level}, {self.threads} thread(s), {self.shapes}: {self.rounds} rounds in "
-               f"{self.seconds:.1f} s; {aa}, noise {self.noise:.2f}"]
+        """The human log: one line for the run, one per family (what was decided, and what of it
+        the file written has), one for what was written."""
+        if self.source:
+            out = [f"{self.source}; not timed in this run (--retune times again)"]
+        elif not self.timed:
+            return [self.reason, *self._file_lines()]
+        else:
+            aa = f"A/A {self.aa}" if self.aa else "no A/A"
+            out = [f"timed {self.scope} at ORT {self.level}, {self.threads} thread(s), {self.shapes}: {self.rounds} "
+                   f"rounds in {self.seconds:.1f} s; {aa}, noise {self.noise:.2f}"]
         titles = {f.name: f.title for f in FAMILIES}
-        out += [f"{titles.get(f.family, f.family)}: {f.reason}" for f in self.families]
+        grouped: dict[str, list[FamilyResult]] = {}
+        for result in self.families:
+            grouped.setdefault(result.family, []).append(result)
+        for family, results in grouped.items():
+            reasons = list(dict.fromkeys(r.reason for r in results))
+            out.append(f"{titles.get(family, family)}: {'; '.join(reasons)}{self._in_file(family)}")
         final = f" ({self.final} of the input's time)" if self.final else ""
         out.append(f"written: {self.written}{final}")
         return out
+
+    def _in_file(self, family: str) -> str:
+        if family not in self.in_file or not self.in_file:
+            return ""
+        found = self.in_file[family]
+        return f"; in the file: {', '.join(f'{op} {n}' for op, n in found.items())}" if found else "; in the file: none"
+
+    def _file_lines(self) -> list[str]:
+        titles = {f.name: f.title for f in FAMILIES}
+        return [f"{titles[f]}: in the file: {', '.join(f'{op} {n}' for op, n in found.items())}"
+                for f, found in self.in_file.items() if found]
 
 
 def untimed(target_name: str, why: str, *, measured_policy: bool) -> Tuning:
     """The record of a run that timed nothing: the target's default policy applies."""
     which = ", which benchmarks/decoders.py measured" if measured_policy else ""
     return Tuning(False, f"not timed ({why}): followed the {target_name} target's default policy{which}")
+
+
+def replayed(record: dict, source: str) -> tuple[Configuration | None, Tuning]:
+    """The configuration a record (:mod:`opfuse.tune.record`) says to write, and its :class:`Tuning`
+    (not timed here; its measurements carried over for the log). A record whose configuration this
+    version cannot read raises ValueError."""
+    configuration = record.get("configuration")
+    config = None if configuration is None else Configuration.from_dict(configuration)
+    families = [FamilyResult(f["family"], f["candidate"], f["decision"], f["reason"],
+                             Spread(**f["ratio"]) if f.get("ratio") else None) for f in record.get("families", [])]
+    tuning = Tuning(False, shapes=record.get("shapes", ""), level=record.get("level", "all"),
+                    threads=record.get("machine", {}).get("threads", 1), rounds=record.get("rounds", 0),
+                    aa=Spread(**record["aa"]) if record.get("aa") else None, noise=record.get("noise", 0.0),
+                    families=families, chosen=record.get("chosen", ""),
+                    final=Spread(**record["final"]) if record.get("final") else None,
+                    written=record.get("written", ""), scope=record.get("scope", ""), source=source,
+                    configuration=configuration, signature=record.get("signature", ""),
+                    machine=record.get("machine", {}), target=record.get("target", ""))
+    return config, tuning
 
 
 def median_uncertainty(ratios: list[float]) -> float:
@@ -221,16 +282,27 @@ def tuning_feeds(model: ir.Model, dims: Mapping[str, int] | None, *, level: str 
     if past is not None and past.shape is not None:
         axis = len(past.shape) - 2
         past_key = next((k for k, d in free.items() if (past.name, axis) in d.places), None)
-    defaults = {}
-    for key, dim in free.items():
-        if dim.derived is not None or key in given:
-            continue
-        if dim.batch:
-            defaults[key] = 1
-        elif past is not None:
-            defaults[key] = DECODE_PAST if key == past_key else 1
-        else:
-            defaults[key] = PREFILL_SEQ
+    def defaults_at(halved: int) -> dict[str, int]:
+        """The default sizes, the past and the free sequences halved ``halved`` times; a decode step's
+        mask dimension of its own name (a TorchScript export's total length) covers the past and the
+        new token."""
+        out = {}
+        for key, dim in free.items():
+            if dim.derived is not None or key in given:
+                continue
+            if dim.batch:
+                out[key] = 1
+            elif past is not None and key == past_key:
+                out[key] = DECODE_PAST >> halved
+            elif past is not None:
+                masked = any("mask" in (name or "").lower() for name, _ in dim.places)
+                out[key] = (DECODE_PAST >> halved) + 1 if masked and past_key is not None else 1
+            else:
+                out[key] = PREFILL_SEQ >> halved
+        return out
+
+    halved = 0
+    defaults = defaults_at(halved)
     session = create_session(model, level, 1)
     notes = []
     while True:
@@ -241,14 +313,14 @@ def tuning_feeds(model: ir.Model, dims: Mapping[str, int] | None, *, level: str 
             session.run(None, feeds)
             break
         except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own types
-            grown = {k: v // 2 for k, v in defaults.items() if v > 16}
-            if not grown:
+            if max(defaults.values(), default=0) <= 16:
                 feeds, sizes, _ = find_sizes(model, lambda f: session.run(None, f), fixed=given, seed=seed,
                                              purpose="cannot time")
                 notes.append(f"the defaults did not run ({first_line(e, limit=100)}): the smallest sizes that do")
                 break
             notes.append(f"{describe_sizes(free, sizes)} did not run ({first_line(e, limit=100)})")
-            defaults.update(grown)
+            halved += 1
+            defaults = defaults_at(halved)
     from opfuse.core.dims import derive_sizes  # (the sizes shown with the derived ones)
 
     shown = describe_sizes(free, derive_sizes(free, sizes)) or "the declared shape"
@@ -257,195 +329,253 @@ def tuning_feeds(model: ir.Model, dims: Mapping[str, int] | None, *, level: str 
     return feeds, text
 
 
-def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, target: str, opset_given: bool,
-         dims: Mapping[str, int] | None = None, bound: Mapping[str, np.ndarray] | None = None,
-         level: str = "all", threads: int = 1, budget_s: float = DEFAULT_BUDGET_S, seed: int = 0,
-         exact: bool = True, measure: Callable[..., timing.Measurement] | None = None,
-         feeds: tuple[dict, str] | None = None,
-         possible: Callable[[tuple[str, ...], tuple[str, ...]], bool] | None = None) -> tuple[Configuration | None, Tuning]:
-    """Time the families of ``build``'s configurations (module docstring) and return the
-    configuration to write (None: the input unchanged) with the record of what was measured.
+def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, target: str,
+         policy: Configuration, dims: Mapping[str, int] | None = None, bound: Mapping[str, np.ndarray] | None = None,
+         level: str = "all", threads: int = 1, rounds: int | None = None, seed: int = 0, exact: bool = True,
+         measure: Callable[..., timing.Measurement] | None = None, feeds: tuple[dict, str] | None = None,
+         possible: Callable[[tuple[str, ...], tuple[str, ...]], bool] | None = None,
+         scope: str = "the whole model") -> tuple[Configuration | None, Tuning]:
+    """Time the families of ``build``'s configurations against ``policy`` (module docstring) and
+    return the configuration to write (None: the input unchanged) with the record of what was measured.
 
     ``build(config)`` returns the optimised model for a configuration (the pipeline caches
-    them); ``measure`` is :func:`opfuse.tune.timing.measure` (None: looked up when called, so a
-    test may stand a deterministic clock in for it); ``feeds`` (feeds, description) skips the
-    search for sizes. ``possible(patterns, passes)`` says whether one of a family's passes runs or
-    one of its patterns could match the graph at all
-    (:func:`opfuse.passes.pattern_gate.patterns_that_could_match`): a family for which it says
-    no is "not in this graph" without a build.
+    them); a configuration whose build raises is dropped with its reason. ``measure`` is
+    :func:`opfuse.tune.timing.measure` (None: looked up when called, so a test may stand a
+    deterministic clock in for it); ``feeds`` (feeds, description) skips the search for sizes;
+    ``rounds`` None: from the graph's work units (:func:`rounds_for`). ``possible(patterns,
+    passes)`` says whether one of a family's passes runs or one of its patterns could match the
+    graph at all (:func:`opfuse.passes.pattern_gate.patterns_that_could_match`): a family for which
+    it says no is "not in this graph" without a build. ``scope`` says what ``original`` is (the whole
+    model, or the prefix through its first block: :mod:`opfuse.tune.block`).
     """
     measure = measure or timing.measure
     start = time.perf_counter()
     fed, shapes = feeds if feeds is not None else tuning_feeds(original, dims, level=level, seed=seed, bound=bound)
-    record = Tuning(True, shapes=shapes, level=level, threads=threads)
-    base = base_configuration(opset_given)
-    candidates, folds = _candidates(base, target)
+    record = Tuning(True, shapes=shapes, level=level, threads=threads, scope=scope)
+    candidates, folds = _candidates(policy, target)
+    results: dict[Configuration, FamilyResult] = {}
     absent = "not in this graph: no rule of its patterns finds all its ops here"
-    results = {c: FamilyResult(*candidates[c], "not in this graph", absent) for c in candidates
-               if possible is not None and not _could_be_here(candidates[c][0], possible)}
-    models = {config: build(config) for config in (base, *candidates) if config not in results}
-    same = "not in this graph: it writes the same graph as the reference (nothing it fuses here, or not at this opset)"
-    # an attention form that writes no attention is no candidate, whatever opset it raised to
-    results.update({c: FamilyResult(*candidates[c], "not in this graph", same) for c in candidates
-                    if c not in results
-                    and _signature(models[c], candidates[c][0]) == _signature(models[base], candidates[c][0])})
+    for config, (family, candidate) in candidates.items():
+        if possible is not None and not _could_be_here(family, possible):
+            results[config] = FamilyResult(family, candidate, "not in this graph", absent)
+    models: dict[Configuration, ir.Model] = {}
+    try:
+        models[policy] = build(policy)
+    except Exception as e:  # noqa: BLE001 - whatever a rewrite raised: the policy is no reference
+        record.written = f"the input unchanged: the target's policy could not be built ({first_line(e, limit=160)})"
+        record.seconds = time.perf_counter() - start
+        return None, record
+    for config in [c for c in candidates if c not in results]:
+        try:
+            models[config] = build(config)
+        except Exception as e:  # noqa: BLE001 - one variant's failure drops it, the others go on
+            family, candidate = candidates[config]
+            results[config] = FamilyResult(family, candidate, "not timed", f"could not be built: {first_line(e, limit=160)}")
+    same = "not in this graph: it writes the same graph as the target's policy (nothing it changes here)"
+    for config in [c for c in candidates if c not in results]:
+        if _signature(models[config], candidates[config][0]) == _signature(models[policy], candidates[config][0]):
+            results[config] = FamilyResult(*candidates[config], "not in this graph", same)
     timed = [c for c in candidates if c not in results]
-    if timed and folds not in models:
-        models[folds] = build(folds)
-    names = {base: "reference", folds: "folds alone", **{c: label(c, base) for c in candidates}}
+    if not timed:  # nothing to decide: the policy is written, untimed
+        record.timed = False
+        record.reason = "nothing to time: no family's rewrites change this graph; the target's policy applies"
+        record.families = [results[c] for c in candidates]
+        record.chosen = _describe(policy, policy)
+        record.written = "the target's policy"
+        record.seconds = time.perf_counter() - start
+        return policy, record
+    if folds not in models:
+        try:
+            models[folds] = build(folds)
+        except Exception:  # noqa: BLE001 - the folds alone are only the fall-back
+            pass
+    names = {policy: "policy", folds: "folds alone", **{c: c.label(policy) for c in candidates}}
+    rounds = rounds if rounds is not None else rounds_for(original, fed, 3 + len(timed))
 
     def timed_run(configs: list[Configuration]) -> timing.Measurement:
         variants = [timing.Variant("original", "the input", original, level=level, kind="reference"),
                     timing.Variant("original (A/A)", "the input (A/A)", original, level=level, kind="control")]
         variants += [timing.Variant(names.get(c, "chosen"), names.get(c, "chosen"), models[c], level=level,
-                                    exact=exact) for c in configs]
-        found = measure(variants, fed, threads=threads, rounds=None, baseline="original", budget_s=budget_s,
-                        repeat=REPEAT, copies=COPIES, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS)
+                                    exact=exact) for c in configs if c in models]
+        found = measure(variants, fed, threads=threads, rounds=rounds, baseline="original",
+                        repeat=REPEAT, copies=COPIES)
         record.rounds += found.rounds
         return found
 
-    run = timed_run([base, *timed] + ([folds] if timed and folds not in timed else []))
+    run = timed_run([policy, *timed] + ([folds] if folds not in timed else []))
     record.aa = Spread.of(run.paired("original (A/A)", "original"))
     record.noise = noise_of(run.paired("original (A/A)", "original"))
-    final_noise = record.noise
-    final, fastest = _decide(run, record, base, candidates, timed, names, results)
+    final = decide(run, record, policy, candidates, timed, names, results)
     record.families = [results[c] for c in candidates]
-    record.chosen = label(final, base) if final != base else label(base)
-    whole = _with_every_family(final, base, models, fastest)
-    if names.get(final) in run.timings:
-        source, final_name = run, names[final]
-    else:  # a configuration no variant was: timed against the input on its own
-        models[final] = build(final)
-        source, final_name = timed_run([final] + ([whole] if whole is not None else [])), "chosen"
-        final_noise = max(final_noise, noise_of(source.paired("original (A/A)", "original")))
-    final_ratios = source.paired(final_name, "original")
-    if whole is not None and names[whole] in source.timings:
-        whole_ratios = source.paired(names[whole], "original")
-        if dict(final)["attention"] != WRITTEN_OUT:  # families judged against attention written out
-            better = bool(whole_ratios) and statistics.median(whole_ratios) <= statistics.median(final_ratios)
-        else:  # attention, judged alone, gained nothing beyond the noise: all together must, or tie and be smaller
-            paired = source.paired(names[whole], final_name)
-            smaller = _nodes(models[whole]) < _nodes(models[final]) if final in models else False
-            better = judge(paired, final_noise)[0] or (
-                smaller and bool(paired) and statistics.median(paired) <= 1)
-        if better:
-            _take_every_family(record, results, final, whole, whole_ratios, final_ratios,
-                               (_nodes(models[whole]), _nodes(models[final])) if final in models else None)
-            final, final_ratios = whole, whole_ratios
-            record.chosen = label(final, base) if final != base else label(base)
-    record.final = Spread.of(final_ratios)
-    written: Configuration | None = final
-    record.written = f"the configuration chosen ({record.chosen})"
-    if record.final is not None and record.final.median > 1 + final_noise:  # never slower than the input
-        folded = Spread.of(run.paired(names[folds], "original")) if names[folds] in run.timings else None
-        if folded is not None and folded.median <= 1 + record.noise and final != folds:
-            written, record.final = folds, folded
-            record.written = (f"the folds alone: the configuration chosen measured {Spread.of(final_ratios)} of the "
-                              "input's time, slower beyond the noise")
-        else:
-            written = None
-            record.written = (f"the input unchanged: the configuration chosen measured {record.final} of its time, "
-                              "slower beyond the noise")
+    record.chosen = _describe(final, policy)
+    written = fall_back(run, record, final, policy, folds, names, models, build, timed_run)
     record.seconds = time.perf_counter() - start
     return written, record
 
 
-def _with_every_family(final: Configuration, base: Configuration, built: dict,
-                       fastest: str | None) -> Configuration | None:
-    """Every family on, when that differs from ``final``: with attention in ``final``'s form (that
-    form's candidate) where ``final`` writes one, else in the form measured fastest (None: written
-    out, the reference itself). Judged one by one, each family against the reference without it,
-    a family can pay only with the form (a rotation kept is what lets the form drop its head
-    transposes), and families that each gain less than the noise can gain more together."""
-    form = dict(final).get("attention")
-    form = fastest if form == WRITTEN_OUT else form
-    whole = tuple((f, form if f == "attention" and form is not None else o) for f, o in base)
-    return whole if whole != final and whole in built else None
-
-
-def _take_every_family(record: Tuning, results: dict, final: Configuration, whole: Configuration,
-                       whole_ratios: list[float], final_ratios: list[float],
-                       nodes: tuple[int, int] | None = None) -> None:
-    """``whole`` (every family on, attention in the chosen form) measured at least as fast as the
-    families chosen one by one: the families turned off are kept, and the log says why (``nodes``:
-    both graphs' node counts, the tie-break)."""
-    form = dict(whole)["attention"]
-    off = {f for f, o in final if o == OFF and dict(whole).get(f) == ON}
-    count = f" in {nodes[0]} nodes against {nodes[1]}" if nodes else ""
-    why = (f"kept with attention {form}: every family on measured {Spread.of(whole_ratios)} of "
-           f"the input's time{count}, the families chosen one by one {Spread.of(final_ratios)}; alone: ")
-    for result in results.values():
-        if ((result.family in off or (result.family == "attention" and result.candidate == form))
-                and result.decision == "refused"):
-            result.decision, result.reason = "kept", why + result.reason
-    record.declined = [d for d in record.declined if not any(dict(d[1]).get(f) == OFF for f in off)
-                       and dict(d[1]).get("attention") == dict(d[0]).get("attention")]
-
-
-def _candidates(base: Configuration, target: str) -> tuple[dict[Configuration, tuple[str, str]], Configuration]:
-    """Each configuration timed against ``base`` -> (family, candidate): every family off in turn,
-    every form of attention; and the folds alone (every family off)."""
-
-    def variant(**change) -> Configuration:
-        return tuple((f, change.get(f, o)) for f, o in base)
-
-    candidates: dict[Configuration, tuple[str, str]] = {}
-    for family, option in base:
-        if family == "attention":
-            candidates.update({variant(attention=form.name): ("attention", form.name)
-                               for form in forms_for(target) if form.name != WRITTEN_OUT})
-        else:
-            candidates[variant(**{family: OFF})] = (family, option)
-    return candidates, variant(**{f: OFF for f, _ in base if f != "attention"})
-
-
-def _decide(run: timing.Measurement, record: Tuning, base: Configuration, candidates: dict,
-            timed: list[Configuration], names: dict, results: dict) -> tuple[Configuration, str | None]:
-    """Each timed family judged (:func:`judge`) into ``results``; the configuration they make (the
-    families kept on, attention in its fastest form that is faster beyond the noise) and the form
-    of attention measured fastest, beyond the noise or not (None: no form ran faster than written out)."""
+def decide(run: timing.Measurement, record: Tuning, policy: Configuration, candidates: dict,
+           timed: list[Configuration], names: dict, results: dict) -> Configuration:
+    """Each timed family judged against the target's policy, into ``results``; the configuration
+    they make. A family the policy fuses is turned off only where it measured slower beyond the noise;
+    another form of attention replaces the policy's only where it measured faster beyond the noise;
+    where the clock cannot tell, the policy stands, and the reason says so."""
     broken = {**{k: f"did not run: {v}" for k, v in run.errors.items()},
               **{k: f"computes something else: {v}" for k, v in run.mismatches.items()}}
-    chosen = dict(base)
+    changes: dict[str, str] = {}
     best: tuple[float, str] | None = None
-    fastest: tuple[float, str] | None = None
     aa = record.aa.median if record.aa else None
+    own_form = policy.get("attention")
+    same_kernels = _same_runtime_graphs(run, names[policy])
     for config in timed:
         family, candidate = candidates[config]
-        problem = broken.get(names[config]) or broken.get(names[base])
-        # a family: the reference (with it) over the reference without it; a form: it over written out
-        ratios = (run.paired(names[config], names[base]) if family == "attention"
-                  else run.paired(names[base], names[config]))
-        kept, why = (False, problem) if problem else judge(ratios, record.noise, aa)
-        if family == "attention":
-            median = Spread.of(ratios).median if ratios and not problem else None
-            if median is not None and median < 1 and (fastest is None or median < fastest[0]):
-                fastest = (median, candidate)
-            text = f"{candidate} written: {why}" if kept else f"kept written out: {candidate} {why}"
-            if kept and (best is None or Spread.of(ratios).median < best[0]):
-                best = (Spread.of(ratios).median, candidate)
-            elif not kept:
-                record.declined.append((config, base, f"measured choice: {text}"))
+        problem = broken.get(names[config])
+        if family == "attention":  # another form over the policy's
+            ratios = run.paired(names[config], names[policy])
+            kept, why = (False, problem) if problem else judge(ratios, record.noise, aa)
+            what = f"{candidate} against {own_form}"
+            if kept:
+                text = f"{candidate} written: {why}"
+                if best is None or Spread.of(ratios).median < best[0]:
+                    best = (Spread.of(ratios).median, candidate)
+            else:
+                text = f"{own_form} kept (the target's policy): {what} {why}"
+            results[config] = FamilyResult(family, candidate, "kept" if kept else "refused", text, Spread.of(ratios))
+            continue
+        ratios = run.paired(names[policy], names[config])  # with it / without it
+        if problem:
+            results[config] = FamilyResult(family, candidate, "kept", f"kept (the target's policy): without it {problem}")
+            continue
+        faster, why = judge(ratios, record.noise, aa)
+        spread = Spread.of(ratios)
+        slower = spread is not None and spread.median > 1 + max(record.noise, median_uncertainty(ratios) + NOISE_FLOOR)
+        itself = (f"; ONNX Runtime at level {record.level} makes the same kernels from the graph without it"
+                  if names[config] in same_kernels else "")
+        if slower:
+            changes[family] = OFF
+            text = f"turned off: {why}"
+            record.declined.append((policy, config, f"measured choice: {text}"))
+            decision = "refused"
         else:
-            text = f"kept: {why}" if kept else f"turned off: {why}"
-            chosen[family] = chosen[family] if kept else OFF
-            if not kept:
-                record.declined.append((base, config, f"measured choice: {text}"))
-        results[config] = FamilyResult(family, candidate, "kept" if kept else "refused", text, Spread.of(ratios))
-    if best is not None:  # attention is written: its refused forms are no site's refusal
-        chosen["attention"] = best[1]
-        record.declined = [d for d in record.declined if dict(d[1]).get("attention") == dict(d[0]).get("attention")]
-        if chosen.get("opset") == OFF and best[1].startswith("Attention-"):  # the form needs the opset asked for
-            chosen["opset"] = ON
-            record.declined = [d for d in record.declined if dict(d[1]).get("opset") != OFF]
-            for result in results.values():
-                if result.family == "opset":
-                    result.decision, result.reason = "kept", f"kept: {best[1]} needs it; {result.reason}"
+            text = f"kept: {why}" if faster else f"kept (the target's policy): {why}"
+            decision = "kept"
+        results[config] = FamilyResult(family, candidate, decision, text + itself, spread)
+    if best is not None:
+        changes["attention"] = best[1]
+        if best[1] == WRITTEN_OUT:  # the policy's form declined at every site
+            chosen = policy.replaced({"attention": WRITTEN_OUT})
+            record.declined.append((policy, chosen, f"measured choice: {WRITTEN_OUT} was faster than {own_form}"))
         for result in results.values():
             if result.family == "attention" and result.decision == "kept" and result.candidate != best[1]:
                 result.decision = "refused"
                 result.reason = f"not written: {best[1]} was faster; {result.reason}"
-    return tuple(chosen.items()), (fastest[1] if fastest else None)
+        if best[1].startswith("Attention-") and policy.get("opset") == OFF:
+            changes.pop("opset", None)
+    return policy.replaced(changes)
+
+
+def fall_back(run: timing.Measurement, record: Tuning, final: Configuration, policy: Configuration,
+              folds: Configuration, names: dict, models: dict, build: Callable, timed_run: Callable) -> Configuration | None:
+    """Never slower than the input: ``final`` timed against it (in ``run`` when it was one of its
+    variants, else in a second run with its own A/A); slower beyond the noise, the folds alone are
+    written when they are not, else the input itself (None). Sets the record's ``final`` and ``written``."""
+    noise = record.noise
+    if names.get(final) in run.timings:
+        source, name = run, names[final]
+    else:  # a configuration no variant was: timed against the input on its own
+        try:
+            models[final] = build(final)
+        except Exception as e:  # noqa: BLE001 - the combination failed: the policy instead
+            record.written = f"the target's policy: the configuration chosen could not be built ({first_line(e)})"
+            record.chosen = _describe(policy, policy)
+            final = policy
+            source, name = run, names[policy]
+        else:
+            source, name = timed_run([final]), "chosen"
+            noise = max(noise, noise_of(source.paired("original (A/A)", "original")))
+    ratios = source.paired(name, "original")
+    record.final = Spread.of(ratios)
+    if name in source.errors or name in source.mismatches or not ratios:
+        problem = source.errors.get(name) or source.mismatches.get(name) or "not measured"
+        record.written = f"the input unchanged: the configuration chosen {problem}"
+        return None
+    record.written = record.written or f"the configuration chosen ({record.chosen})"
+    if record.final.median <= 1 + noise:
+        return final
+    folded = Spread.of(run.paired(names[folds], "original")) if names[folds] in run.timings else None
+    if folded is not None and folded.median <= 1 + record.noise and final != folds:
+        record.written = (f"the folds alone: the configuration chosen measured {record.final} of the "
+                          "input's time, slower beyond the noise")
+        record.final = folded
+        return folds
+    record.written = (f"the input unchanged: the configuration chosen measured {record.final} of its time, "
+                      "slower beyond the noise")
+    return None
+
+
+def rounds_for(model: ir.Model, feeds: Mapping[str, np.ndarray], variants: int) -> int:
+    """Rounds of a timed run from the graph's work units, not the clock: :data:`ROUND_BYTES` over
+    the bytes one run of all ``variants`` touches (:func:`work_units`, times :data:`REPEAT` and
+    :data:`COPIES`), between :data:`MIN_ROUNDS` and :data:`MAX_ROUNDS`. The same graph always
+    gets the same rounds, whatever the machine is doing."""
+    per_round = max(1, work_units(model, feeds)) * variants * REPEAT * COPIES
+    return max(MIN_ROUNDS, min(MAX_ROUNDS, int(ROUND_BYTES // per_round)))
+
+
+def work_units(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> int:
+    """The bytes one run of ``model`` on ``feeds`` reads and writes, as ONNX's shape inference sees
+    them: its initializers, and every value whose shape it infers at the feeds' sizes (a value of
+    unknown shape counts as the largest input)."""
+    proto = ir.serde.serialize_model(model)
+    for value in proto.graph.input:
+        if value.name in feeds:
+            shape = value.type.tensor_type.shape
+            del shape.dim[:]
+            for size in np.shape(feeds[value.name]):
+                shape.dim.add().dim_value = int(size)
+    weights = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    largest = max((np.asarray(f).nbytes for f in feeds.values()), default=0)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - onnx raises its own types: a graph it cannot infer counts by node
+        return weights + largest * len(proto.graph.node)
+    known = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    total = weights
+    for node in inferred.graph.node:
+        for out in node.output:
+            info = known.get(out)
+            dims = info.type.tensor_type.shape.dim if info is not None and info.type.HasField("tensor_type") else None
+            if dims is None or any(not d.HasField("dim_value") for d in dims):
+                total += largest
+            else:
+                total += 4 * int(np.prod([d.dim_value for d in dims], dtype=np.int64))
+    return total
+
+
+def _describe(config: Configuration, policy: Configuration) -> str:
+    """``config`` as the log names it: the target's policy, or what sets it apart from it."""
+    return "the target's policy" if config == policy else f"the target's policy with {config.label(policy)}"
+
+
+def _same_runtime_graphs(run: timing.Measurement, reference: str) -> set[str]:
+    """The variants whose graph, as the runtime optimised it at the timed level, has the same op
+    counts as ``reference``'s: the runtime makes those fusions itself."""
+    ref = run.op_counts.get(reference)
+    return {name for name, counts in run.op_counts.items() if ref is not None and name != reference
+            and counts == ref}
+
+
+def _candidates(policy: Configuration, target: str) -> tuple[dict[Configuration, tuple[str, str]], Configuration]:
+    """Each configuration timed against ``policy`` -> (family, candidate): every family it fuses off
+    in turn, every other form of attention; and the folds alone (every family off)."""
+    candidates: dict[Configuration, tuple[str, str]] = {}
+    for family, option in policy:
+        if family == "attention":
+            candidates.update({policy.replaced({"attention": form.name}): ("attention", form.name)
+                               for form in forms_for(target) if form.name != option})
+        elif option == ON:
+            candidates[policy.replaced({family: OFF})] = (family, option)
+    folds = policy.replaced({f: OFF for f, _ in policy if f not in ("attention", "opset")})
+    return candidates, folds.replaced({"attention": WRITTEN_OUT})
 
 
 def _could_be_here(family: str, possible: Callable[[tuple[str, ...], tuple[str, ...]], bool]) -> bool:

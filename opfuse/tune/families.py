@@ -48,7 +48,7 @@ the opset the user gave (portable ONNX keeps the model's opset unless asked).
 from __future__ import annotations
 
 __all__ = ["Family", "AttentionForm", "FAMILIES", "ATTENTION_FORMS", "WRITTEN_OUT", "ON", "OFF", "Configuration",
-           "configure", "base_configuration", "label"]
+           "configure", "base_configuration", "policy_configuration", "label", "forms_for", "family_ops"]
 
 import dataclasses
 from collections.abc import Mapping
@@ -68,6 +68,7 @@ class Family:
     title: str  # for the log: "the norm fusions (LayerNorm, SimplifiedLayerNorm, Skip...)"
     patterns: tuple[str, ...] = ()
     passes: tuple[str, ...] = ()
+    ops: tuple[str, ...] = ()  # the op types its rewrites write: what the log counts in the file written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +83,20 @@ class AttentionForm:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("attention", "attention", ("attention",)),
-    Family("self-attention", "the encoders' self-attention (Attention with packed QKV)", ("self-attention",)),
-    Family("rotary", "the rotary embeddings (RotaryEmbedding)", ("rotary",)),
+    Family("attention", "attention", ("attention",), ops=("Attention", "MultiHeadAttention")),
+    Family("self-attention", "the encoders' self-attention (Attention with packed QKV)", ("self-attention",),
+           ops=("Attention",)),
+    Family("rotary", "the rotary embeddings (RotaryEmbedding)", ("rotary",), ops=("RotaryEmbedding",)),
     Family("norms", "the norm fusions (LayerNorm, SimplifiedLayerNorm, SkipLayerNorm, SkipSimplifiedLayerNorm)",
-           ("layer-norm", "rms-norm", "skip-layer-norm", "skip-rms-norm")),
+           ("layer-norm", "rms-norm", "skip-layer-norm", "skip-rms-norm"),
+           ops=("LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+                "SkipSimplifiedLayerNormalization", "RMSNormalization")),
     Family("activations", "the activations (Gelu, BiasGelu, SiLU, HardSwish)",
-           ("gelu", "bias-gelu", "silu", "hardswish")),
+           ("gelu", "bias-gelu", "silu", "hardswish"), ops=("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "HardSwish")),
     Family("epilogues", "the epilogues (MatMul+Add as Gemm, FusedConv, FusedGemm)", ("matmul-add",),
-           ("fuse-epilogue",)),
+           ("fuse-epilogue",), ops=("Gemm", "FusedConv", "FusedGemm")),
     Family("packed-projections", "the packed projections (MatMuls reading one input as one MatMul and a Split)",
-           passes=("pack-projections",)),
+           passes=("pack-projections",), ops=("Split",)),
     Family("opset", "the opset raise (--opset)"),
 )
 ATTENTION_FORMS: tuple[AttentionForm, ...] = (
@@ -102,20 +106,81 @@ ATTENTION_FORMS: tuple[AttentionForm, ...] = (
     AttentionForm("Attention-23", "fuse", "standard", targets=("onnx",)),
 )
 
-Configuration = tuple[tuple[str, str], ...]  # ((family, option), ...) in FAMILIES' order: hashable
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """Each family's option, in :data:`FAMILIES`' order: hashable, and iterable as (family, option)
+    pairs (``dict(config)``)."""
+
+    options: tuple[tuple[str, str], ...]
+
+    def __iter__(self):
+        return iter(self.options)
+
+    def get(self, family: str, default: str | None = None) -> str | None:
+        return dict(self.options).get(family, default)
+
+    def replaced(self, changes: Mapping[str, str]) -> Configuration:
+        """This configuration with ``changes`` ({family: option}) applied to the families it has."""
+        return Configuration(tuple((f, changes.get(f, o)) for f, o in self.options))
+
+    def label(self, base: Configuration | None = None) -> str:
+        """What sets it apart from ``base`` ("attention MultiHeadAttention, norms off"), or all of it."""
+        parts = [f"{family} {option}" for family, option in self.options
+                 if base is None or base.get(family) != option]
+        return ", ".join(parts) or ("as the target's policy" if base is not None else "every family off")
+
+    def to_dict(self) -> dict[str, str]:
+        return dict(self.options)
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, str]) -> Configuration:
+        """From a record's {family: option}; a family no longer known, or an option that is not
+        one of it, raises ValueError."""
+        known = {f.name for f in FAMILIES}
+        forms = {f.name for f in ATTENTION_FORMS}
+        for family, option in options.items():
+            if family not in known or option not in ((forms if family == "attention" else {ON, OFF})):
+                raise ValueError(f"unknown family option {family}={option!r}")
+        return cls(tuple((f.name, options[f.name]) for f in FAMILIES if f.name in options))
 
 
 def base_configuration(opset_given: bool) -> Configuration:
-    """Every family on, attention written out (the measured run's reference); the opset
-    family only when the user asked for a raise."""
-    return tuple((f.name, WRITTEN_OUT if f.name == "attention" else ON) for f in FAMILIES
-                 if f.name != "opset" or opset_given)
+    """Every family on, attention written out; the opset family only when the user asked for a raise."""
+    return Configuration(tuple((f.name, WRITTEN_OUT if f.name == "attention" else ON) for f in FAMILIES
+                               if f.name != "opset" or opset_given))
+
+
+def policy_configuration(target: Target, opset_given: bool,
+                         exception: Mapping[str, str] | None = None) -> Configuration:
+    """What ``target`` writes untimed, as a configuration: each family on where one of its patterns'
+    policy is "fuse" (or it is a pass of its own), attention in the target's own op form (written out
+    where its policy is not to fuse), then ``exception``'s options (a policy exception's ``untimed``:
+    a KV-cache decode step at ONNX Runtime gets Attention-23). It is what the measured choice keeps
+    wherever the clock cannot tell (:func:`opfuse.tune.decide`)."""
+    options = {}
+    for family in FAMILIES:
+        if family.name == "opset":
+            if opset_given:
+                options["opset"] = ON
+        elif family.name == "attention":
+            own = next((f.name for f in forms_for(target.name) if f.form == target.form("attention")
+                        and f.opset is None), WRITTEN_OUT)
+            options["attention"] = own if target.policy("attention") == "fuse" else WRITTEN_OUT
+        else:
+            fused = family.passes or any(target.policy(p) == "fuse" for p in family.patterns)
+            options[family.name] = ON if fused else OFF
+    options.update(exception or {})
+    return Configuration(tuple(options.items()))
 
 
 def label(config: Configuration, base: Configuration | None = None) -> str:
-    """What sets ``config`` apart from ``base`` ("attention MultiHeadAttention", "norms off"), or all of it."""
-    parts = [f"{family} {option}" for family, option in config if base is None or (family, option) not in base]
-    return ", ".join(parts) or "every family on, attention written out"
+    """:meth:`Configuration.label`."""
+    return config.label(base)
+
+
+def family_ops(family: str) -> tuple[str, ...]:
+    """The op types ``family``'s rewrites write (:attr:`Family.ops`)."""
+    return next(f.ops for f in FAMILIES if f.name == family)
 
 
 def forms_for(target: str) -> list[AttentionForm]:
