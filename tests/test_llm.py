@@ -95,7 +95,7 @@ def _transformers_greedy(hf_folder, ids: list[int], new: int) -> list[int]:
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False)
+                             max_new_tokens=new, do_sample=False)  # stops at eos, as genai
     return out[0, len(ids):].tolist()
 
 

@@ -7,8 +7,9 @@ loads it in float32 (a GGUF dequantised) and is the reference. For each chat pro
 (the tokenizer's chat template, generation prompt added), with transformers' token ids fed to every
 runtime:
 
-- **greedy agreement**: transformers' first ``--new`` (32) greedy tokens, and each folder's from
-  onnxruntime-genai; printed: how many of the first tokens agree before the first difference, and the
+- **greedy agreement**: transformers' first ``--new`` (32) greedy tokens (fewer where it ends with the
+  end-of-sequence token, which genai's sequence does not keep), and each folder's from onnxruntime-genai; printed:
+  how many of the first tokens agree before the first difference (or "all N" when equal), and the
   steps of transformers' own run whose top two logits are within 1e-3 of each other (near ties).
 - **decode tokens/s** (``--rounds`` rounds, one thread unless ``--threads``): after the prompt is
   appended (prefill, not timed in the decode figure), ``--decode`` (64) calls of
@@ -51,14 +52,18 @@ def _reference_greedy(model, ids: list[int], new: int) -> tuple[list[int], list[
 
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False, output_scores=True,
+                             max_new_tokens=new, do_sample=False, output_scores=True,
                              return_dict_in_generate=True)
-    ties = []
+    ties, tokens = [], out.sequences[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    if tokens and tokens[-1] in eos:  # genai's sequence ends before the end-of-sequence token
+        tokens = tokens[:-1]
     for step, scores in enumerate(out.scores):
         top = torch.topk(scores[0], 2).values
         if float(top[0] - top[1]) < 1e-3:
             ties.append(step)
-    return out.sequences[0, len(ids):].tolist(), ties
+    return tokens, ties
 
 
 def _model(folder: str, threads: int):
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("source", type=pathlib.Path)
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=7, help="0: greedy agreement only")
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--decode", type=int, default=64)
     args = parser.parse_args(argv)
@@ -131,11 +136,13 @@ def main(argv=None) -> int:
                                           tokenize=False))]
         agree = []
         for ids, (want, _) in zip(prompts, expected):
-            agree.append(_agree(_greedy(models[folder], ids, args.new), want))
+            got = _greedy(models[folder], ids, args.new)
+            agree.append(f"all {len(want)}" if got == want else _agree(got, want))
         first = _greedy(models[folder], prompts[0], args.new)
-        print(f"{folder}: greedy tokens equal to transformers' before the first difference, per prompt: {agree} "
-              f"of {args.new}; genai's tokenizer gives transformers' ids: {genai_ids == prompts[0]}")
+        print(f"{folder}: greedy tokens equal to transformers' before the first difference, per prompt: {agree}; genai's tokenizer gives transformers' ids: {genai_ids == prompts[0]}")
         print(f"  prompt 0: {tokenizer.decode(first)!r}")
+    if args.rounds < 1:
+        return 0
     sessions = [(f, tag, models[f] if tag == "A" else _model(f, args.threads)) for f in args.folders for tag in "AB"]
     times: dict[tuple[str, str], list[float]] = {(f, t): [] for f, t, _ in sessions}
     ids = prompts[0]

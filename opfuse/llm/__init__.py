@@ -25,6 +25,7 @@ from __future__ import annotations
 __all__ = ["convert", "Converted", "PRECISIONS", "VERIFY_DIMS"]
 
 import dataclasses
+import os
 import pathlib
 import shutil
 import tempfile
@@ -75,6 +76,12 @@ def _not_quantized(model) -> list[str]:
     return left
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str = "fp32", *,
             verify: bool = True, block_size: int = 32, symmetric: bool = False) -> Converted:
     """Write the genai folder of ``source`` at ``precision`` into ``out`` (module docstring)."""
@@ -122,6 +129,8 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         genai.write_tokenizer(tokenizer, stage)
         out.mkdir(exist_ok=True)
         files = sorted(p.name for p in stage.iterdir())
+        mode = 0o666 & ~_umask()  # the staging files are private (mkstemp); the folder's are for whoever runs it
         for name in files:
+            (stage / name).chmod(mode)
             (stage / name).replace(out / name)
     return Converted(out, files, precision, ops, report.summary(), not_quantized)
