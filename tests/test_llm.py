@@ -19,11 +19,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("transformers")
 og = pytest.importorskip("onnxruntime_genai")
-import onnxruntime as ort  # noqa: E402
-import torch  # noqa: E402
+import onnxruntime as ort
+import torch
 
-from opfuse.cli import main  # noqa: E402
-from opfuse.llm.quantize_int4 import quantize_int4  # noqa: E402
+from opfuse.cli import main
+from opfuse.llm.quantize_int4 import quantize_int4
 
 VOCAB, NEW_TOKENS = 320, 12
 PROMPT = "def f(x): return x"
@@ -31,6 +31,7 @@ PROMPT = "def f(x): return x"
 
 def _tokenizer():
     import pydoc_data.topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -166,7 +167,7 @@ def _dequantised_matmulnbits(node, inits) -> np.ndarray:
 def _dequantised_gather(node, inits) -> np.ndarray:
     """The [vocab, hidden] float table a GatherBlockQuantized node reads, from its initializers."""
     data = inits[node.input[0]].astype(np.float32)
-    vocab, hidden = data.shape
+    hidden = data.shape[1]
     block = {a.name: helper.get_attribute_value(a) for a in node.attribute}["block_size"]
     scales = np.repeat(inits[node.input[2]], block, axis=1)[:, :hidden]
     zero = np.repeat(inits[node.input[3]].astype(np.float32), block, axis=1)[:, :hidden] if len(node.input) > 3 \

@@ -22,7 +22,7 @@ optimisation is verified); step 4 is not (module :mod:`opfuse.llm.quantize_int4`
 
 from __future__ import annotations
 
-__all__ = ["convert", "Converted", "PRECISIONS", "VERIFY_DIMS"]
+__all__ = ["PRECISIONS", "VERIFY_DIMS", "Converted", "convert"]
 
 import dataclasses
 import os

@@ -26,7 +26,7 @@ greedy tokens).
 
 from __future__ import annotations
 
-__all__ = ["Loaded", "load", "CausalLMStep", "flat_cache", "filled_cache", "io_names", "export", "OPSET"]
+__all__ = ["OPSET", "CausalLMStep", "Loaded", "export", "filled_cache", "flat_cache", "io_names", "load"]
 
 import contextlib
 import dataclasses
@@ -112,7 +112,7 @@ def _module_class():
     return _CausalLMStep
 
 
-def CausalLMStep(model):  # noqa: N802 - a class made on first use, so importing this module needs no torch
+def CausalLMStep(model):
     """The nn.Module exported: ``model``'s forward with a flat signature (module docstring)."""
     return _module_class()(model)
 

@@ -30,7 +30,7 @@ outputs change. The tests check that the rewrite equals the dequantised weights'
 
 from __future__ import annotations
 
-__all__ = ["quantize_int4", "BLOCK_SIZE", "ACCURACY_LEVEL", "counts"]
+__all__ = ["ACCURACY_LEVEL", "BLOCK_SIZE", "counts", "quantize_int4"]
 
 import collections
 import logging
@@ -47,7 +47,10 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
 
     ``model`` is changed in place and returned."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
 
     untie_head(model)
     ops = ("MatMul", "Gather") if embedding else ("MatMul",)
