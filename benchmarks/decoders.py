@@ -22,7 +22,7 @@ Each is exported by both torch exporters at opset 18 (``torchscript``: ``dynamo=
 (T5: prefill is the whole seq2seq forward, input_ids, attention_mask, decoder_input_ids ->
 logits, encoder_hidden_states; decode is one decoder step with the encoder's states and the
 self- and cross-attention caches ``past_key_values.i.decoder|encoder.key|value``.) The
-cache is transformers' DynamicCache, flattened by :class:`CausalLMStep`. Exports are kept in
+cache is transformers' DynamicCache, flattened by :class:`opfuse.llm.export.CausalLMStep`. Exports are kept in
 ``~/.cache/opfuse-decoders/<versions>/<model>-<config hash>/<exporter>-<graph>/model.onnx``
 (``--cache``), so a re-run reuses them; an export that fails is kept as its first error line
 and becomes one row, ``export failed: ...``, not a crash.
@@ -97,6 +97,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path[1:1] = [str(REPO)]  # opfuse from this tree; benchmarks/ (sys.path[0]) stays for wild's helpers
 
 import genai_anchor  # noqa: E402
+from opfuse.llm.export import CausalLMStep, filled_cache, flat_cache  # noqa: E402
 from wild import count_nodes  # noqa: E402
 
 OPSET = 18
@@ -158,37 +159,10 @@ MODELS = {d.name: d for d in (
 
 # --- the graphs exported -------------------------------------------------------------------------
 
-def _flat_cache(cache) -> list:
-    """A DynamicCache as [key 0, value 0, key 1, ...]."""
-    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-
-def _filled_cache(config, past) -> object:
-    """A DynamicCache holding ``past`` = (key 0, value 0, key 1, ...)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    for i in range(len(past) // 2):
-        cache.update(past[2 * i], past[2 * i + 1], i)
-    return cache
-
-
 def _step_module(decoder: Decoder, graph: str, model):
     """The nn.Module exported: the model's forward with a flat signature (inputs and outputs: :func:`signature`)."""
     import torch
     from transformers import EncoderDecoderCache
-
-    class CausalLMStep(torch.nn.Module):
-        """(input_ids, attention_mask, position_ids, *past) -> (logits, *present); no past: prefill."""
-
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask, position_ids, *past):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=_filled_cache(self.model.config, past), use_cache=True)
-            return (out.logits, *_flat_cache(out.cache))
 
     class Seq2SeqPrefill(torch.nn.Module):
         """(input_ids, attention_mask, decoder_input_ids) -> (logits, encoder_hidden_states)."""
@@ -214,15 +188,15 @@ def _step_module(decoder: Decoder, graph: str, model):
         def forward(self, decoder_input_ids, encoder_hidden_states, encoder_attention_mask, *past):
             mine = [t for i in range(0, len(past), 4) for t in past[i:i + 2]]
             cross = [t for i in range(0, len(past), 4) for t in past[i + 2:i + 4]]
-            cache = EncoderDecoderCache(_filled_cache(self.model.config, mine),
-                                        _filled_cache(self.model.config, cross))
+            cache = EncoderDecoderCache(filled_cache(self.model.config, mine),
+                                        filled_cache(self.model.config, cross))
             out = self.model(encoder_outputs=(encoder_hidden_states,), attention_mask=encoder_attention_mask,
                              decoder_input_ids=decoder_input_ids, cache=cache, use_cache=True)
-            return (out.logits, *_flat_cache(out.cache.self_attention_cache))
+            return (out.logits, *flat_cache(out.cache.self_attention_cache))
 
     if decoder.seq2seq:
         return Seq2SeqPrefill() if graph == "prefill" else Seq2SeqDecode()
-    return CausalLMStep()
+    return CausalLMStep(model)
 
 
 @dataclasses.dataclass

@@ -3,6 +3,7 @@
     opfuse optimize IN.onnx -o OUT.onnx [--passes ...] [--report r.json] [--inputs x.npz]
                                         [--dim batch=4] [--constant-input sr=16000] [--no-verify]
     opfuse inspect IN.onnx [--json]
+    opfuse llm SOURCE.gguf|HF_FOLDER -o DIR [--precision fp32|int4]
     opfuse demo [--model resnet50]
     opfuse quantize IN.onnx -o OUT.onnx --calibration DATA [--preset cpu|per-tensor|qnn|ethos-u]
                                         [--equalize] [--min-sqnr DB] [--report r.json]
@@ -34,6 +35,7 @@ from opfuse import __version__
 from opfuse.bench.ablation import CONFIGS
 from opfuse.bench import options as bench_options
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
+from opfuse.llm import command as llm_command
 from opfuse.passes import PASS_NAMES
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
 from opfuse.quantization.report import QuantReport, print_quant_report
@@ -173,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.add_argument("--overwrite", action="store_true", help="allow the output to replace the input file")
     qnt.add_argument("-v", "--verbose", action="store_true", help="list every layer")
     qnt.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+
+    llm_command.add_parser(sub)
 
     demo = sub.add_parser("demo", help="optimise a built-in model (no files needed) and report")
     demo.add_argument("--model", default="resnet50", help="built-in model (default: %(default)s)")
@@ -427,7 +431,8 @@ def _quantize(args) -> int:
     return _print_result(args, report, print_quant_report, time.perf_counter() - start)
 
 
-COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench, "quantize": _quantize}
+COMMANDS = {"optimize": _optimize, "inspect": _inspect, "demo": _demo, "bench": _bench, "quantize": _quantize,
+            "llm": llm_command.run}
 
 
 # -- a command whose native compiler may crash runs in a child interpreter ----------------------------

@@ -36,6 +36,8 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 # example (as written in the README) -> why it is only parsed, not run
 PARSED_ONLY = {
     "opfuse bench": "the chapter's ablation on the built-in ResNet-50 at 224x224: minutes of timing",
+    "opfuse llm SmolLM2-135M-Instruct.Q4_1.gguf -o smol-int4 --precision int4":
+        "a real LLM from a wheel (tests/test_llm.py runs the command on a tiny Llama built in code)",
 }
 # example -> why it runs on the two-conv graph rather than on ResNet-18
 ON_A_SMALL_GRAPH = {

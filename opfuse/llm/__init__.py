@@ -1,0 +1,136 @@
+"""``opfuse llm SOURCE -o DIR --precision fp32|int4``: a causal LM in, a folder onnxruntime-genai runs out.
+
+The steps (:func:`convert`):
+
+1. :func:`opfuse.llm.export.load`: SOURCE, a GGUF file or a Hugging Face folder, through
+   transformers (float32; a GGUF's quantised blocks are dequantised by transformers).
+2. :func:`opfuse.llm.export.export`: one graph with past, the builder's names, by torch's dynamo exporter.
+3. :func:`opfuse.pipeline.optimize` at ``target="onnxruntime"`` with ``tune=False`` (the target's
+   default policy; the tuner is being rewritten), verified on ONNX Runtime against the export at
+   :data:`VERIFY_DIMS` (a prefill of 4 tokens after a past of 8).
+4. ``int4``: :func:`opfuse.llm.quantize_int4.quantize_int4` on the optimised graph (fold first,
+   quantise once): MatMulNBits and GatherBlockQuantized, round-to-nearest, block 32.
+5. ``genai_config.json`` and the tokenizer files (:mod:`opfuse.llm.genai`).
+
+Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error
+DIR receives nothing. A model that is not a decoder-only LM with a KV cache transformers builds
+(an encoder-decoder, no ``num_hidden_layers``) is refused with one line (exit 2).
+
+Legality: steps 1-3 and 5 are exact up to float rounding (the export is transformers' forward; the
+optimisation is verified); step 4 is not (module :mod:`opfuse.llm.quantize_int4`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["PRECISIONS", "VERIFY_DIMS", "Converted", "convert"]
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import tempfile
+
+from opfuse.errors import BadInputError
+
+PRECISIONS = ("fp32", "int4")
+VERIFY_DIMS = {"batch_size": 1, "sequence_length": 4, "past_sequence_length": 8, "total_sequence_length": 12}
+
+
+@dataclasses.dataclass
+class Converted:
+    """What :func:`convert` wrote and did."""
+
+    folder: pathlib.Path
+    files: list[str]
+    precision: str
+    ops: dict[str, int]  # op type -> count in the written graph
+    optimize_summary: str
+    not_quantized: list[str] = dataclasses.field(default_factory=list)  # MatMul/Gather left in float, why
+
+    def summary(self) -> str:
+        nbits, gbq = self.ops.get("MatMulNBits", 0), self.ops.get("GatherBlockQuantized", 0)
+        quant = f"; {nbits} MatMulNBits, {gbq} GatherBlockQuantized" if self.precision == "int4" else ""
+        return (f"{self.folder}: {self.precision}, {sum(self.ops.values())} nodes{quant}; "
+                f"{', '.join(self.files)}")
+
+
+def _check_decoder(config) -> None:
+    if getattr(config, "is_encoder_decoder", False):
+        raise BadInputError(f"{config.model_type}: an encoder-decoder; opfuse llm takes decoder-only models")
+    for field in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
+        if getattr(config, field, None) is None:
+            raise BadInputError(f"{config.model_type}: its config has no {field}; opfuse llm takes decoder-only "
+                                "models with a KV cache (Llama, Qwen2, Mistral, Phi3, ...)")
+
+
+def _not_quantized(model) -> list[str]:
+    """The MatMul and Gather nodes left in float after quantisation, with why."""
+    inits = {t.name: t for t in model.graph.initializer}
+    left = []
+    for node in model.graph.node:
+        if node.op_type not in ("MatMul", "Gather"):
+            continue
+        weight = inits.get(node.input[1] if node.op_type == "MatMul" else node.input[0])
+        why = "both inputs are activations" if weight is None else f"weight of shape {list(weight.dims)}"
+        left.append(f"{node.op_type} {node.name}: {why}")
+    return left
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str = "fp32", *,
+            verify: bool = True, block_size: int = 32, symmetric: bool = False) -> Converted:
+    """Write the genai folder of ``source`` at ``precision`` into ``out`` (module docstring)."""
+    import onnx
+
+    from opfuse.llm import genai
+    from opfuse.llm.export import export, load
+    from opfuse.llm.quantize_int4 import counts, quantize_int4
+    from opfuse.pipeline import optimize
+
+    if precision not in PRECISIONS:
+        raise BadInputError(f"--precision {precision}: expected one of {', '.join(PRECISIONS)}")
+    out = pathlib.Path(out)
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"{out}: exists and is not a folder")
+    if not pathlib.Path(source).exists():
+        raise BadInputError(f"{source}: no such file or folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    loaded = load(source)
+    config, tokenizer = loaded.model.config, loaded.tokenizer
+    _check_decoder(config)
+    with tempfile.TemporaryDirectory(prefix=".opfuse-llm-", dir=out.parent) as tmp:
+        tmp = pathlib.Path(tmp)
+        exported, optimised, stage = tmp / "export" / "model.onnx", tmp / "opt" / "model.onnx", tmp / "out"
+        export(loaded.model, exported)
+        del loaded  # the torch weights: the optimiser needs the memory
+        optimised.parent.mkdir()
+        _, report = optimize(str(exported), target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
+                             output=str(optimised), external_data=True)
+        shutil.rmtree(exported.parent)
+        not_quantized = []
+        if precision == "int4":
+            stage.mkdir()
+            model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric)
+            shutil.rmtree(optimised.parent)
+            not_quantized = _not_quantized(model)
+            onnx.save(model, str(stage / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location="model.onnx.data", size_threshold=1024)
+        else:
+            optimised.parent.rename(stage)
+            model = onnx.load(str(stage / "model.onnx"), load_external_data=False)
+        ops = counts(model)
+        del model
+        genai.write_config(config, tokenizer, stage)
+        genai.write_tokenizer(tokenizer, stage)
+        out.mkdir(exist_ok=True)
+        files = sorted(p.name for p in stage.iterdir())
+        mode = 0o666 & ~_umask()  # the staging files are private (mkstemp); the folder's are for whoever runs it
+        for name in files:
+            (stage / name).chmod(mode)
+            (stage / name).replace(out / name)
+    return Converted(out, files, precision, ops, report.summary(), not_quantized)

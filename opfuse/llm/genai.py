@@ -1,0 +1,107 @@
+"""The files besides the model that onnxruntime-genai reads from a folder: ``genai_config.json`` and the tokenizer.
+
+What it does:
+
+- :func:`genai_config` returns the configuration in the schema onnxruntime-genai's model builder
+  writes (``model``: the token ids, ``context_length``, ``vocab_size``, ``type``; ``model.decoder``:
+  the file name, the head and layer counts, the input and output names with ``%d`` for the layer;
+  ``search``: greedy decoding defaults), read from the transformers config of the model exported.
+  Two differences from the builder's: ``position_ids`` is among the inputs (the exported graph takes
+  it; genai fills it from the attention mask), and ``past_present_share_buffer`` is false: the
+  exported graph concatenates its past and the new keys (``present`` is past + seq long), where the
+  builder's GroupQueryAttention writes into one buffer of ``max_length``.
+- :func:`write_tokenizer` saves the tokenizer with ``save_pretrained`` (``tokenizer.json``,
+  ``tokenizer_config.json``: what genai's tokenizer loads); from a GGUF, transformers has built it
+  from the file's own vocabulary and merges.
+
+Legality: nothing here changes a computation; the names written are those of the graph
+(:func:`opfuse.llm.export.io_names`), and the tests run genai on the folder.
+"""
+
+from __future__ import annotations
+
+__all__ = ["genai_config", "write_config", "write_tokenizer"]
+
+import json
+import pathlib
+
+from opfuse.save import write_text_atomic
+
+
+def _token_id(value):
+    """A config's token id; a list (several eos ids) as genai takes it, one int or a list."""
+    if isinstance(value, (list, tuple)):
+        return list(value) if len(value) > 1 else value[0]
+    return value
+
+
+def genai_config(config, tokenizer, filename: str = "model.onnx") -> dict:
+    """The genai_config.json of a decoder whose transformers config is ``config`` (module docstring)."""
+    from opfuse.llm.export import _shape
+
+    layers, kv_heads, head_size = _shape(config)
+    bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
+    eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    pad = config.pad_token_id
+    if pad is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _token_id(eos)
+        pad = pad[0] if isinstance(pad, list) else pad
+    context = getattr(config, "max_position_embeddings", None) or 2048
+    return {
+        "model": {
+            "bos_token_id": _token_id(bos),
+            "context_length": context,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": filename,
+                "head_size": head_size,
+                "hidden_size": config.hidden_size,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "position_ids": "position_ids",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": config.num_attention_heads,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": kv_heads,
+            },
+            "eos_token_id": _token_id(eos),
+            "pad_token_id": pad,
+            "type": config.model_type,
+            "vocab_size": config.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": context,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+
+
+def write_config(config, tokenizer, folder: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(folder) / "genai_config.json"
+    write_text_atomic(path, json.dumps(genai_config(config, tokenizer), indent=4) + "\n")
+    return path
+
+
+def write_tokenizer(tokenizer, folder: str | pathlib.Path) -> list[str]:
+    """Save the tokenizer's files in ``folder``; their names."""
+    return sorted(pathlib.Path(p).name for p in tokenizer.save_pretrained(str(folder)))
