@@ -34,9 +34,13 @@ def session_options(
     *,
     profile_prefix: str | None = None,
     optimized_path: str | None = None,
+    prepack: bool = True,
 ):
     """SessionOptions: the level, threads (None: the runtime's default), no spinning,
-    sequential execution, quiet logs; optionally profiling or dumping the optimised graph."""
+    sequential execution, quiet logs; optionally profiling or dumping the optimised graph.
+    ``prepack`` False: no kernel keeps its own repacked copy of a constant weight (MatMul's), so a
+    session reads the weights where they are (external data stays mapped from its file): what
+    verification wants, where time does not matter and a second copy of the weights would."""
     options = ort.SessionOptions()
     options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, RUNTIME_LEVELS[level])
     if threads:
@@ -51,6 +55,8 @@ def session_options(
         options.profile_file_prefix = profile_prefix
     if optimized_path is not None:
         options.optimized_model_filepath = optimized_path
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     return options
 
 

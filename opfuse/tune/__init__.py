@@ -190,7 +190,8 @@ class Tuning:
             grouped.setdefault(result.family, []).append(result)
         for family, results in grouped.items():
             reasons = list(dict.fromkeys(r.reason for r in results))
-            out.append(f"{titles.get(family, family)}: {'; '.join(reasons)}{self._in_file(family)}")
+            absent = all(r.decision == "not in this graph" for r in results) and not self.in_file.get(family)
+            out.append(f"{titles.get(family, family)}: {'; '.join(reasons)}{'' if absent else self._in_file(family)}")
         final = f" ({self.final} of the input's time)" if self.final else ""
         out.append(f"written: {self.written}{final}")
         return out
