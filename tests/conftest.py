@@ -10,6 +10,10 @@ ONNX Runtime: seconds per model, and on a shared machine a decision that is nois
 with ``OPFUSE_TUNE=off`` in the environment (set here, so the CLI run in a subprocess sees it too):
 every test follows the target's default policy, as ``--no-tune`` does, and the tests of tuning
 (``test_tune.py``) ask for ``tune=True`` in their own calls.
+
+A test that needs an extra's package carries ``extras.needs(module)`` (the ``needs_extra`` mark,
+checked here) or calls ``extras.require(module)``: a skip, or a failure when the run declares
+the extra installed (:mod:`extras`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import os
 
 import onnx
 import pytest
+
+import extras
 
 os.environ["OPFUSE_TUNE"] = "off"
 
@@ -32,3 +38,11 @@ def tmp_model(tmp_path):
         return path
 
     return save
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_extra(*modules): the test needs these modules of an extra (tests/extras.py)")
+
+
+def pytest_runtest_setup(item):
+    extras.check_marks(item)

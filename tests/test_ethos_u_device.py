@@ -16,13 +16,14 @@ import onnx
 import pytest
 from onnx import helper
 
+import extras
 from graphs import model, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.errors import BadInputError
 
-pytest.importorskip("ethosu.vela")
-schema = pytest.importorskip("ai_edge_litert.schema_py_generated")
-flatbuffers = pytest.importorskip("flatbuffers")
+extras.require("ethosu.vela")
+schema = extras.require("ai_edge_litert.schema_py_generated")
+flatbuffers = extras.require("flatbuffers")
 
 from opfuse.targets.ethos_u import device  # noqa: E402 - after the skips
 from opfuse.targets.ethos_u.runner import TfliteSession  # noqa: E402

@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import helper
 
+import extras
 from graphs import model, ort_run, rng, tensor, vinfo
 from opfuse.cli import main
 from opfuse.pipeline import optimize
@@ -182,7 +183,7 @@ def test_quantize_qnn_binds_dims_from_the_samples_runs_whole_on_the_htp_and_meas
 
 
 def test_reconstruction_on_the_qnn_preset_searches_the_scales_and_is_judged_on_the_htp(tmp_path, monkeypatch):
-    pytest.importorskip("torch")
+    extras.require("torch")
     import opfuse.quantization.algorithms.reconstruction as reconstruction
     from opfuse.quantization.pipeline import quantize
 

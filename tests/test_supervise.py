@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import extras
 from decoder_nets import export_tiny_llama
 from opfuse.cli import SUPERVISED_CHILD as CHILD
 from opfuse.cli import _needs_supervision as needs_supervision
@@ -34,7 +35,7 @@ def test_a_compiler_crash_is_one_line_exit_1_and_nothing_written(tmp_path):
     """A tiny Llama (dynamo, position_ids an input) crashed QNN's HTP compiler with SIGSEGV in
     onnxruntime-qnn 2.7.0 (docs/results/qnn.md). Should a later version compile it, the command
     succeeds; either way it never dies of a signal."""
-    pytest.importorskip("onnxruntime_qnn", reason="the qnn extra (onnxruntime-qnn) is not installed")
+    extras.require("onnxruntime_qnn")
     src = export_tiny_llama(tmp_path / "llama.onnx", positions=True)
     out, ctx = tmp_path / "o.onnx", tmp_path / "ctx.onnx"
     env = {k: v for k, v in os.environ.items() if k != CHILD}
