@@ -40,7 +40,6 @@ __all__ = ["NPUS", "DEFAULTS", "INSTALL_COMMAND", "VelaError", "VelaOp", "VelaRe
 
 import csv
 import dataclasses
-import importlib.util
 import os
 import pathlib
 import re
@@ -49,9 +48,9 @@ import sys
 import tempfile
 from collections.abc import Mapping
 
-from opfuse.errors import BadInputError, OpfuseError
+from opfuse.errors import BadInputError, EXTRAS, OpfuseError, missing_extra, require_extra
 
-INSTALL_COMMAND = "pip install 'opfuse[ethos-u]'"
+INSTALL_COMMAND = EXTRAS["ethos-u"].command
 CONFIG = "Arm/vela.ini"  # inside ethos-u-vela (ethosu/config_files/Arm/vela.ini)
 NPUS = ("ethos-u55-32", "ethos-u55-64", "ethos-u55-128", "ethos-u55-256", "ethos-u65-256", "ethos-u65-512",
         "ethos-u85-128", "ethos-u85-256", "ethos-u85-512", "ethos-u85-1024", "ethos-u85-2048")
@@ -75,16 +74,12 @@ class VelaError(OpfuseError):
 
 def available() -> bool:
     """Whether ``ethos-u-vela`` and ``ai-edge-litert`` are installed (nothing is loaded)."""
-    return all(importlib.util.find_spec(m) is not None for m in ("ethosu.vela", "ai_edge_litert"))
+    return not missing_extra("ethos-u")
 
 
 def require_vela() -> None:
     """Nothing, or one line with the install command (exit 2) when a package is missing."""
-    missing = [p for m, p in (("ethosu", "ethos-u-vela"), ("ai_edge_litert", "ai-edge-litert"))
-               if importlib.util.find_spec(m) is None]
-    if missing:
-        raise BadInputError(f"--target ethos-u needs Arm's Vela compiler and LiteRT ({', '.join(missing)} not "
-                            f"installed): {INSTALL_COMMAND}")
+    require_extra("ethos-u", "--target ethos-u (Arm's Vela compiler and LiteRT)")
 
 
 def default_configs(npu: str) -> tuple[str, str]:
