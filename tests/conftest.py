@@ -11,6 +11,11 @@ with ``OPFUSE_TUNE=off`` in the environment (set here, so the CLI run in a subpr
 every test follows the target's default policy, as ``--no-tune`` does, and the tests of tuning
 (``test_tune.py``) ask for ``tune=True`` in their own calls.
 
+The suite's temporary directory (``TMPDIR``, set here so the CLI run in a subprocess uses it
+too) is a fresh one per session: what opfuse leaves in it is found at the end, and fails the
+session (:func:`pytest_sessionfinish`); the directory, pytest's own ``tmp_path`` folders inside
+it included, is then removed (``--basetemp DIR`` keeps those elsewhere).
+
 A test that needs an extra's package carries ``extras.needs(module)`` (the ``needs_extra`` mark,
 checked here) or calls ``extras.require(module)``: a skip, or a failure when the run declares
 the extra installed (:mod:`extras`).
@@ -19,6 +24,9 @@ the extra installed (:mod:`extras`).
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
+import tempfile
 
 import onnx
 import pytest
@@ -26,6 +34,10 @@ import pytest
 import extras
 
 os.environ["OPFUSE_TUNE"] = "off"
+
+SESSION_TMP = pathlib.Path(tempfile.mkdtemp(prefix="opfuse-tests-"))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+tempfile.tempdir = None  # (tempfile caches its choice: chosen again from TMPDIR)
 
 
 @pytest.fixture
@@ -46,3 +58,27 @@ def pytest_configure(config):
 
 def pytest_runtest_setup(item):
     extras.check_marks(item)
+
+
+# files a library writes into the temporary directory once per machine, kept there on purpose:
+# ".ses" is ONNX Runtime's telemetry session file (its first-launch time and an id; the strings
+# "sessionfirstlaunchtime", ".ses" of onnxruntime_pybind11_state.so), left in /tmp on every machine
+NOT_OPFUSES = {".ses"}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when opfuse left anything in the temporary directory; then remove it.
+    pytest's own folders (``pytest-of-*``), a pytest-xdist worker's session directory (a nested
+    ``opfuse-tests-*``, checked by that worker) and :data:`NOT_OPFUSES` are not opfuse's."""
+    left = sorted(p.name for p in SESSION_TMP.iterdir()
+                  if not p.name.startswith(("pytest-of-", "opfuse-tests-")) and p.name not in NOT_OPFUSES) \
+        if SESSION_TMP.exists() else []
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"temporary files left by the tests in {SESSION_TMP}: {', '.join(left[:20])}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        else:
+            print(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
