@@ -16,6 +16,12 @@ too) is a fresh one per session: what opfuse leaves in it is found at the end, a
 session (:func:`pytest_sessionfinish`); the directory, pytest's own ``tmp_path`` folders inside
 it included, is then removed (``--basetemp DIR`` keeps those elsewhere).
 
+Hypothesis runs under a profile (:func:`_hypothesis_profiles`): ``fast`` by default (no
+shrinking: a failing example is printed as found, with the blob that replays it, in seconds
+rather than the minutes shrinking takes), ``shrink`` with ``HYPOTHESIS_PROFILE=shrink`` to
+shrink a failure found. Neither has a deadline: a timed assertion on a shared machine fails at
+random; the time is bounded by each test's ``max_examples`` (50 where a test sets none).
+
 A test that needs an extra's package carries ``extras.needs(module)`` (the ``needs_extra`` mark,
 checked here) or calls ``extras.require(module)``: a skip, or a failure when the run declares
 the extra installed (:mod:`extras`).
@@ -30,14 +36,27 @@ import tempfile
 
 import onnx
 import pytest
+from hypothesis import Phase, settings
 
 import extras
 
 os.environ["OPFUSE_TUNE"] = "off"
 
-SESSION_TMP = pathlib.Path(tempfile.mkdtemp(prefix="opfuse-tests-"))
-os.environ["TMPDIR"] = str(SESSION_TMP)
-tempfile.tempdir = None  # (tempfile caches its choice: chosen again from TMPDIR)
+# a pytest-xdist worker inherits the TMPDIR of the run that started it, which checks it at its end
+SESSION_TMP = None if "PYTEST_XDIST_WORKER" in os.environ else pathlib.Path(tempfile.mkdtemp(prefix="opfuse-tests-"))
+if SESSION_TMP is not None:
+    os.environ["TMPDIR"] = str(SESSION_TMP)
+    tempfile.tempdir = None  # (tempfile caches its choice: chosen again from TMPDIR)
+
+
+def _hypothesis_profiles() -> None:
+    settings.register_profile("shrink", deadline=None, max_examples=50, print_blob=True)
+    settings.register_profile("fast", settings.get_profile("shrink"),
+                              phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
+
+
+_hypothesis_profiles()
 
 
 @pytest.fixture
@@ -68,11 +87,12 @@ NOT_OPFUSES = {".ses"}
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the session when opfuse left anything in the temporary directory; then remove it.
-    pytest's own folders (``pytest-of-*``), a pytest-xdist worker's session directory (a nested
-    ``opfuse-tests-*``, checked by that worker) and :data:`NOT_OPFUSES` are not opfuse's."""
+    pytest's own folders (``pytest-of-*``) and :data:`NOT_OPFUSES` are not opfuse's. (A
+    pytest-xdist worker checks nothing: the run that started the workers checks after them.)"""
+    if SESSION_TMP is None:
+        return
     left = sorted(p.name for p in SESSION_TMP.iterdir()
-                  if not p.name.startswith(("pytest-of-", "opfuse-tests-")) and p.name not in NOT_OPFUSES) \
-        if SESSION_TMP.exists() else []
+                  if not p.name.startswith("pytest-of-") and p.name not in NOT_OPFUSES) if SESSION_TMP.exists() else []
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"temporary files left by the tests in {SESSION_TMP}: {', '.join(left[:20])}"
