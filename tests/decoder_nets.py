@@ -11,7 +11,6 @@ import pathlib
 import warnings
 
 import numpy as np
-import pytest
 from onnx import TensorProto, helper
 
 import extras

@@ -96,7 +96,7 @@ def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: 
     past = 5
     args = (torch.randn(2, 1, HIDDEN), torch.ones(2, past + 1, dtype=torch.int64),
             torch.randn(2, kv_heads, past, DH), torch.randn(2, kv_heads, past, DH))
-    names, dynamic = ["x", "attention_mask", "past_key", "past_value"], []
+    names = ["x", "attention_mask", "past_key", "past_value"]
     if rotary:
         args, names = (*args, torch.full((2, 1), past, dtype=torch.int64)), [*names, "position_ids"]
     batch, past_len = torch.export.Dim("batch"), torch.export.Dim("past")
