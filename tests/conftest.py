@@ -79,10 +79,11 @@ def pytest_runtest_setup(item):
     extras.check_marks(item)
 
 
-# files a library writes into the temporary directory once per machine, kept there on purpose:
+# what a library keeps in the temporary directory on purpose, across runs (not opfuse's):
 # ".ses" is ONNX Runtime's telemetry session file (its first-launch time and an id; the strings
-# "sessionfirstlaunchtime", ".ses" of onnxruntime_pybind11_state.so), left in /tmp on every machine
-NOT_OPFUSES = {".ses"}
+# "sessionfirstlaunchtime", ".ses" of onnxruntime_pybind11_state.so); "torchinductor_<user>" is
+# torch's compile cache, which its dynamo exporter creates (the tests that export with torch)
+NOT_OPFUSES = (".ses", "torchinductor_")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -92,7 +93,7 @@ def pytest_sessionfinish(session, exitstatus):
     if SESSION_TMP is None:
         return
     left = sorted(p.name for p in SESSION_TMP.iterdir()
-                  if not p.name.startswith("pytest-of-") and p.name not in NOT_OPFUSES) if SESSION_TMP.exists() else []
+                  if not p.name.startswith(("pytest-of-", *NOT_OPFUSES))) if SESSION_TMP.exists() else []
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"temporary files left by the tests in {SESSION_TMP}: {', '.join(left[:20])}"
