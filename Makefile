@@ -1,19 +1,24 @@
 # Two commands for a fresh clone:
 #   make demo   - create .venv, install opfuse, optimise the built-in ResNet-50 (fusion log,
 #                 verification), then measure the chapter's ablation table (opfuse bench)
-#   make test   - create .venv, install opfuse with its test extras (and the QNN backend), run the test suite
+#   make test   - create .venv, install opfuse with its test extras (and the QNN backend), lint (ruff), run
+#                 the test suite on two workers (pytest-xdist; a test file's tests run on one worker, so a
+#                 module-scoped model is built once)
 #   make check-models - opfuse with no flag on models it did not build (wheels' models, exported decoder LLMs):
 #                 every run must exit 0, and what it writes must load (and, for the decoders, equal the input)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.opfuse-installed
+# the extras `make` installs; `make test` declares them installed (OPFUSE_REQUIRE_EXTRAS): a test
+# that needs one of their packages then fails when it is missing instead of skipping (tests/extras.py)
+EXTRAS := test,bench,qnn,ethos-u
 
 .PHONY: demo test check-models bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench,qnn,ethos-u]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,7 +28,8 @@ demo: $(STAMP)
 	$(VENV)/bin/opfuse bench
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m ruff check .
+	OPFUSE_REQUIRE_EXTRAS=$(EXTRAS) $(PY) -m pytest -q -n 2 --dist loadfile
 
 # Every script runs even when one fails; the target fails if any did. A wheel that cannot be
 # downloaded prints "not run: ..." and is skipped. Exports are cached in ~/.cache/opfuse-decoders.

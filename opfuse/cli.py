@@ -34,7 +34,7 @@ from rich.table import Table
 from opfuse import __version__
 from opfuse.bench.ablation import CONFIGS
 from opfuse.bench import options as bench_options
-from opfuse.errors import BadInputError, OpfuseError, VerificationError
+from opfuse.errors import BadInputError, OpfuseError, VerificationError, extra_error
 from opfuse.llm import command as llm_command
 from opfuse.passes import PASS_NAMES
 from opfuse.quantization.presets import DEFAULT_PRESET, PRESETS
@@ -273,13 +273,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("opfuse: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as e:  # an extra's module imported before its check could run
+        missing = extra_error(e)
+        if missing is None:
+            return _internal_error(e)
+        print(f"opfuse: error: {missing}", file=sys.stderr)
+        return missing.exit_code
     except Exception as e:  # a bug of opfuse's or of a library under it: one line, not a traceback
-        if os.environ.get("OPFUSE_TRACEBACK"):
-            raise
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(f"opfuse: internal error: {type(e).__name__}: {first} (outputs are written whole or not at all; "
-              "OPFUSE_TRACEBACK=1 shows the traceback, please report it)", file=sys.stderr)
-        return 1
+        return _internal_error(e)
+
+
+def _internal_error(e: Exception) -> int:
+    if os.environ.get("OPFUSE_TRACEBACK"):
+        raise e
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    print(f"opfuse: internal error: {type(e).__name__}: {first} (outputs are written whole or not at all; "
+          "OPFUSE_TRACEBACK=1 shows the traceback, please report it)", file=sys.stderr)
+    return 1
 
 
 def _console(stderr: bool = False):

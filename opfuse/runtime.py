@@ -68,7 +68,8 @@ def model_source(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) 
         return model.SerializeToString()
     if not needs_external_data(model):
         return ir.serde.serialize_model(model).SerializeToString()
-    path = tempfile.mkstemp(suffix=".onnx", dir=workdir)[1]
+    fd, path = tempfile.mkstemp(suffix=".onnx", dir=workdir)
+    os.close(fd)
     ir.save(model, path, external_data=os.path.basename(path) + ".data")
     return path
 

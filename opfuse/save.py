@@ -148,6 +148,9 @@ class StagedModel:
         except OSError as e:
             self.discard()
             raise BadInputError(f"{path or 'a temporary file'}: cannot write ({e.strerror or e})") from None
+        except BaseException:
+            self.discard()
+            raise
         self.digest = self._digest()
 
     def _files(self) -> list[pathlib.Path]:

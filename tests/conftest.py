@@ -10,29 +10,61 @@ ONNX Runtime: seconds per model, and on a shared machine a decision that is nois
 with ``OPFUSE_TUNE=off`` in the environment (set here, so the CLI run in a subprocess sees it too):
 every test follows the target's default policy, as ``--no-tune`` does, and the tests of tuning
 (``test_tune.py``) ask for ``tune=True`` in their own calls, with a deterministic clock. Tuning
-records are cached in a folder of the suite's own (``OPFUSE_CACHE_DIR``), removed at exit.
+records are cached in a folder of each test's own (``OPFUSE_CACHE_DIR``, :func:`_own_tuning_cache`).
+
+The suite's temporary directory (``TMPDIR``, set here so the CLI run in a subprocess uses it
+too) is a fresh one per session: what opfuse leaves in it is found at the end, and fails the
+session (:func:`pytest_sessionfinish`); the directory, pytest's own ``tmp_path`` folders inside
+it included, is then removed (``--basetemp DIR`` keeps those elsewhere).
+
+Hypothesis runs under a profile (:func:`_hypothesis_profiles`): ``fast`` by default (no
+shrinking: a failing example is printed as found, with the blob that replays it, in seconds
+rather than the minutes shrinking takes), ``shrink`` with ``HYPOTHESIS_PROFILE=shrink`` to
+shrink a failure found. Neither has a deadline: a timed assertion on a shared machine fails at
+random; the time is bounded by each test's ``max_examples`` (50 where a test sets none).
+
+A test that needs an extra's package carries ``extras.needs(module)`` (the ``needs_extra`` mark,
+checked here) or calls ``extras.require(module)``: a skip, or a failure when the run declares
+the extra installed (:mod:`extras`).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 
 import onnx
 import pytest
+from hypothesis import Phase, settings
+
+import extras
 
 os.environ["OPFUSE_TUNE"] = "off"
-# tuning records are cached per graph and machine (opfuse.tune.record): the suite's own, never the user's
-os.environ["OPFUSE_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="opfuse-test-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def _own_tuning_cache(tmp_path_factory, monkeypatch):
     """Each test its own tuning cache: a record one test's clock wrote is never another's replay."""
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path_factory.mktemp("tuning-cache")))
+
+
+# a pytest-xdist worker inherits the TMPDIR of the run that started it, which checks it at its end
+SESSION_TMP = None if "PYTEST_XDIST_WORKER" in os.environ else pathlib.Path(tempfile.mkdtemp(prefix="opfuse-tests-"))
+if SESSION_TMP is not None:
+    os.environ["TMPDIR"] = str(SESSION_TMP)
+    tempfile.tempdir = None  # (tempfile caches its choice: chosen again from TMPDIR)
+
+
+def _hypothesis_profiles() -> None:
+    settings.register_profile("shrink", deadline=None, max_examples=50, print_blob=True)
+    settings.register_profile("fast", settings.get_profile("shrink"),
+                              phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
+
+
+_hypothesis_profiles()
 
 
 @pytest.fixture
@@ -45,3 +77,37 @@ def tmp_model(tmp_path):
         return path
 
     return save
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_extra(*modules): the test needs these modules of an extra (tests/extras.py)")
+
+
+def pytest_runtest_setup(item):
+    extras.check_marks(item)
+
+
+# what a library keeps in the temporary directory on purpose, across runs (not opfuse's):
+# ".ses" is ONNX Runtime's telemetry session file (its first-launch time and an id; the strings
+# "sessionfirstlaunchtime", ".ses" of onnxruntime_pybind11_state.so); "torchinductor_<user>" is
+# torch's compile cache, which its dynamo exporter creates (the tests that export with torch)
+NOT_OPFUSES = (".ses", "torchinductor_")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when opfuse left anything in the temporary directory; then remove it.
+    pytest's own folders (``pytest-of-*``) and :data:`NOT_OPFUSES` are not opfuse's. (A
+    pytest-xdist worker checks nothing: the run that started the workers checks after them.)"""
+    if SESSION_TMP is None:
+        return
+    left = sorted(p.name for p in SESSION_TMP.iterdir()
+                  if not p.name.startswith(("pytest-of-", *NOT_OPFUSES))) if SESSION_TMP.exists() else []
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"temporary files left by the tests in {SESSION_TMP}: {', '.join(left[:20])}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        else:
+            print(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)

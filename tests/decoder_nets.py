@@ -11,9 +11,9 @@ import pathlib
 import warnings
 
 import numpy as np
-import pytest
 from onnx import TensorProto, helper
 
+import extras
 from graphs import model, rng, tensor, vinfo
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -26,8 +26,8 @@ def export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: in
     ``attention_mask`` input too), "ones" (a mask of ones made inside: TorchScript needs one, as
     without it transformers traces ``torch.diff``, which it cannot export) or "none".
     ``positions``: a ``position_ids`` input [batch, seq] last (else transformers makes [1, seq] inside)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = extras.require("torch")
+    transformers = extras.require("transformers")
     torch.manual_seed(0)
     net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
 

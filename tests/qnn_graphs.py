@@ -2,25 +2,19 @@
 
 The HTP is emulated on x86 (slow): a few nodes, tensors of a few hundred elements.
 ``make test`` installs ``onnxruntime-qnn`` wherever its wheel exists (CPython 3.11+, Linux
-x86_64); there a missing backend is a failure, not a skip.
+x86_64) and declares the ``qnn`` extra installed: there a missing backend is a failure, not a
+skip (``extras.needs``).
 """
 
 from __future__ import annotations
 
-import platform
-import sys
-
 import numpy as np
-import pytest
 from onnx import helper
 
+import extras
 from graphs import model, rng, tensor, vinfo
-from opfuse.targets.qnn.backend import available
 
-WHEEL_EXISTS = sys.version_info >= (3, 11) and sys.platform == "linux" and platform.machine() == "x86_64"
-if WHEEL_EXISTS and not available():  # pragma: no cover - an install that lost the extra
-    raise RuntimeError("onnxruntime-qnn is not installed; `make install` installs it (the qnn extra)")
-needs_htp = pytest.mark.skipif(not available(), reason="onnxruntime-qnn has no wheel for this platform")
+needs_htp = extras.needs("onnxruntime_qnn")
 
 
 def conv_then(op: str | None, *, batch="batch", c_in=3, c_out=4, size=6, opset=17, seed=0, **attrs):

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from onnx import helper
 
@@ -472,7 +472,7 @@ def chains(draw):
 
 
 @settings(deadline=None, derandomize=True, max_examples=100, print_blob=True,
-          phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=[HealthCheck.too_slow])
+          suppress_health_check=[HealthCheck.too_slow])
 @given(chains())
 def test_random_chains_are_equalised_exactly_and_balanced(case):
     spatial, channels, layers, acts, seed = case

@@ -8,7 +8,6 @@ known rates; the shipped Ethos-U profiles are parsed.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 from onnx import helper
 from rich.console import Console
 
+import extras
 from graphs import bn_node, bn_params, model, ort_run, rng, tensor, vinfo
 from opfuse.bench.ethos_u import ETHOS_CONFIGS, decompose_batchnorm, merge_activations, predicted_kernels
 from opfuse.bench.options import BenchOptions
@@ -24,7 +24,6 @@ from opfuse.cost.fit import OpSample, fit_roofline
 from opfuse.cost.profiles import list_profiles, load_profile
 
 ETHOS_PROFILES = ("ethos-u55-128", "ethos-u65-256", "ethos-u85-256")
-HAS_VELA = importlib.util.find_spec("ethosu") is not None
 
 
 def residual_net(size: int = 16, c: int = 8):
@@ -106,7 +105,7 @@ def test_ethos_u_profiles_parse_and_name_their_npu(name):
     assert prof.calibration.get("fit_command")
 
 
-@pytest.mark.skipif(not HAS_VELA, reason="Arm's Vela (ethos-u-vela) is not installed")
+@extras.needs("ethosu.vela")
 def test_ablation_on_ethos_u55_has_five_rows_with_vela_figures_and_the_model_error(tmp_path):
     import onnx
 
@@ -139,7 +138,7 @@ def test_ablation_on_ethos_u55_has_five_rows_with_vela_figures_and_the_model_err
     assert "%" in text  # the model's error column
 
 
-@pytest.mark.skipif(not HAS_VELA, reason="Arm's Vela (ethos-u-vela) is not installed")
+@extras.needs("ethosu.vela")
 def test_the_hardware_veto_of_an_ethos_u_profile_asks_vela():
     from opfuse.load import load_model
     from opfuse.pipeline import hardware_veto, optimize

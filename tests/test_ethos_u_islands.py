@@ -15,7 +15,8 @@ import onnx
 import pytest
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 import numpy as np
-from test_ethos_u_lower import (VELA, _feeds, _Reader, assert_int8_close, output_scales, run_ort, run_tflite,
+import extras
+from test_ethos_u_lower import (_feeds, _Reader, assert_int8_close, output_scales, run_ort, run_tflite,
                                 tflite_ops, unary_graph)
 from test_ethos_u_norm import layer_norm_graph, rewritten
 
@@ -57,12 +58,11 @@ def test_an_op_left_float_runs_in_float_between_dequantize_and_quantize(case, tm
             np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(VELA is None, reason="ethos-u-vela is not installed")
 def test_vela_leaves_the_float_ops_to_the_cpu_with_its_reason(tmp_path):
     build, op_types, _ = CASES["layer_norm_chain_left_float"]
     tfl = tmp_path / "islands.tflite"
     tfl.write_bytes(lower_to_tflite(quantise_only(build(), op_types, tmp_path), float_islands=True))
-    result = subprocess.run([str(VELA), "--accelerator-config", "ethos-u55-128", str(tfl),
+    result = subprocess.run([*extras.vela(), "--accelerator-config", "ethos-u55-128", str(tfl),
                              "--output-dir", str(tmp_path / "vela")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     # the island's four ops (DEQUANTIZE, MEAN and SUB in float, QUANTIZE from float) and nothing else

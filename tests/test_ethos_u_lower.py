@@ -15,7 +15,6 @@ step over; a chain of ops can carry such a step into the next op's input.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,14 +22,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from ai_edge_litert.interpreter import Interpreter
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-from opfuse.targets.ethos_u.lower import LoweringError, lower_to_tflite
+import extras
+
+Interpreter = extras.require("ai_edge_litert.interpreter").Interpreter  # the ethos-u extra
+
+from opfuse.targets.ethos_u.lower import LoweringError, lower_to_tflite  # noqa: E402 - after the extra's check
 
 RNG = np.random.default_rng(0)
-VELA = Path("/work/main/.venv/bin/vela") if Path("/work/main/.venv/bin/vela").exists() else shutil.which("vela")
 
 
 # --- building and running --------------------------------------------------------------------
@@ -512,14 +513,13 @@ def test_an_op_the_quantiser_left_float_is_refused_in_an_int8_model(tmp_path):
 VELA_CPU = {"resize_nearest_half_pixel": ("RESIZE_NEAREST_NEIGHBOR", "unsupported scale-factor=1.5")}
 
 
-@pytest.mark.skipif(VELA is None, reason="ethos-u-vela is not installed")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vela_compiles_the_int8_model_with_every_op_on_the_npu(case, tmp_path):
     """Vela (U55-128) compiles each int8 model; every op is on the NPU but the forced fallback,
     which Vela reports with its reason."""
     tfl = tmp_path / f"{case}.tflite"
     tfl.write_bytes(lower_to_tflite(quantise(CASES[case](), tmp_path)))
-    result = subprocess.run([str(VELA), "--accelerator-config", "ethos-u55-128", str(tfl),
+    result = subprocess.run([*extras.vela(), "--accelerator-config", "ethos-u55-128", str(tfl),
                              "--output-dir", str(tmp_path / "vela")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     if case in VELA_CPU:

@@ -11,7 +11,6 @@ against the QDQ model on ONNX Runtime and the float model: the output SQNR again
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,10 +22,13 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-from opfuse.targets.ethos_u.lower import LoweringError, lower_to_tflite
-from opfuse.targets.ethos_u.runner import TfliteSession
+import extras
 
-VELA = Path("/work/main/.venv/bin/vela") if Path("/work/main/.venv/bin/vela").exists() else shutil.which("vela")
+extras.require("ai_edge_litert")  # the ethos-u extra
+
+from opfuse.targets.ethos_u.lower import LoweringError, lower_to_tflite  # noqa: E402 - after the extra's check
+from opfuse.targets.ethos_u.runner import TfliteSession  # noqa: E402
+
 T, I, H = 6, 5, 4
 
 
@@ -177,19 +179,18 @@ def test_int8_lstm_is_the_integer_kernel_close_to_the_qdq_model(direction, tmp_p
     assert sqnr["tflite vs float"] > sqnr["qdq vs float"] - 3.0
 
 
-@pytest.mark.skipif(VELA is None, reason="ethos-u-vela is not installed")
 def test_vela_runs_the_integer_lstm_on_the_npu_and_refuses_a_float_one(tmp_path):
     """Every op of the int8 bidirectional tail on the U55's NPU (the integer LSTM unrolled, the
     reversals as UNPACK/PACK); a float LSTM, by contrast, is no TFLite Vela 5.2 accepts."""
     int8 = tmp_path / "int8.tflite"
     int8.write_bytes(lower_to_tflite(_quantise(_tail("bidirectional"), tmp_path)))
-    done = subprocess.run([str(VELA), "--accelerator-config", "ethos-u55-128", str(int8), "--output-dir",
+    done = subprocess.run([*extras.vela(), "--accelerator-config", "ethos-u55-128", str(int8), "--output-dir",
                            str(tmp_path / "vela")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CPU operators = 0 (0.0%)" in done.stdout, done.stdout
     float_ = tmp_path / "float.tflite"
     float_.write_bytes(lower_to_tflite(_lstm_model("forward")))
-    done = subprocess.run([str(VELA), "--accelerator-config", "ethos-u55-128", str(float_), "--output-dir",
+    done = subprocess.run([*extras.vela(), "--accelerator-config", "ethos-u55-128", str(float_), "--output-dir",
                            str(tmp_path / "vela")], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "IFM must be INT8 or INT16" in done.stdout + done.stderr
 

@@ -20,7 +20,8 @@ import pytest
 from onnx import helper
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
-from test_ethos_u_lower import (VELA, _feeds, _model, _Reader, _w, assert_float_close, assert_int8_close, run_ort,
+import extras
+from test_ethos_u_lower import (_feeds, _model, _Reader, _w, assert_float_close, assert_int8_close, run_ort,
                                 tflite_ops)
 
 from opfuse.targets.ethos_u.lower import LoweringError, lower_to_tflite
@@ -153,12 +154,11 @@ def test_a_pow_other_than_minus_one_half_is_refused():
         lower_to_tflite(model)
 
 
-@pytest.mark.skipif(VELA is None, reason="ethos-u-vela is not installed")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vela_compiles_the_int8_model_with_every_op_on_the_npu(case, tmp_path):
     tfl = tmp_path / f"{case}.tflite"
     tfl.write_bytes(lower_to_tflite(quantise(CASES[case](), tmp_path)))
-    result = subprocess.run([str(VELA), "--accelerator-config", "ethos-u55-128", str(tfl),
+    result = subprocess.run([*extras.vela(), "--accelerator-config", "ethos-u55-128", str(tfl),
                              "--output-dir", str(tmp_path / "vela")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "CPU operators = 0 (0.0%)" in result.stdout, result.stdout

@@ -19,6 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import extras
 import opfuse
 from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 
@@ -37,8 +38,8 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
     ``window``: a sliding-window cache as Mistral's exports keep it (the past's last window - 1
     positions before the new one); ``present_windows``: the presents cut to their last (key, value)
     positions as Mistral's exports write them. Returns y and the two presents."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = extras.require("torch")
+    transformers = extras.require("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     rope = LlamaRotaryEmbedding(transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -91,11 +92,11 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
 
 def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0,
                   dynamo: bool = True, present_windows: tuple[int, int] | None = None) -> str:
-    torch = pytest.importorskip("torch")
+    torch = extras.require("torch")
     past = 5
     args = (torch.randn(2, 1, HIDDEN), torch.ones(2, past + 1, dtype=torch.int64),
             torch.randn(2, kv_heads, past, DH), torch.randn(2, kv_heads, past, DH))
-    names, dynamic = ["x", "attention_mask", "past_key", "past_value"], []
+    names = ["x", "attention_mask", "past_key", "past_value"]
     if rotary:
         args, names = (*args, torch.full((2, 1), past, dtype=torch.int64)), [*names, "position_ids"]
     batch, past_len = torch.export.Dim("batch"), torch.export.Dim("past")

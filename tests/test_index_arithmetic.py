@@ -19,6 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import extras
 import opfuse
 from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 
@@ -41,8 +42,8 @@ def _optimize(m, **keywords):
 def _export_mask(tmp_path, window: int | None) -> str:
     """x [B, S, 4] (S new tokens) and attention_mask [B, T] (the past's P = T - S, and the new) -> the
     additive 4-D mask [B, 1, S, T] of ``sdpa_mask`` (causal, or sliding-window causal), plus x's sums."""
-    torch = pytest.importorskip("torch")
-    masking = pytest.importorskip("transformers.masking_utils")
+    torch = extras.require("torch")
+    masking = extras.require("transformers.masking_utils")
 
     class Mask(torch.nn.Module):
         def forward(self, x, attention_mask):

@@ -17,6 +17,7 @@ import pytest
 from onnx import helper
 from onnxscript.rewriter import pattern
 
+import extras
 import opfuse
 from decoder_nets import export_tiny_llama
 from graphs import assert_same, model, ops, tensor, vinfo
@@ -169,7 +170,7 @@ def test_attention_merged_to_two_dims_is_not_taken_as_multiheadattention_s_outpu
     """GPT-2 as the dynamo exporter writes it: the heads merged by a Reshape to [B*S, D] for the
     projection's Gemm. onnxscript's MHA rule reads that Reshape as the merge to [B, S, D] and
     wrote a MultiHeadAttention the Gemm could not run; the rule that takes it must see the shape."""
-    torch = pytest.importorskip("torch")
+    torch = extras.require("torch")
 
     class Attention(torch.nn.Module):
         def __init__(self, d=64, heads=4):

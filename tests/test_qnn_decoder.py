@@ -21,6 +21,7 @@ import onnx_ir as ir
 import pytest
 from onnx import helper
 
+import extras
 import opfuse
 from graphs import assert_outputs_close, model, ort_run, rng, tensor, vinfo
 from opfuse.targets.qnn.backend import open_session
@@ -33,8 +34,8 @@ HIDDEN, HEADS, KV_HEADS, DH, PAST = 32, 4, 2, 8, 5
 
 
 def _decoder_block():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = extras.require("torch")
+    transformers = extras.require("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     rope = LlamaRotaryEmbedding(transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -79,7 +80,7 @@ def _decoder_block():
 
 @pytest.fixture(scope="module")
 def block_path(tmp_path_factory):
-    torch = pytest.importorskip("torch")
+    torch = extras.require("torch")
     path = tmp_path_factory.mktemp("qnn_decoder") / "block.onnx"
     args = (torch.randn(1, 1, HIDDEN), torch.ones(1, PAST + 1, dtype=torch.int64),
             torch.randn(1, KV_HEADS, PAST, DH), torch.randn(1, KV_HEADS, PAST, DH),

@@ -15,7 +15,6 @@ from onnx import TensorProto, helper
 import opfuse
 from graphs import model, rng, tensor, vinfo
 from opfuse.cli import main
-from opfuse.errors import VerificationError
 from opfuse.quantization.qdq.sqnr import below_output_step
 
 

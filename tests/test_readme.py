@@ -26,10 +26,10 @@ import onnx
 import pytest
 from onnx import helper
 
+import extras
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import build_parser, main
 from opfuse.models import build
-from opfuse.targets.qnn.backend import available as qnn_available
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -114,8 +114,11 @@ def test_a_readme_example_runs(command, files, tmp_path, capsys, monkeypatch):
         parsed = build_parser().parse_args(args)
         assert parsed.command == args[0]
         return
-    if ("--target qnn" in command or "--preset qnn" in command) and not qnn_available():
-        pytest.skip("needs onnxruntime-qnn (pip install 'opfuse[qnn]')")
+    if "--target qnn" in command or "--preset qnn" in command:
+        extras.require("onnxruntime_qnn")
+    if "ethos-u" in command:
+        extras.require("ethosu.vela")
+        extras.require("ai_edge_litert")
     rc = main(args)
     captured = capsys.readouterr()
     assert rc == 0, f"{command}\n{captured.out[-2000:]}\n{captured.err[-2000:]}"

@@ -15,6 +15,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+import extras
 import opfuse
 from graphs import model, rng, tensor, vinfo
 from opfuse.cli import main
@@ -27,7 +28,7 @@ from opfuse.quantization.qdq.sqnr import OutputReference
 from opfuse.runtime import create_session
 from test_quantize_accuracy import smooth
 
-pytest.importorskip("torch")
+extras.require("torch")
 
 
 def residual_net(seed: int = 0, c: int = 8, outliers: float = 8.0) -> onnx.ModelProto:

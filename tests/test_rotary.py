@@ -18,6 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import extras
 import opfuse
 from decoder_nets import export_tiny_llama
 from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
@@ -182,7 +183,7 @@ def test_illegal_variants_stay_with_a_reason(case, reason, target, opset):
 # -- torch modules, both exporters --------------------------------------------------------------
 
 def _export(module, args, names, dynamic, path, exporter, opset):
-    torch = pytest.importorskip("torch")
+    torch = extras.require("torch")
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
@@ -200,8 +201,8 @@ def _rotary_block(rotary_dim: int, past: bool):
     """A query/key projection of x [B, S, 32] into 4 heads of 8, rotated as transformers' Llama (rotary_dim
     8) or Phi (rotary_dim 4, its own tables) does, attention scores against the keys (after the past keys,
     if any); max_position_embeddings 16, which the decode step's positions run past."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = extras.require("torch")
+    transformers = extras.require("transformers")
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     if rotary_dim < 8:  # Phi: its rotary tables cover the first rotary_dim channels of each head
@@ -245,7 +246,7 @@ def _rotary_block(rotary_dim: int, past: bool):
 @pytest.mark.parametrize("target, target_opset, domain", TARGETS[:2])
 def test_torch_rotary_blocks_from_both_exporters(tmp_path, exporter, opset, rotary_dim, past, target, target_opset,
                                                  domain):
-    torch = pytest.importorskip("torch")
+    torch = extras.require("torch")
     block, _ = _rotary_block(rotary_dim, past)
     x, pos = torch.randn(2, 3, 32), torch.arange(3).repeat(2, 1)
     names, args = ["x", "position_ids"], (x, pos)

@@ -18,6 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import extras
 import opfuse
 from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 
@@ -223,8 +224,8 @@ def _gptj_block(rotary_dim: int):
     """Query and key projections of x [B, S, 32] into 4 heads of 8, rotated by transformers' GPT-J rotary
     (its table of max_position_embeddings 32 rows, ``rotary_dim`` channels of each head), scores against the
     keys after the past keys."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = extras.require("torch")
+    transformers = extras.require("transformers")
     from transformers.models.gptj.modeling_gptj import GPTJRotaryEmbedding, apply_rotary_pos_emb
 
     config = transformers.GPTJConfig(n_embd=32, n_head=4, rotary_dim=rotary_dim, n_positions=32)
@@ -251,7 +252,7 @@ def _gptj_block(rotary_dim: int):
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
 @pytest.mark.parametrize("rotary_dim", [8, 4])
 def test_transformers_gptj_rotary_from_both_exporters(tmp_path, exporter, rotary_dim):
-    torch = pytest.importorskip("torch")
+    torch = extras.require("torch")
     block = _gptj_block(rotary_dim)
     names = ["x", "position_ids", "past_key"]
     args = (torch.randn(2, 3, 32), torch.arange(4, 7).repeat(2, 1), torch.randn(2, 4, 4, 8))

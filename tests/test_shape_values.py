@@ -18,6 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import extras
 from graphs import constant_node, model, ort_run, rng, tensor, vinfo
 from opfuse.pipeline import optimize
 
@@ -99,7 +100,7 @@ def _count(m) -> int:
 
 @pytest.mark.parametrize("target", ["onnx", "onnxruntime"])
 def test_a_crnn_leaves_no_more_nodes_than_onnxslim_and_keeps_its_width_symbolic(target):
-    onnxslim = pytest.importorskip("onnxslim")  # the bench extra, installed by make
+    onnxslim = extras.require("onnxslim")  # the bench extra, installed by make
     slim = _count(onnxslim.slim(crnn()))
     out, report = optimize(crnn(), target=target)
     assert report.verification.ok

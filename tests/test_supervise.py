@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import extras
 from decoder_nets import export_tiny_llama
 from opfuse.cli import SUPERVISED_CHILD as CHILD
 from opfuse.cli import _needs_supervision as needs_supervision
@@ -35,7 +36,7 @@ def test_a_compiler_crash_is_one_line_exit_1_and_nothing_written(tmp_path):
     onnxruntime-qnn 2.7.0 while its mask's GatherNDs were left for the CPU (docs/results/qnn.md);
     since index-arithmetic writes them as Gathers it compiles, and the command succeeds. Either way it
     never dies of a signal."""
-    pytest.importorskip("onnxruntime_qnn", reason="the qnn extra (onnxruntime-qnn) is not installed")
+    extras.require("onnxruntime_qnn")
     src = export_tiny_llama(tmp_path / "llama.onnx", positions=True)
     out, ctx = tmp_path / "o.onnx", tmp_path / "ctx.onnx"
     env = {k: v for k, v in os.environ.items() if k != CHILD}

@@ -6,7 +6,7 @@ optimised with it runs at a shorter n, equal to the input."""
 import numpy as np
 import onnx_ir as ir
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from graphs import model, ort_run, tensor, vinfo
 from opfuse.core.symbolic_shapes import infer_symbolic_shapes

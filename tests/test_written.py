@@ -15,6 +15,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+import extras
 import opfuse.pipeline
 from decoder_nets import export_tiny_llama
 from graphs import conv_bn_model, ort_run
@@ -197,7 +198,7 @@ def test_a_reused_name_cannot_reach_the_file(tmp_path):
 @pytest.mark.parametrize("target", ["onnx", "onnxruntime", "qnn"])
 def test_external_data_is_read_beside_the_model_whatever_the_working_directory(tmp_path, monkeypatch, target):
     if target == "qnn":
-        pytest.importorskip("onnxruntime_qnn", reason="the qnn extra (onnxruntime-qnn) is not installed")
+        extras.require("onnxruntime_qnn")
     from opfuse.cli import main
 
     folder, elsewhere = tmp_path / "models", tmp_path / "elsewhere"

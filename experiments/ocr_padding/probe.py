@@ -21,7 +21,6 @@ import sys
 import tempfile
 import warnings
 
-import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

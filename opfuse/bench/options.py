@@ -19,11 +19,10 @@ __all__ = ["add_parser", "options_from_args", "BenchOptions", "DEFAULT_CONFIGS",
 
 import argparse
 import dataclasses
-import importlib.util
 import pathlib
 
 from opfuse.bench.ablation import CONFIGS
-from opfuse.errors import BadInputError
+from opfuse.errors import BadInputError, require_extra
 from opfuse.targets import RUNTIME_LEVELS
 from opfuse.cost.profiles import list_profiles, load_profile
 
@@ -131,7 +130,8 @@ def options_from_args(args) -> BenchOptions:
         raise BadInputError(f"unknown runtime level {bad[0]!r}; choose from basic, extended, all")
     profiles = _split(args.hardware)
     for name in profiles:
-        load_profile(name)  # raises BadInputError for an unknown profile
+        if load_profile(name).compiler == "vela":  # (load_profile: BadInputError for an unknown profile)
+            require_extra("ethos-u", f"--hardware {name} (Arm's Vela compiler and LiteRT)")
     for flag, value, minimum in (("--threads", args.threads, 1), ("--batch", args.batch, 1),
                                  ("--reps", args.reps, 1), ("--warmup", args.warmup, 0),
                                  ("--layers", args.layers, 0)):
@@ -150,8 +150,8 @@ def options_from_args(args) -> BenchOptions:
                 raise BadInputError(f"{target}: directory {parent} does not exist")
     if args.plot and args.plot == "-":
         raise BadInputError("--plot needs a file name")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before any measuring
-        raise BadInputError("--plot needs matplotlib: pip install 'opfuse[plot]'")
+    if args.plot:  # before any measuring
+        require_extra("plot", "--plot")
     quick = args.quick
     return BenchOptions(
         model_path=args.model,

@@ -44,7 +44,7 @@ def infer_symbolic_shapes(model: ir.Model) -> bool:
     if any(k in inputs and v in inputs and k != v for k, v in merges.items()):
         logger.info("symbolic shape inference assumed input dims equal (%s); not used", merges)
         return False
-    shapes = {}
+    shapes, dtypes = {}, {}
     for info in (*inferred.graph.value_info, *inferred.graph.output):
         if not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
             continue
@@ -57,10 +57,19 @@ def infer_symbolic_shapes(model: ir.Model) -> bool:
             else:
                 dims.append(None)
         shapes[info.name] = dims
+        dtypes[info.name] = info.type.tensor_type.elem_type
     for value in ir.convenience.create_value_mapping(model.graph).values():
         dims = shapes.get(value.name)
-        if dims is not None and _less_known(value.shape, dims):
-            value.shape = ir.Shape(dims)
+        if dims is None or not _less_known(value.shape, dims):
+            continue
+        if value.type is None:
+            # a value onnx's inference gave no type (an op it does not know): the tool's element
+            # type with it, as a shape without a type is no value_info (onnx-ir drops it on
+            # saving, with a warning per value)
+            if not dtypes[value.name]:
+                continue
+            value.dtype = ir.DataType(dtypes[value.name])
+        value.shape = ir.Shape(dims)
     return True
 
 

@@ -61,7 +61,7 @@ from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display
 from opfuse.core.analysis import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.pattern_gate import patterns_that_could_match  # (re-exported)
-from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules, rules_in_form
+from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
 from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord, Refusal
 from opfuse.targets.kernels import Target, load_target

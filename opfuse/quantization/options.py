@@ -19,13 +19,12 @@ __all__ = ["QuantizeOptions", "Calibrate", "KeepAs", "Reconstruct", "RECONSTRUCT
            "RECONSTRUCTION_ITERATIONS"]
 
 import dataclasses
-import importlib.util
 import os
 import pathlib
 from collections.abc import Callable
 from typing import Any, Literal
 
-from opfuse.errors import BadInputError
+from opfuse.errors import BadInputError, require_extra
 from opfuse.quantization.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -111,8 +110,8 @@ class QuantizeOptions:
                 raise BadInputError(f"{self.output}: refusing to overwrite the input model; choose another output")
         if self.reconstruct not in (True, False, "auto"):
             raise BadInputError(f"reconstruct is True, False or 'auto', not {self.reconstruct!r}")
-        if self.reconstruct is True and importlib.util.find_spec("torch") is None:
-            raise BadInputError("--reconstruct needs torch: pip install 'opfuse[torch]' (it pins torch==2.13.0)")
+        if self.reconstruct is True:
+            require_extra("torch", "--reconstruct")
 
     def steps(self) -> tuple[StepSetting, ...]:
         """The preset's steps, in order, with this call's choices applied (module docstring)."""

@@ -23,10 +23,11 @@ import pathlib
 import shutil
 import tempfile
 import time
+import weakref
 
 import onnx
 
-from opfuse.errors import OpfuseError, VerificationError
+from opfuse.errors import VerificationError
 from opfuse.save import commit_staged_files
 from opfuse.targets.ethos_u.vela import EthosOptions, VelaResult, compile_with_vela
 
@@ -71,6 +72,10 @@ class EthosCompileLog:
     context: str | None = None  # where Vela's compiled model goes
     session: object = dataclasses.field(default=None, repr=False)  # the TFLite in LiteRT (runs the samples)
     _pending: pathlib.Path | None = None  # the directory Vela wrote into
+
+    def __post_init__(self):
+        if self._pending is not None:  # dropped unused (an error before commit_context or discard): removed
+            weakref.finalize(self, shutil.rmtree, self._pending, True)
 
     @property
     def placement(self):
@@ -154,18 +159,23 @@ def compile_for_ethos_u(model, report=None, *, options=None, require_npu: bool =
     options = options or EthosOptions()
     proto = model if isinstance(model, onnx.ModelProto) else _serialize(model)
     tflite = lower_to_tflite(proto, float_islands=options.float_islands)  # an op it cannot write: one line
-    parent = pathlib.Path(context).resolve().parent if context is not None else None
-    pending = pathlib.Path(tempfile.mkdtemp(prefix=".opfuse-vela-", dir=parent))
+    # Vela's files are kept (beside the context, renamed into place by commit_context) only when
+    # a context is asked for; otherwise its figures are read and its files removed at once
+    pending = (pathlib.Path(tempfile.mkdtemp(prefix=".opfuse-vela-", dir=pathlib.Path(context).resolve().parent))
+               if context is not None else None)
     start = time.perf_counter()
     try:
         vela = compile_with_vela(tflite, npu=options.npu, system_config=options.system_config,
                                  memory_mode=options.memory_mode, output_dir=pending)
-    except OpfuseError:
-        shutil.rmtree(pending, ignore_errors=True)
+        seconds = time.perf_counter() - start
+        session = TfliteSession(tflite, proto)
+    except BaseException:
+        if pending is not None:
+            shutil.rmtree(pending, ignore_errors=True)
         raise
-    log = EthosCompileLog(vela, options, len(tflite), time.perf_counter() - start,
+    log = EthosCompileLog(vela, options, len(tflite), seconds,
                           context=os.fspath(context) if context is not None else None,
-                          session=TfliteSession(tflite, proto), _pending=pending)
+                          session=session, _pending=pending)
     if report is not None:
         report.device = log
     if require_npu and log.fallbacks:

@@ -44,14 +44,19 @@ import pathlib
 
 import onnx
 
-from opfuse.targets.ethos_u.compile import compile_for_ethos_u as compile  # noqa: A001 - the interface's name
-from opfuse.targets.ethos_u.runner import TfliteRunner as Runner
-from opfuse.targets.ethos_u.runner import tflite_accuracy as accuracy
-from opfuse.targets.ethos_u.tflite_norm import QUANTISED_OPS
-from opfuse.targets.ethos_u.tflite_norm import rsqrt_form as prepare_float
-from opfuse.targets.ethos_u.tflite_quant import kept_scales, tflite_overrides
 from opfuse.targets.ethos_u.vela import EthosOptions
 from opfuse.targets.ethos_u.vela import require_vela as require_backend
+
+# the lowering's modules below import LiteRT's schema: without the extra, this module is the
+# one line with the install command (exit 2), not an ImportError
+require_backend()
+
+from opfuse.targets.ethos_u.compile import compile_for_ethos_u as compile  # noqa: A001,E402 - the interface's name
+from opfuse.targets.ethos_u.runner import TfliteRunner as Runner  # noqa: E402
+from opfuse.targets.ethos_u.runner import tflite_accuracy as accuracy  # noqa: E402
+from opfuse.targets.ethos_u.tflite_norm import QUANTISED_OPS  # noqa: E402
+from opfuse.targets.ethos_u.tflite_norm import rsqrt_form as prepare_float  # noqa: E402
+from opfuse.targets.ethos_u.tflite_quant import kept_scales, tflite_overrides  # noqa: E402
 
 TITLE = "Arm Ethos-U through Vela"
 NAME = "Ethos-U (the lowered TFLite in LiteRT)"

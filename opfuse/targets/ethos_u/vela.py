@@ -40,7 +40,6 @@ __all__ = ["NPUS", "DEFAULTS", "INSTALL_COMMAND", "VelaError", "VelaOp", "VelaRe
 
 import csv
 import dataclasses
-import importlib.util
 import os
 import pathlib
 import re
@@ -49,9 +48,9 @@ import sys
 import tempfile
 from collections.abc import Mapping
 
-from opfuse.errors import BadInputError, OpfuseError
+from opfuse.errors import BadInputError, EXTRAS, OpfuseError, missing_extra, require_extra
 
-INSTALL_COMMAND = "pip install 'opfuse[ethos-u]'"
+INSTALL_COMMAND = EXTRAS["ethos-u"].command
 CONFIG = "Arm/vela.ini"  # inside ethos-u-vela (ethosu/config_files/Arm/vela.ini)
 NPUS = ("ethos-u55-32", "ethos-u55-64", "ethos-u55-128", "ethos-u55-256", "ethos-u65-256", "ethos-u65-512",
         "ethos-u85-128", "ethos-u85-256", "ethos-u85-512", "ethos-u85-1024", "ethos-u85-2048")
@@ -75,16 +74,12 @@ class VelaError(OpfuseError):
 
 def available() -> bool:
     """Whether ``ethos-u-vela`` and ``ai-edge-litert`` are installed (nothing is loaded)."""
-    return all(importlib.util.find_spec(m) is not None for m in ("ethosu.vela", "ai_edge_litert"))
+    return not missing_extra("ethos-u")
 
 
 def require_vela() -> None:
     """Nothing, or one line with the install command (exit 2) when a package is missing."""
-    missing = [p for m, p in (("ethosu", "ethos-u-vela"), ("ai_edge_litert", "ai-edge-litert"))
-               if importlib.util.find_spec(m) is None]
-    if missing:
-        raise BadInputError(f"--target ethos-u needs Arm's Vela compiler and LiteRT ({', '.join(missing)} not "
-                            f"installed): {INSTALL_COMMAND}")
+    require_extra("ethos-u", "--target ethos-u (Arm's Vela compiler and LiteRT)")
 
 
 def default_configs(npu: str) -> tuple[str, str]:
@@ -179,7 +174,7 @@ class VelaResult:
     off_chip_used_kib: float
     ops: list[VelaOp]
     cpu_ops: dict[str, str]  # output tensor name -> Vela's reason it stays on the CPU (:func:`cpu_placement`)
-    compiled: pathlib.Path  # <name>_vela.tflite
+    compiled: pathlib.Path | None  # <name>_vela.tflite in output_dir (None: no output_dir, the files are gone)
     log: str
     summary: dict[str, str] = dataclasses.field(repr=False, default_factory=dict)  # the summary CSV's row
 
@@ -199,12 +194,20 @@ def compile_with_vela(tflite: bytes | str | os.PathLike, *, npu: str = "ethos-u5
                       system_config: str | None = None, memory_mode: str | None = None,
                       output_dir: str | os.PathLike | None = None) -> VelaResult:
     """Compile ``tflite`` (its bytes or a path) for ``npu``; see the module docstring. The files
-    go to ``output_dir`` (a temporary directory when None: :attr:`VelaResult.compiled` then
-    lives only as long as the process leaves it)."""
+    go to ``output_dir``; when None, to a temporary directory removed before this returns or
+    raises (:attr:`VelaResult.compiled` is then None: the figures are read, the files gone)."""
     require_vela()
     default_system, default_memory = default_configs(npu)
     system_config, memory_mode = system_config or default_system, memory_mode or default_memory
-    out = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path(tempfile.mkdtemp(prefix="opfuse-vela-"))
+    if output_dir is None:
+        with tempfile.TemporaryDirectory(prefix="opfuse-vela-") as tmp:
+            return dataclasses.replace(_compile(tflite, npu, system_config, memory_mode, pathlib.Path(tmp)),
+                                       compiled=None)
+    return _compile(tflite, npu, system_config, memory_mode, pathlib.Path(output_dir))
+
+
+def _compile(tflite: bytes | str | os.PathLike, npu: str, system_config: str, memory_mode: str,
+             out: pathlib.Path) -> VelaResult:
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(tflite, (bytes, bytearray)):
         source = out / "model.tflite"

@@ -47,7 +47,6 @@ __all__ = [
 
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import sys
 import tempfile
@@ -58,14 +57,13 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from opfuse.errors import BadInputError, OpfuseError
+from opfuse.errors import BadInputError, EXTRAS, OpfuseError, missing_extra, require_extra
 from opfuse.targets.qnn.placement import Placement, is_log_line
 from opfuse.runtime import model_source
 from opfuse.targets import RUNTIME_LEVELS
 
 EP_NAME = "QNNExecutionProvider"
-INSTALL_COMMAND = "pip install 'opfuse[qnn]'"
-_REQUIREMENT = "onnxruntime-qnn (Linux x86_64, Python 3.11+)"
+INSTALL_COMMAND = EXTRAS["qnn"].command
 
 
 class HtpCompileError(OpfuseError):
@@ -76,14 +74,12 @@ class HtpCompileError(OpfuseError):
 
 def available() -> bool:
     """Whether ``onnxruntime_qnn`` is installed (nothing is loaded)."""
-    return importlib.util.find_spec("onnxruntime_qnn") is not None
+    return not missing_extra("qnn")
 
 
 def require_backend():
     """The ``onnxruntime_qnn`` module, or one line with the install command (exit 2)."""
-    if not available():
-        raise BadInputError(f"--target qnn needs Qualcomm's QNN backend, {_REQUIREMENT}, which is not "
-                            f"installed: {INSTALL_COMMAND}")
+    require_extra("qnn", "--target qnn (Qualcomm's QNN backend)")
     import onnxruntime_qnn  # (optional: an extra, found above)
 
     return onnxruntime_qnn

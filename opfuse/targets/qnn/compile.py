@@ -26,6 +26,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -53,6 +54,10 @@ class HtpCompileLog:
     context: str | None = None  # where the EPContext model goes
     _pending: pathlib.Path | None = None  # the EPContext file written during the compile
     session: object = dataclasses.field(default=None, repr=False)  # the HtpSession (runs the held-out samples)
+
+    def __post_init__(self):
+        if self._pending is not None:  # dropped unused (an error before commit_context or discard): removed
+            weakref.finalize(self, shutil.rmtree, self._pending, True)
 
     @property
     def warnings(self) -> list[str]:
@@ -134,7 +139,7 @@ def compile_on_htp(model, report=None, *, options: HtpOptions | None = None, req
         config = context_config(pending / "context.onnx")
     try:
         session = open_session(model, options, session_config=config)
-    except HtpCompileError:
+    except BaseException:
         if pending is not None:
             shutil.rmtree(pending, ignore_errors=True)
         raise
