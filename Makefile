@@ -12,7 +12,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.opfuse-installed
 # the extras `make` installs; `make test` declares them installed (OPFUSE_REQUIRE_EXTRAS): a test
 # that needs one of their packages then fails when it is missing instead of skipping (tests/extras.py)
-EXTRAS := test,bench,qnn,ethos-u
+EXTRAS := test,bench,qnn,ethos-u,llm
 
 .PHONY: demo test check-models bench install clean
 

@@ -103,7 +103,6 @@ def run(model: str, graph: str, past: int, seq: int, paddings: list[int]) -> Non
 
 def angles(lengths=(64, 128), head_dim=32) -> None:
     """Cos and Sin of positions x inverse frequencies, computed in the graph, on the HTP vs the CPU."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

@@ -65,6 +65,8 @@ EXTRAS: dict[str, Extra] = {e.name: e for e in (
     Extra("qnn", (("onnxruntime_qnn", "onnxruntime-qnn"),), note="Linux x86_64, Python 3.11+"),
     Extra("torch", (("torch", "torch"),)),
     Extra("plot", (("matplotlib", "matplotlib"),)),
+    Extra("llm", (("transformers", "transformers"), ("gguf", "gguf"), ("accelerate", "accelerate"),
+                  ("onnxruntime_genai", "onnxruntime-genai"))),
 )}
 
 

@@ -130,8 +130,8 @@ def export_llama_step(path: pathlib.Path, graph: str = "decode") -> pathlib.Path
     """A one-layer random Llama's ``graph`` ("decode": one token after a KV cache; "prefill"), exported by
     ``benchmarks/decoders.py``'s own code (dynamo, its input names and symbolic axes: batch, seq, past_seq,
     ``past_seq + 1``), so the tests compile what the corpus measures, at a tenth of its size."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    extras.require("torch")
+    extras.require("transformers")
     import importlib
     import sys
 

@@ -40,7 +40,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the module a test imports -> the distribution that provides it
 DISTRIBUTIONS = {"ethosu": "ethos-u-vela", "ai_edge_litert": "ai-edge-litert", "onnxruntime_qnn": "onnxruntime-qnn",
                  "torch": "torch", "transformers": "transformers", "matplotlib": "matplotlib",
-                 "onnxslim": "onnxslim"}
+                 "onnxslim": "onnxslim", "onnxruntime_genai": "onnxruntime-genai", "gguf": "gguf",
+                 "accelerate": "accelerate"}
 
 
 @functools.cache

@@ -15,10 +15,12 @@ import json
 import numpy as np
 import onnx
 import pytest
+
+import extras
 from onnx import TensorProto, helper, numpy_helper
 
-pytest.importorskip("transformers")
-og = pytest.importorskip("onnxruntime_genai")
+extras.require("transformers")
+og = extras.require("onnxruntime_genai")
 import onnxruntime as ort
 import torch
 

@@ -85,12 +85,14 @@ def _umask() -> int:
 def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str = "fp32", *,
             verify: bool = True, block_size: int = 32, symmetric: bool = False) -> Converted:
     """Write the genai folder of ``source`` at ``precision`` into ``out`` (module docstring)."""
+    # (the steps import torch, transformers and the pipeline: only when a model is converted)
     import onnx
 
+    # (the steps import torch, transformers and the pipeline: only when a model is converted)
     from opfuse.llm import genai
-    from opfuse.llm.export import export, load
-    from opfuse.llm.quantize_int4 import counts, quantize_int4
-    from opfuse.pipeline import optimize
+    from opfuse.llm.export import export, load  # (as above)
+    from opfuse.llm.quantize_int4 import counts, quantize_int4  # (as above)
+    from opfuse.pipeline import optimize  # (as above)
 
     if precision not in PRECISIONS:
         raise BadInputError(f"--precision {precision}: expected one of {', '.join(PRECISIONS)}")

@@ -34,6 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    # (torch and transformers, through the conversion: only when the command runs)
     from opfuse.llm import convert
 
     start = time.perf_counter()

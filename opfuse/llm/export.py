@@ -65,8 +65,9 @@ def _from_pretrained(source: pathlib.Path) -> tuple[str, dict]:
 
 def load(source: str | pathlib.Path) -> Loaded:
     """The model (float32, eval) and the tokenizer of a GGUF file or a Hugging Face folder."""
+    # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # (as above)
 
     source = pathlib.Path(source)
     where, keywords = _from_pretrained(source)
@@ -86,6 +87,7 @@ def flat_cache(cache) -> list:
 
 def filled_cache(config, past) -> object:
     """A DynamicCache holding ``past`` = (key 0, value 0, key 1, ...)."""
+    # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
@@ -95,6 +97,7 @@ def filled_cache(config, past) -> object:
 
 
 def _module_class():
+    # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     import torch
 
     class _CausalLMStep(torch.nn.Module):
@@ -133,6 +136,7 @@ def io_names(layers: int) -> tuple[list[str], list[str]]:
 
 
 def _example_args(config) -> tuple:
+    # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     import torch
 
     layers, kv_heads, head_size = _shape(config)
@@ -148,6 +152,7 @@ def _example_args(config) -> tuple:
 
 def _dynamic_shapes(layers: int) -> tuple:
     """Every axis but the heads' dynamic; torch works out that the mask's length is past + seq."""
+    # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     from torch.export import Dim
 
     token = {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}
@@ -156,6 +161,7 @@ def _dynamic_shapes(layers: int) -> tuple:
 
 def export(model, path: str | pathlib.Path) -> None:
     """Write ``model``'s one-graph-with-past export (module docstring) to ``path`` (weights inside it)."""
+    # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     import torch
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -175,6 +181,7 @@ def export(model, path: str | pathlib.Path) -> None:
 def _name_axes(model) -> None:
     """The builder's names for the free axes (torch writes s0, s1, ...): batch_size, sequence_length,
     past_sequence_length, total_sequence_length."""
+    # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     import onnx_ir as ir
 
     def named(value, names):

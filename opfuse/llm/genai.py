@@ -37,6 +37,7 @@ def _token_id(value):
 
 def genai_config(config, tokenizer, filename: str = "model.onnx") -> dict:
     """The genai_config.json of a decoder whose transformers config is ``config`` (module docstring)."""
+    # (export imports torch: only when a config is written)
     from opfuse.llm.export import _shape
 
     layers, kv_heads, head_size = _shape(config)

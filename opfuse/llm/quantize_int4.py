@@ -47,6 +47,7 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
 
     ``model`` is changed in place and returned."""
+    # (ONNX Runtime's quantizer pulls its own dependencies: only when int4 is asked for)
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
@@ -72,6 +73,7 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
 def untie_head(model: onnx.ModelProto) -> int:
     """Give each ``MatMul(x, Transpose(W, perm=[1, 0]))`` of a 2-D initializer ``W`` a transposed
     initializer of its own (the Transpose is removed when nothing else reads it); how many."""
+    # (ONNX Runtime's quantizer pulls its own dependencies: only when int4 is asked for)
     from onnx import numpy_helper
 
     graph = model.graph

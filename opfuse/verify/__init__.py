@@ -337,7 +337,7 @@ def verify_models(
     except NoReference as e:
         result.unverified = str(e)
         return result
-    del run_original, run_reference  # (its outputs are in ``sets``: one model's session at a time)
+    run_original = run_reference = None  # (its outputs are in ``sets``: one model's session at a time)
     try:
         run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
