@@ -42,8 +42,8 @@ cache is transformers' DynamicCache, flattened by :class:`CausalLMStep`. Exports
 and becomes one row, ``export failed: ...``, not a crash.
 
 ``--verify-only`` (what ``make check-models`` passes): for every exported graph and target it runs
-what a user would, in a subprocess and with no flag but the target:
-``python -m opfuse optimize IN -o OUT --target T --report R.json``. It
+what a user would, in a subprocess and with no flag but the target and ``--no-tune`` (``--tuned``: not
+even that): ``python -m opfuse optimize IN -o OUT --target T --no-tune --report R.json``. It
 records the exit code, the last line of stderr, the node counts before and after (every
 graph), and the op types written that the export did not have (the fused ops). Then, on its
 own, it loads the written model in ONNX Runtime and compares it with the export on realistic
@@ -121,6 +121,7 @@ EXPORTERS = ("torchscript", "dynamo")
 GRAPHS = ("prefill", "decode")
 TARGETS = ("onnx", "onnxruntime")
 BATCH, SEQ, PAST, PADDED = 2, 16, 16, 4  # PADDED: row 1's left padding in the prefill inputs
+TUNED = False  # --tuned: verify-only runs opfuse without --no-tune (the default command, timing included)
 STRICT_PADDING = False  # --strict-padding: compare the padded queries' rows too (the export defines them)
 CHECK_BATCH = 3  # --verify-only's prefill batch: row 1 left-padded, row 2 right-padded (PADDED tokens each)
 RTOL, ATOL_OF_MAX = 1e-3, 1e-4
@@ -550,8 +551,9 @@ def fused_ops(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 def check(path: pathlib.Path, padded: bool, target: str, reference: dict, workdir: pathlib.Path) -> dict:
     """One row: opfuse on ``path`` for ``target``, then the written model loaded and compared (with
-    ``--no-tune``: the target's default policy, nothing timed; the timed mode runs opfuse as a user does)."""
-    row = optimise(path, target, workdir, ("--no-tune",))
+    ``--no-tune``: the target's default policy, nothing timed, unless ``--tuned``: the command exactly as
+    a user runs it; the timed mode runs opfuse as a user does)."""
+    row = optimise(path, target, workdir, () if TUNED else ("--no-tune",))
     original = onnx.load(str(path), load_external_data=False)
     row["nodes_before"] = count_nodes(original)
     if row["rc"] != 0 or not row["written"]:
@@ -895,6 +897,8 @@ def main(argv=None) -> int:
     parser.add_argument("--verify-only", "--check", action="store_true",
                         help="no timing: opfuse on each target, the written model loaded and compared "
                              "(make check-models passes it)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="verify-only: run opfuse as a user does (tuning on), not with --no-tune")
     parser.add_argument("--strict-padding", action="store_true",
                         help="verify-only: compare the padded queries' outputs too (they count as not equal)")
     parser.add_argument("--export-only", action="store_true",
@@ -913,8 +917,8 @@ def main(argv=None) -> int:
         unknown = [v for v in values if v not in known[key]]
         if unknown:
             parser.error(f"unknown {key}: {', '.join(unknown)} (known: {', '.join(known[key])})")
-    global STRICT_PADDING
-    STRICT_PADDING = args.strict_padding
+    global STRICT_PADDING, TUNED
+    STRICT_PADDING, TUNED = args.strict_padding, args.tuned
     if args.models is None:
         picked["models"] = None  # the default set (_selected)
     if args.export_only:
