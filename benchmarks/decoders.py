@@ -58,8 +58,8 @@ per model/exporter/graph/target: ``ok``, ``opfuse exit N: <message>``, ``load fa
 failed: ...``, or ``not equal: max diff D at OUTPUT``. Exit 1 if any row is not ok (export failures are
 listed, not counted: they are the exporter's).
 
-With the exports cached it takes about 9 minutes on a busy 2-core machine; exporting them all first
-takes about 8 more. Not in the test suite.
+Not in the test suite. How long it takes, and what issue 49's models add to ``make check-models``:
+docs/results/real_models.md.
 
 Without ``--verify-only`` (the timed mode), per model/exporter/graph, one interleaved run
 (``opfuse.bench.measure``: every round runs every session ``--repeat`` times back to back, 3 as the
