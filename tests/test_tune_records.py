@@ -212,3 +212,22 @@ def test_a_decode_steps_mask_dimension_of_its_own_is_timed_at_the_past_and_one()
     feeds, shapes = tuning_feeds(ir.from_proto(decode_step(mask_dim="mask_len")), None)
     assert feeds["past_key"].shape[2] == 256 and feeds["attention_mask"].shape == (1, 257)
     assert "past_seq=256" in shapes and "did not run" not in shapes
+
+
+def test_an_opset_raise_keeps_the_weights_it_had(tmp_path):
+    """The version converter sees the weights as references only: the raised model holds the very
+    tensors the input had (no copy of a large model), and it computes the same numbers."""
+    import onnx_ir as ir
+
+    from graphs import assert_same
+    from opfuse.prepare.opset import upgrade_opset
+
+    w = rng(2).standard_normal((64, 64)).astype(np.float32)  # 16 KB: a stand-in through the converter
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+             helper.make_node("ReduceMean", ["y"], ["z"], axes=[1], keepdims=1, name="mean")]
+    m = ir.from_proto(model(nodes, [vinfo("x", [2, 64])], [vinfo("z", [2, 1])], [tensor("w", w)], opset=17))
+    before = m.graph.initializers["w"].const_value
+    raised, note = upgrade_opset(m, 23)
+    assert raised.graph.initializers["w"].const_value is before and "17 -> 23" in note
+    assert raised.opset_imports[""] == 23 and "ReduceMean" in [n.op_type for n in raised.graph]  # (axes an input)
+    assert_same(ir.serde.serialize_model(m), ir.serde.serialize_model(raised))

@@ -8,6 +8,12 @@ is checked with the rewrites: verification runs the original against the result.
 
 A lower ``N`` than the model's is refused (opfuse does not lower opsets), as is a model
 the converter cannot upgrade (one line with its reason).
+
+The converter reads and writes a protobuf, so it is given the graph without the weights: every
+initializer larger than :data:`STAND_IN_BYTES` goes in as a reference to external data that is
+never read (the converter's adapters rewrite ops and attributes, not weights), and the model it
+returns takes back the very tensors it had, by name. A 0.5 GB model is not copied three times to
+raise its opset.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from opfuse.errors import BadInputError
 from opfuse.core.ops import first_line
 
 
+STAND_IN_BYTES = 4096  # initializers larger than this go through the converter as references only
+STAND_IN = "opfuse-weight-stand-in"  # (the location of their references: never a file)
+
+
 def upgrade_opset(model: ir.Model, opset: int) -> tuple[ir.Model, str | None]:
     """``model`` at default-domain ``opset`` (a new model when converted), and a note."""
     current = opset_of(model.opset_imports)
@@ -32,10 +42,34 @@ def upgrade_opset(model: ir.Model, opset: int) -> tuple[ir.Model, str | None]:
         return model, None
     if opset > onnx.defs.onnx_opset_version():
         raise BadInputError(f"--opset {opset}: this onnx knows opsets up to {onnx.defs.onnx_opset_version()}")
-    ir.external_data.load_to_model(model)  # the converter reads a proto: weights in memory
+    weights = {name: v.const_value for name, v in model.graph.initializers.items()
+               if v.const_value is not None and v.const_value.nbytes > STAND_IN_BYTES}
+    for graph in (model.graph, *(a.value for n in ir.traversal.RecursiveGraphIterator(model.graph)
+                                 for a in n.attributes.values() if a.type == ir.AttributeType.GRAPH)):
+        for name, value in graph.initializers.items():  # the small ones external: read, as the proto holds them
+            if isinstance(value.const_value, ir.ExternalTensor) and not (graph is model.graph and name in weights):
+                value.const_value = ir.Tensor(value.const_value.numpy(), name=name)
+    for name, tensor in weights.items():  # references the converter copies, never reads
+        model.graph.initializers[name].const_value = ir.ExternalTensor(
+            STAND_IN, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=name)
     try:
-        proto = onnx.version_converter.convert_version(ir.serde.serialize_model(model), opset)
+        proto = ir.serde.serialize_model(model)
+    finally:
+        for name, tensor in weights.items():
+            model.graph.initializers[name].const_value = tensor
+    try:
+        proto = onnx.version_converter.convert_version(proto, opset)
     except Exception as e:  # noqa: BLE001 - the converter raises many kinds
         raise BadInputError(f"onnx's version converter cannot raise the model from opset {current} to "
                             f"{opset}: {first_line(e, 200)}") from None
-    return ir.serde.deserialize_model(proto), f"opset raised {current} -> {opset} with onnx's version converter (--opset)"
+    upgraded = ir.serde.deserialize_model(proto)
+    for name, tensor in weights.items():
+        if name in upgraded.graph.initializers:
+            upgraded.graph.initializers[name].const_value = tensor
+    left = [v.name for v in upgraded.graph.initializers.values()
+            if isinstance(v.const_value, ir.ExternalTensor) and v.const_value.location == STAND_IN]
+    if left:  # the converter renamed or moved a weight: raised with every weight in memory instead
+        ir.external_data.load_to_model(model)
+        upgraded = ir.serde.deserialize_model(onnx.version_converter.convert_version(ir.serde.serialize_model(model),
+                                                                                     opset))
+    return upgraded, f"opset raised {current} -> {opset} with onnx's version converter (--opset)"
