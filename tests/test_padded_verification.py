@@ -270,3 +270,21 @@ def test_a_deep_model_s_reordering_passes_on_its_own_variation_and_wrong_rewrite
         (check,) = result.outputs
         assert not result.ok and check.variation is not None and check.max_abs_error > 2 * check.floor, wrong
         assert "original's own variation" in check.problem
+
+
+def test_compare_outputs_takes_the_variation_another_caller_measured():
+    """The measured choice compares variants with compare_outputs: runtime_variation gives it d0."""
+    from opfuse.runtime import serialized
+    from opfuse.verify import compare_outputs, run_model, runtime_variation
+
+    original, _ = load_model(deep_net())
+    x = {"x": np.random.default_rng(1).standard_normal((1, 16, D)).astype(np.float32)}
+    expected = run_model(original, x)
+    d0 = runtime_variation(serialized(original), x, expected, ["y"])
+    assert d0["y"] > 0
+    (reordered,) = _session_run(deep_net(reorder=True), x)
+    (wrong,) = _session_run(deep_net(wrong="scaled", reorder=True), x)
+    assert not compare_outputs(expected, {"y": reordered})[0].ok
+    (check,) = compare_outputs(expected, {"y": reordered}, variation=d0)
+    assert check.ok and check.variation == d0["y"]
+    assert not compare_outputs(expected, {"y": wrong}, variation=d0)[0].ok

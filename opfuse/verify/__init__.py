@@ -206,9 +206,14 @@ def compare_outputs(
     expected: Mapping[str, np.ndarray],
     actual: Mapping[str, np.ndarray],
     floors: Mapping[str, float] | None = None,
+    variation: Mapping[str, float] | None = None,
 ) -> list[OutputCheck]:
-    """One check per expected tensor (``floors``: absolute floor per name, see above)."""
-    floors = floors or {}
+    """One check per expected tensor (``floors``: absolute floor per name, see above;
+    ``variation``: the original's own d0 per name, from :func:`runtime_variation`, which
+    admits :data:`VARIATION_FACTOR` times it)."""
+    variation = variation or {}
+    floors = {name: max((floors or {}).get(name, 0.0), VARIATION_FACTOR * variation.get(name, 0.0))
+              for name in expected}
     checks = []
     for name, ref in expected.items():
         ref = np.asarray(ref)
@@ -216,7 +221,8 @@ def compare_outputs(
             checks.append(OutputCheck(name, str(ref.dtype), ref.shape, np.inf, np.inf, 0.0, False,
                                       "missing from the optimised model's outputs"))
             continue
-        checks.append(compare_tensor(name, ref, np.asarray(actual[name]), floor=floors.get(name, 0.0)))
+        checks.append(compare_tensor(name, ref, np.asarray(actual[name]), floor=floors.get(name, 0.0),
+                                     variation=variation.get(name)))
     return checks
 
 
