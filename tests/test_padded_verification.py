@@ -50,7 +50,7 @@ def test_defined_positions_follow_the_mask_on_every_position_axis():
     merged = defined_positions((6, 5, 4), mask)  # [batch * heads, seq, head size], batch-major
     assert (merged.reshape(3, 2, 5, 4) == mask[:, None, :, None].astype(bool)).all()
     scores = defined_positions((3, 2, 5, 5), mask)  # [batch, heads, query, key]: both position axes
-    assert scores[1, 0, 2, 1] == False and scores[1, 0, 2, 3] == True and scores[2, 0, 4, 0] == False  # noqa: E712
+    assert not scores[1, 0, 2, 1] and scores[1, 0, 2, 3] and not scores[2, 0, 4, 0]
     assert defined_positions((3, 1, 7), mask) is None  # a decode step's logits: no position axis
     assert defined_positions((4, 5), mask) is None  # axis 0 is not the batch
     assert defined_positions((5,), mask) is None
@@ -171,7 +171,7 @@ class _Attention:
 
             def forward(self, x, attention_mask):
                 b, s, _ = x.shape
-                split = lambda t: t.view(b, s, heads, dim // heads).transpose(1, 2)  # noqa: E731
+                split = lambda t: t.view(b, s, heads, dim // heads).transpose(1, 2)
                 i = torch.arange(s)
                 causal = (i[None, :] < i[:, None]) if strict else (i[None, :] <= i[:, None])
                 mask = causal[None, None] & attention_mask[:, None, None, :].bool()

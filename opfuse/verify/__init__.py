@@ -402,7 +402,10 @@ def verify_models(
     masks = _padding_masks(sets, result)
     for label, feeds, expected in sets:
         mask = masks.get(label)
-        defined = (lambda shape: defined_positions(shape, mask)) if mask is not None else (lambda shape: None)
+
+        def defined(shape, mask=mask):  # where a tensor of this set is defined (None: everywhere)
+            return defined_positions(shape, mask) if mask is not None else None
+
         shown = f"where '{result.padded_input}' is 1"
         for if_label, cond in conditions.items():
             if cond in expected:

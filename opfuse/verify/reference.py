@@ -29,8 +29,8 @@ its outputs can be a reference at all.
 
 from __future__ import annotations
 
-__all__ = ["FINITE_RETRIES", "PADDED_LABEL", "PADDED_ROWS", "padded_set", "NoReference", "Runner", "load_inputs", "input_sets", "rerun",
-           "non_finite", "require_finite"]
+__all__ = ["FINITE_RETRIES", "PADDED_LABEL", "PADDED_ROWS", "NoReference", "Runner", "load_inputs", "input_sets",
+           "padded_set", "rerun", "non_finite", "require_finite"]
 
 import os
 import pathlib
