@@ -1,4 +1,5 @@
-"""Verification inputs built from the model: sizes that run, integer values that branch.
+"""Verification inputs built from the model: sizes that run, integer values that branch, a
+padded batch and where its outputs are defined.
 
 A model's inputs declare their shapes with fixed sizes and **free dimensions**
 (:mod:`opfuse.core.dims`: named, unnamed, derived from others; ``--dim`` sizes).
