@@ -49,6 +49,8 @@ def test_defined_positions_follow_the_mask_on_every_position_axis():
     assert (present == mask[:, None, :, None].astype(bool)).all()
     merged = defined_positions((6, 5, 4), mask)  # [batch * heads, seq, head size], batch-major
     assert (merged.reshape(3, 2, 5, 4) == mask[:, None, :, None].astype(bool)).all()
+    tokens = defined_positions((15, 6), mask)  # [batch * seq, hidden]: a 2-D MatMul's rows
+    assert (tokens == mask.reshape(15, 1).astype(bool)).all()
     scores = defined_positions((3, 2, 5, 5), mask)  # [batch, heads, query, key]: both position axes
     assert not scores[1, 0, 2, 1] and scores[1, 0, 2, 3] and not scores[2, 0, 4, 0]
     assert defined_positions((3, 1, 7), mask) is None  # a decode step's logits: no position axis

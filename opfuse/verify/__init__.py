@@ -76,8 +76,9 @@ A model with an attention mask is also verified on a padded batch, as callers fe
 counts them. Outputs there are compared only where they are defined
 (:func:`opfuse.verify.inputs.defined_positions`), exactly:
 
-- a tensor whose axis 0 is the batch (or batch x heads, batch-major) has as *position axes*
-  its other axes whose size is the mask's length T (the padded run picks T = 11 or 13, a
+- a tensor whose axis 0 is the batch (or a multiple of it, batch-major, read as [B, m, ...]:
+  batch x heads, or batch x tokens flattened) has as *position axes* its other axes whose size
+  is the mask's length T (the padded run picks T = 11 or 13, a
   size no head or hidden size is likely to share);
 - an element is compared where the mask is 1 at its index on every position axis of its row
   (logits and hidden states [B, S, ...] at real query tokens; present keys/values

@@ -475,15 +475,16 @@ def defined_positions(shape: tuple[int, ...], mask: np.ndarray) -> np.ndarray | 
     """Where a tensor computed from a padded batch is defined: a boolean array of ``shape``,
     None when every element is (the rule of :mod:`opfuse.verify`'s "Padded batches").
 
-    ``mask`` is [rows, T]. A tensor whose axis 0 is the rows (or a multiple of them, batch-major:
-    [rows * heads, ...]) has as *position axes* its other axes of size T; an element is defined
-    where the mask is 1 at its index on every position axis of its row. A tensor with no
+    ``mask`` is [rows, T]. A tensor whose axis 0 is the rows (or a multiple of them, batch-major,
+    read as [rows, m, ...]: heads [rows * heads, S, D], or tokens flattened [rows * T, D]) has as
+    *position axes* its other axes of size T; an element is defined where the mask is 1 at its
+    index on every position axis of its row. A tensor with no
     position axis (a decode step's logits [rows, 1, V], a pooled output) is defined everywhere."""
     rows, length = mask.shape
     if len(shape) < 2 or shape[0] == 0 or shape[0] % rows:
         return None
     view = (rows, shape[0] // rows, *shape[1:]) if shape[0] != rows else tuple(shape)
-    axes = [a for a in range(1, len(view)) if view[a] == length and not (shape[0] != rows and a == 1)]
+    axes = [a for a in range(1, len(view)) if view[a] == length]
     if not axes:
         return None
     keep = np.ones(view, dtype=bool)
