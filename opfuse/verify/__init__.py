@@ -589,16 +589,30 @@ def _distances(original_x, sets, tensors, masks, level: str) -> dict[tuple[str, 
 
 def _in_float64(original_x) -> bytes | None:
     """The original with every float32 tensor in float64 (initializers, constants, Casts, declared
-    types, subgraphs): a reference without float32's rounding. None for a model kept as an
-    ir.Model (one that needs external data: twice its weights would not serialise) or one that
-    cannot be converted."""
-    if not isinstance(original_x, (bytes, bytearray)):
-        return None
+    types, subgraphs): a reference without float32's rounding, as bytes. ``original_x`` is bytes,
+    or an ir.Model kept with external data (its weights are read in). None when the float64
+    model would exceed protobuf's 2 GB, or cannot be converted."""
     import onnx
     from onnx import numpy_helper
 
-    proto = onnx.ModelProto()
-    proto.ParseFromString(bytes(original_x))
+    from opfuse.save import PROTOBUF_LIMIT
+
+    if isinstance(original_x, ir.Model):
+        weights = {name: v.const_value for name, v in original_x.graph.initializers.items() if v.const_value is not None}
+        if 2 * sum(t.nbytes for t in weights.values()) >= PROTOBUF_LIMIT:
+            return None
+        try:
+            proto = ir.serde.serialize_model(original_x)
+            for t in proto.graph.initializer:
+                if t.data_location == onnx.TensorProto.EXTERNAL and t.name in weights:
+                    t.CopyFrom(numpy_helper.from_array(weights[t.name].numpy(), t.name))
+        except Exception:  # noqa: BLE001 - a tensor numpy cannot read: no float64 reference
+            return None
+    elif isinstance(original_x, (bytes, bytearray)):
+        proto = onnx.ModelProto()
+        proto.ParseFromString(bytes(original_x))
+    else:
+        return None
     float32, float64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
 
     def tensor(t):
