@@ -4,7 +4,10 @@ Accepts a path, raw bytes, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` and re
 private ``onnx_ir.Model``: the caller's object is never mutated. Anything opfuse cannot
 handle raises :class:`~opfuse.errors.BadInputError` with one line that says why: a missing
 path, a directory, an empty file, bytes that are not an ONNX protobuf (truncated, random),
-a model that fails ``onnx.checker``, or an IR version / opset outside the supported range.
+a model that fails ``onnx.checker``, a node that onnx's own shape inference rejects (a
+BatchNormalization with ``training_mode=1`` and one output: onnx.checker alone does not infer
+shapes, and ONNX Runtime refuses such a model when it builds a session, deep inside the
+pipeline; :func:`_inference_problem`), or an IR version / opset outside the supported range.
 External data is resolved relative to the model file and stays memory-mapped.
 """
 
@@ -117,7 +120,33 @@ def _check_proto(
                 "were inferred"]
     except (ValueError, OSError, RuntimeError) as e:
         raise BadInputError(f"{where}: invalid ONNX model: {first_line(e, limit=None)}") from None
+    problem = _inference_problem(proto)
+    if problem:
+        raise BadInputError(f"{where}: invalid ONNX model: {problem}")
     return []
+
+
+def _inference_problem(proto: onnx.ModelProto) -> str:
+    """What onnx's strict shape inference rejects in a node of ``proto`` ("" when nothing).
+
+    Only a node's own check counts (an op's outputs against its attributes, an input's type
+    against its schema): the graph's ``value_info`` annotations are taken out for the run (and
+    put back), since a stale annotation that disagrees with the inferred shape is the
+    exporter's note, which ONNX Runtime runs past; an error that is such a merge with a
+    declared output shape (onnx says "existing") is not counted either. A model whose
+    serialised graph exceeds protobuf's 2 GB cannot be inferred in memory: not checked."""
+    annotations = list(proto.graph.value_info)
+    del proto.graph.value_info[:]
+    try:
+        onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    except onnx.shape_inference.InferenceError as e:
+        message = first_line(e, limit=None)
+        return "" if "existing" in message else message
+    except (ValueError, RuntimeError):  # too large to serialise, or not inferable at all: not our verdict
+        return ""
+    finally:
+        proto.graph.value_info.extend(annotations)
+    return ""
 
 
 LOAD_NOTES = "opfuse.load_notes"  # model.meta key: what loading repaired, one line each

@@ -91,6 +91,8 @@ class OutputCheck:
     rewrite: str = ""  # "Conv+BatchNormalization at 'conv1'" for a rewrite's own check
     floor: float = 0.0  # the absolute floor applied (graph outputs; see opfuse.verify)
     inputs: str = ""  # the input set it was checked on, when there are several
+    variation: float | None = None  # d0: max |original - original at variation_level| here (measured when needed)
+    positions: str = ""  # which elements were compared, when not all (a padded batch's defined positions)
 
     @property
     def label(self) -> str:
@@ -115,6 +117,11 @@ class Verification:
     exercised: int = 0  # rewrites the inputs executed
     not_exercised: list[str] = dataclasses.field(default_factory=list)  # rewrites they did not reach
     approximation_sqnr_db: float | None = None  # an inexact step's reference against the input model (opfuse.verify)
+    padded: str = ""  # the padded batch verified: its mask input, rows and position ids (opfuse.verify.inputs.Padding)
+    padded_input: str = ""  # the attention-mask input whose zeros mark the undefined positions
+    padded_skipped: str = ""  # why a model with an attention mask had no padded batch verified
+    variation_level: str = ""  # the ONNX Runtime level the original ran at for its own float variation (d0)
+    variation_factor: float = 0.0  # k: a check may differ by k * d0 (opfuse.verify, "The original's own variation")
 
     @property
     def ok(self) -> bool:
@@ -323,6 +330,13 @@ def print_report(report: FusionReport, console=None, *, verbose: bool = False) -
                 f"verification: {status} on {v.runtime}, {len({o.name for o in v.outputs})} output(s)"
                 f"{checked}{sets}, inputs {v.inputs}{extra}"
             )
+            if v.padded:
+                console.print(f"  padded batch: {v.padded}; compared where '{v.padded_input}' is 1")
+            measured = [c for c in (*v.rewrites, *v.outputs) if c.variation is not None]
+            if measured:
+                top = max(measured, key=lambda c: c.variation)
+                console.print(f"  the original's own variation (at ONNX Runtime {v.variation_level}): d0 up to "
+                              f"{top.variation:.3g} at {top.label}; bound max(tolerance, {v.variation_factor:g} x d0)")
             for note in v.notes:
                 console.print(f"  [yellow]note:[/yellow] {note}")
             bad = v.first_failure()

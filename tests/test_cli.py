@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -94,6 +95,7 @@ def _bad_files(tmp_path):
         "ir-too-new": tmp_path / "ir.onnx",
         "opset-too-new": tmp_path / "opset.onnx",
         "opset-too-old": tmp_path / "old.onnx",
+        "bn-training-one-output": tmp_path / "bn_training.onnx",
     }
     cases["empty"].write_bytes(b"")
     cases["truncated"].write_bytes(data[: len(data) // 2])
@@ -111,14 +113,23 @@ def _bad_files(tmp_path):
     old = conv_bn()
     old.opset_import[0].version = 5
     cases["opset-too-old"].write_bytes(old.SerializeToString())
+    cases["bn-training-one-output"].write_bytes(bn_training_one_output().SerializeToString())
     return cases
+
+
+def bn_training_one_output():
+    """A BatchNormalization with ``training_mode=1`` and one output: onnx.checker passes it, onnx's
+    shape inference and ONNX Runtime reject it (the spec wants its three outputs in training mode)."""
+    inits = bn_params("bn", 3, 0)
+    node = bn_node("bn", "x", "y", training_mode=1)
+    return model([node], [vinfo("x", [1, 3, 4, 4])], [vinfo("y", [1, 3, 4, 4])], inits, opset=15)
 
 
 BAD_WORDS = {
     "missing": "no such file", "directory": "is a directory", "empty": "empty",
     "truncated": "not an ONNX model", "random": "not an ONNX model", "text": "not an ONNX model",
     "checker": "invalid ONNX model", "ir-too-new": "IR version", "opset-too-new": "opset",
-    "opset-too-old": "opset 5",
+    "opset-too-old": "opset 5", "bn-training-one-output": "invalid ONNX model",
 }
 
 
@@ -152,6 +163,22 @@ def test_an_unwritable_destination_is_refused_before_any_work(where, good, tmp_p
 def test_bad_input_through_the_real_entry_point(tmp_path):
     rc, stdout, stderr = run_cli("optimize", tmp_path / "missing.onnx", "-o", tmp_path / "o.onnx")
     assert rc == 2 and stderr.startswith("opfuse: error:") and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-verify",), ("--target", "onnxruntime")])
+def test_an_invalid_node_is_bad_input_on_the_default_path(flags, tmp_path, tmp_model):
+    """Issue 49 item 6: with tuning on (the default, not the suite's OPFUSE_TUNE=off) this model
+    was an internal error raised by ONNX Runtime's session inside the tuner; it is refused at
+    load: exit 2, one line, nothing written."""
+    path, out, rep = tmp_model(bn_training_one_output()), tmp_path / "o.onnx", tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "OPFUSE_TUNE"}
+    proc = subprocess.run([sys.executable, "-m", "opfuse", "optimize", str(path), "-o", str(out),
+                           "--report", str(rep), *flags], capture_output=True, text=True, timeout=120, env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("opfuse: error:") and "invalid ONNX model" in lines[0], lines
+    assert "training_mode" in lines[0].lower() or "Training_mode" in lines[0]
+    assert not out.exists() and not rep.exists() and not list(tmp_path.glob(".opfuse-*"))
 
 
 def test_usage_errors_exit_2(tmp_path):

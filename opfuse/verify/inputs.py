@@ -1,4 +1,5 @@
-"""Verification inputs built from the model: sizes that run, integer values that branch.
+"""Verification inputs built from the model: sizes that run, integer values that branch, a
+padded batch and where its outputs are defined.
 
 A model's inputs declare their shapes with fixed sizes and **free dimensions**
 (:mod:`opfuse.core.dims`: named, unnamed, derived from others; ``--dim`` sizes).
@@ -27,6 +28,11 @@ A model's inputs declare their shapes with fixed sizes and **free dimensions**
   ``*position*`` (``position_ids``, ``cache_position``; GPT-2's learned position table is
   gathered by them, which no use tells apart from token ids). A mask whose CumSum counts
   positions is a mask.
+- **A padded batch** (:func:`padded_feeds`): where the model has an attention mask
+  (:func:`attention_mask_input`), rows unpadded, left-padded and right-padded (a decode step:
+  its past left-padded by k and by 1), position ids ``cumsum(mask) - 1`` (0 where masked), the
+  last n of them for n new tokens; and where a tensor computed from it is defined
+  (:func:`defined_positions`; the rule is :mod:`opfuse.verify`'s "Padded batches").
 - **Integer values that branch.** A random integer in 0-7 rarely equals the sample rate
   an ``If`` tests for. Integer inputs that reach a comparison with a constant (``Equal``,
   ``Less``, ``Greater`` and their ``OrEqual`` forms, through reshapes, casts and gathers)
@@ -44,6 +50,11 @@ __all__ = [
     "past_cache",
     "make_feeds",
     "find_sizes",
+    "Padding",
+    "PADDED_SEQ",
+    "attention_mask_input",
+    "defined_positions",
+    "padded_feeds",
 ]
 
 import dataclasses
@@ -421,3 +432,109 @@ def find_sizes(
         f"{tried} size(s) tried (free dimensions: {shown}; last error: "
         f"{first_line(last, limit=160) if last else 'none'}); {advice}"
     )
+
+
+# -- a padded batch ----------------------------------------------------------------------------
+
+PADDED_SEQ = (11, 13)  # the mask's length in the padded batch, tried in order (then the main run's)
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """A padded batch: the attention-mask input, its value (rows x positions), each row's kind.
+
+    Row kinds: ``unpadded``; ``left-padded k`` (the mask's first k positions 0, as a batch
+    padded on the left for generation); ``right-padded k`` (the last k 0, as a tokenizer pads);
+    in a decode step with a past, ``past left-padded k`` (the first k positions of the past 0:
+    the prompt was left-padded)."""
+
+    mask: str
+    value: np.ndarray  # [rows, positions], 0/1
+    rows: tuple[str, ...]
+    positions: str = ""  # the position-ids input made consistent with the mask, "" when none
+
+    def describe(self) -> str:
+        rows, length = self.value.shape
+        made = f"; {self.positions} = cumsum({self.mask}) - 1, 0 where masked" if self.positions else ""
+        return f"{self.mask} [{rows}, {length}]: rows " + ", ".join(self.rows) + made
+
+
+def attention_mask_input(model: ir.Model, ranges: Mapping[str, IntegerRange]) -> ir.Value | None:
+    """The model's attention-mask input: a rank-2 input named ``*attention_mask*`` (the
+    encoder's before a decoder's), else a rank-2 integer input its readers show to be a mask
+    (:func:`integer_ranges`); None when it has none."""
+    candidates = [v for v in runtime_inputs(model) if v.shape is not None and len(v.shape) == 2]
+    named = [v for v in candidates if "attention_mask" in (v.name or "").lower()]
+    named.sort(key=lambda v: "decoder" in v.name.lower())
+    if named:
+        return named[0]
+    return next((v for v in candidates if v.name in ranges and ranges[v.name].mask), None)
+
+
+def defined_positions(shape: tuple[int, ...], mask: np.ndarray) -> np.ndarray | None:
+    """Where a tensor computed from a padded batch is defined: a boolean array of ``shape``,
+    None when every element is (the rule of :mod:`opfuse.verify`'s "Padded batches").
+
+    ``mask`` is [rows, T]. A tensor whose axis 0 is the rows (or a multiple of them, batch-major,
+    read as [rows, m, ...]: heads [rows * heads, S, D], or tokens flattened [rows * T, D]) has as
+    *position axes* its other axes of size T; an element is defined where the mask is 1 at its
+    index on every position axis of its row. A tensor with no
+    position axis (a decode step's logits [rows, 1, V], a pooled output) is defined everywhere."""
+    rows, length = mask.shape
+    if len(shape) < 2 or shape[0] == 0 or shape[0] % rows:
+        return None
+    view = (rows, shape[0] // rows, *shape[1:]) if shape[0] != rows else tuple(shape)
+    axes = [a for a in range(1, len(view)) if view[a] == length]
+    if not axes:
+        return None
+    keep = np.ones(view, dtype=bool)
+    kept = mask.astype(bool)
+    for axis in axes:
+        index = [1] * len(view)
+        index[0], index[axis] = rows, length
+        keep &= kept.reshape(index)
+    return keep.reshape(shape)
+
+
+def padded_feeds(model: ir.Model, sizes: Mapping[str, int], *, seed: int = 0,
+                 ranges: Mapping[str, IntegerRange] | None = None) -> tuple[dict[str, np.ndarray], Padding] | str:
+    """Inputs at ``sizes`` (the batch and the mask's length already chosen) with the attention
+    mask padded row by row, and position ids counted as transformers counts them for a padded
+    batch (``cumsum(mask) - 1``, 0 where masked; the last ``n`` of them for ``n`` new tokens);
+    a sentence saying why not, when the model cannot take one (:class:`Padding` for the rows)."""
+    ranges = integer_ranges(model) if ranges is None else ranges
+    mask_input = attention_mask_input(model, ranges)
+    if mask_input is None:
+        return "the model has no attention mask input"
+    feeds = make_feeds(model, sizes, seed=seed, ranges=ranges)
+    rows, length = feeds[mask_input.name].shape
+    past = past_cache(model)
+    past_length = feeds[past.name].shape[-2] if past is not None and past.name in feeds else 0
+    if rows < 2:
+        return f"the batch of '{mask_input.name}' is fixed to {rows} in the model"
+    if length < 2:
+        return f"'{mask_input.name}' has {length} position(s) at the sizes that run"
+    mask = np.ones((rows, length), dtype=np.int64)
+    if 0 < past_length < length:
+        k = max(1, min(past_length, length // 2))
+        kinds = ["unpadded", f"past left-padded {k}", "past left-padded 1"]
+        pads = [None, slice(0, k), slice(0, 1)]
+    else:
+        k = max(1, min(length - 1, length // 2))
+        kinds = ["unpadded", f"left-padded {k}", f"right-padded {k}"]
+        pads = [None, slice(0, k), slice(length - k, length)]
+    names = []
+    for row in range(rows):
+        if pads[row % len(pads)] is not None:
+            mask[row, pads[row % len(pads)]] = 0
+        names.append(kinds[row % len(kinds)])
+    feeds[mask_input.name] = mask.astype(feeds[mask_input.name].dtype)
+    counted = np.where(mask == 1, np.cumsum(mask, axis=-1) - 1, 0)
+    positions = []
+    for name, taken in ranges.items():
+        value = feeds.get(name)
+        if taken.positions and value is not None and value.ndim == 2 and value.shape[0] == rows \
+                and value.shape[1] <= length:
+            feeds[name] = counted[:, length - value.shape[1]:].astype(value.dtype)
+            positions.append(name)
+    return feeds, Padding(mask_input.name, mask, tuple(names), ", ".join(positions))

@@ -12,6 +12,16 @@ its outputs can be a reference at all.
   next seeds (:data:`FINITE_RETRIES`) at the same sizes; when every draw still gives one,
   :class:`NoReference` says which output and what to do ("pass --inputs"). The same on
   the user's inputs. An extra set whose reference is not finite is dropped, with a note.
+- **A padded batch** (:func:`padded_set`): a model with an attention mask
+  (:func:`opfuse.verify.inputs.attention_mask_input`) runs once more on a batch of
+  :data:`PADDED_ROWS` rows, unpadded, left-padded and right-padded (a decode step: its past
+  left-padded), with position ids counted from the mask
+  (:func:`opfuse.verify.inputs.padded_feeds`), at a mask length of
+  :data:`opfuse.verify.inputs.PADDED_SEQ` (a size no head or hidden size is likely to share, so
+  the position axes of the outputs are told apart), else at the main set's. Its outputs are
+  compared only where defined (:func:`opfuse.verify.inputs.defined_positions`). When the model
+  fixes the batch to 1, or ``--dim`` does, or the original does not run at that batch, the
+  record says so (``padded_skipped``); never silently.
 - **Fresh runs** (:func:`rerun`): the sets run again in order from a new session, for
   models whose random ops keep a generator between runs (:mod:`opfuse.verify.random_ops`), and
   to tell a nondeterministic original from a wrong rewrite.
@@ -19,8 +29,8 @@ its outputs can be a reference at all.
 
 from __future__ import annotations
 
-__all__ = ["FINITE_RETRIES", "NoReference", "Runner", "load_inputs", "input_sets", "rerun",
-           "non_finite", "require_finite"]
+__all__ = ["FINITE_RETRIES", "PADDED_LABEL", "PADDED_ROWS", "NoReference", "Runner", "load_inputs", "input_sets",
+           "padded_set", "rerun", "non_finite", "require_finite"]
 
 import os
 import pathlib
@@ -31,9 +41,14 @@ import onnx_ir as ir
 
 from opfuse.prepare.constant_inputs import drop_bound
 from opfuse.errors import BadInputError
-from opfuse.core.dims import free_dims, resolve_dims, runtime_inputs
+from opfuse.core.dims import derive_sizes, dim_key, free_dims, resolve_dims, runtime_inputs
 from opfuse.verify.inputs import (
     MAX_INTEGER_CASES,
+    PADDED_SEQ,
+    Padding,
+    attention_mask_input,
+    defined_positions,
+    padded_feeds,
     describe_sizes,
     find_sizes,
     integer_cases,
@@ -45,6 +60,8 @@ from opfuse.runtime import create_session
 from opfuse.core.ops import first_line
 
 FINITE_RETRIES = 3  # further seeds tried when the original's output is not finite
+PADDED_LABEL = "padded batch"  # the padded batch's input-set label
+PADDED_ROWS = 3  # unpadded, left-padded, right-padded (a decode step: its past padded by k, by 1)
 
 
 class NoReference(Exception):  # noqa: N818 - a verdict, not a failure of opfuse
@@ -96,12 +113,15 @@ def rerun(original_x, sets):
     return [(label, feeds, runner(feeds)) for label, feeds, _ in sets]
 
 
-def non_finite(outputs: Mapping[str, np.ndarray], names: Iterable[str]) -> str | None:
-    """A sentence naming the first float output among ``names`` that holds NaN or inf."""
+def non_finite(outputs: Mapping[str, np.ndarray], names: Iterable[str], mask: np.ndarray | None = None) -> str | None:
+    """A sentence naming the first float output among ``names`` that holds NaN or inf (``mask``:
+    a padded batch's, only where the output is defined)."""
     for name in names:
         array = np.asarray(outputs.get(name))
         if array.dtype.kind != "f" or array.size == 0:
             continue
+        where = defined_positions(array.shape, mask) if mask is not None else None
+        array = array[where] if where is not None else array
         finite = np.isfinite(array)
         if finite.all():
             continue
@@ -136,6 +156,8 @@ def input_sets(original, run, inputs, dims, seed, result: Verification, graph_ou
                 f"({first_line(e)}); pass --no-verify to skip verification"
             ) from None
         require_finite(expected, graph_outputs, "on the given inputs")
+        if attention_mask_input(original, integer_ranges(original)) is not None:
+            result.padded_skipped = "the inputs are the user's (a padded batch is verified on generated inputs only)"
         return [("", feeds, expected)]
     fixed = resolve_dims(original, dims)
     feeds, sizes, expected = find_sizes(original, run, fixed=fixed, seed=seed)
@@ -166,6 +188,15 @@ def input_sets(original, run, inputs, dims, seed, result: Verification, graph_ou
                 continue
             sets.append((f"{name}={value}", more[0], more[2]))
             result.input_sets.append(f"{name}={value}")
+    padded = padded_set(original, run, fixed, sizes, used, graph_outputs)
+    if isinstance(padded, tuple):
+        feeds_padded, expected_padded, padding = padded
+        sets.append((PADDED_LABEL, feeds_padded, expected_padded))
+        result.input_sets.append(PADDED_LABEL)
+        result.padded, result.padded_input = padding.describe(), padding.mask
+    elif padded:
+        result.padded_skipped = padded
+        result.notes.append(f"no padded batch verified: {padded}")
     shown = describe_sizes(free_dims(original), sizes)
     result.inputs = f"random (seed {used})" + (f" at {shown}" if shown else "")
     if used > seed:
@@ -177,3 +208,48 @@ def input_sets(original, run, inputs, dims, seed, result: Verification, graph_ou
     if result.input_sets:
         result.inputs += "; again with " + ", ".join(result.input_sets)
     return sets
+
+
+def padded_set(original, run, fixed: Mapping[str, int], sizes: Mapping[str, int], seed: int,
+               graph_outputs) -> tuple[dict, dict, Padding] | str:
+    """(feeds, the original's outputs, the padding) of the padded batch (module docstring), or
+    why there is none: "" for a model without an attention mask, else a sentence."""
+    ranges = integer_ranges(original)
+    mask_input = attention_mask_input(original, ranges)
+    if mask_input is None:
+        return ""
+    dims = free_dims(original)
+    batch = dim_key(mask_input, 0, mask_input.shape[0])
+    if batch is None and mask_input.shape[0] < 2:
+        return f"the batch of '{mask_input.name}' is fixed to {mask_input.shape[0]} in the model"
+    if batch is not None and batch[0] in fixed and fixed[batch[0]] < 2:
+        return f"--dim fixes the batch of '{mask_input.name}' ({batch[0]}) to {fixed[batch[0]]}"
+    base = {k: v for k, v in sizes.items() if k in dims and dims[k].derived is None}
+    rows = {k: PADDED_ROWS for k, d in dims.items() if d.batch and k not in fixed}
+    length = dim_key(mask_input, 1, mask_input.shape[1])
+    growing: list[str] = []
+    if length is not None:
+        growing = list(dims[length[0]].derived.names) if dims[length[0]].derived else [length[0]]
+        main = {base.get(n) for n in growing}
+        growing += [k for k, d in dims.items() if d.derived is None and not d.batch and k not in growing
+                    and base.get(k) in main]
+        growing = [n for n in growing if n not in fixed]
+    tried, last = [], None
+    for size in (*PADDED_SEQ, None) if growing else (None,):
+        chosen = derive_sizes(dims, {**base, **rows, **({n: size for n in growing} if size else {})})
+        made = padded_feeds(original, chosen, seed=seed, ranges=ranges)
+        if isinstance(made, str):
+            return made
+        feeds, padding = made
+        tried.append(str(padding.value.shape[1]))
+        try:
+            expected = run(feeds)
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own exception types
+            last = e
+            continue
+        problem = non_finite(expected, graph_outputs, padding.value)
+        if problem:
+            return f"{problem} where defined on the padded batch"
+        return feeds, expected, padding
+    return (f"the original does not run on a padded batch of {PADDED_ROWS} rows (mask length "
+            f"{', '.join(tried)}: {first_line(last, limit=160) if last else 'no error'})")
