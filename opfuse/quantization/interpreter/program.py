@@ -46,7 +46,7 @@ from opfuse.quantization.qdq.layers import QdqLayers, exposed
 from opfuse.quantization.qdq.sqnr import CHANNEL_FIRST
 from opfuse.quantization.interpreter.ops import Unsupported, node_function
 from opfuse.runtime import create_session
-from opfuse.core.ops import OpKind, op_kind, weight_spec
+from opfuse.core.ops import OpKind, op_kind, proto_attr, weight_spec
 
 LAYERS_PER_BLOCK = 2
 PROBES = 2  # Hutchinson probes per sample for the output sensitivities
@@ -168,7 +168,7 @@ class QdqProgram:
         zero = numpy_helper.to_array(self.inits[node.input[2]]) \
             if len(node.input) > 2 and node.input[2] in self.inits else np.zeros((), np.uint8)
         info = np.iinfo(zero.dtype)
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        axis = proto_attr(node, "axis", 1)
         self.quant_of[node.name] = (scale, zero.astype(np.float64), float(info.min), float(info.max), axis)
         if scale is None or scale.size != 1 or not float(scale.reshape(())) > 0:
             return  # per-axis (or computed, or zero) activation scales stay as they are
@@ -445,7 +445,7 @@ def _dequantize(node, inits) -> np.ndarray:
     z = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and node.input[2] in inits else 0
     if s.size > 1:
         shape = [1] * q.ndim
-        shape[next((a.i for a in node.attribute if a.name == "axis"), 1) % q.ndim] = -1
+        shape[proto_attr(node, "axis", 1) % q.ndim] = -1
         s, z = s.reshape(shape), np.reshape(z, shape)
     return dequantize(q, z, s, s.dtype)
 
