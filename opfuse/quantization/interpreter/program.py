@@ -21,7 +21,8 @@ A tensor that depends on no QuantizeLinear (a mask, a shape) is computed once pe
 same name as its target; ONNX Runtime renames a layer's output that is a graph output, and
 its DequantizeLinear carries the float name. ONNX Runtime also removes a Relu or Clip after
 a layer (the quantiser's range clips instead): :meth:`QdqProgram.activated` applies it
-before a block output is compared with the float model's.
+before a block output is compared with the float model's; one it has no torch function for
+ends the program at that layer (its output has nothing to be compared with).
 
 :class:`FloatProgram` runs the float model in torch for the targets and their output
 sensitivities (ONNX Runtime gives the targets where torch cannot run the model).
@@ -75,12 +76,14 @@ class QdqProgram:
         self.sites = {s.name: s for s in weight_sites(layers, {})}
         self.site_of_weight = {s.initializer: s for s in self.sites.values()}
         self.activations = {}  # tensor -> (function, constant inputs) of the Relu/Clip the quantiser removed
+        unapplied: dict[str, Unsupported] = {}  # tensor -> why its removed Relu/Clip cannot be applied
         for tensor, act in layers.removed_activations().items():
             try:
                 self.activations[tensor] = (node_function(act, _opset(float_model)),
                                             [_constant(float_model, name) for name in act.input[1:]])
-            except Unsupported:
-                pass
+            except Unsupported as e:  # its layer cannot be compared with the float model: the program stops there
+                unapplied[tensor] = Unsupported(f"the {act.op_type} '{act.name}' the quantiser removed after it "
+                                                f"cannot be applied ({e})")
         self.constants: dict[str, np.ndarray] = {}  # DQ of a constant (not a learned weight), Constant nodes
         self.functions = {}  # id(compute node) -> torch function
         self.steps = []  # (kind, node): quantize, alias (the DQ of an activation), constant, compute
@@ -106,6 +109,9 @@ class QdqProgram:
             else:
                 try:
                     self.functions[id(node)] = node_function(node, self.opset)
+                    for o in node.output:
+                        if o in unapplied:
+                            raise unapplied[o]
                 except Unsupported as e:
                     self.stopped = f"{node.name or node.op_type}: {e}"
                     break
