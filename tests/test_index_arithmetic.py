@@ -338,3 +338,16 @@ def test_shape_reads_of_one_declared_dim_become_one():
     assert sum(r.pattern == "Shape(same dim)" for r in report.records) == 2
     feeds = {k: np.zeros((2, 3), np.float32) for k in "abc"} | {"d": np.zeros((2, 6), np.float32)}
     _same(ort_run(original, feeds), ort_run(out, feeds))
+
+
+@pytest.mark.parametrize("anonymous", ["?", "unk__0"])
+def test_shape_reads_of_anonymous_dims_stay_apart(anonymous):
+    """Paddle2ONNX writes "?" on every free axis, onnx's inference ``unk__N``: two inputs that both
+    say so are not one dimension (core.dims.same_dim), so each keeps its own Shape."""
+    nodes = [n("Shape", ["a"], ["sa"], start=1, end=2), n("Shape", ["b"], ["sb"], start=1, end=2),
+             n("Concat", ["sa", "sb"], ["y"], axis=0)]
+    original = model(nodes, [vinfo("a", [2, anonymous]), vinfo("b", [2, anonymous])], [vinfo("y", [2], TensorProto.INT64)])
+    out, report = _optimize(original)
+    assert ops(out).count("Shape") == 2 and not any(r.pattern == "Shape(same dim)" for r in report.records)
+    feeds = {"a": np.zeros((2, 3), np.float32), "b": np.zeros((2, 6), np.float32)}
+    _same(ort_run(original, feeds), ort_run(out, feeds))

@@ -23,7 +23,7 @@ from opfuse.quantization.presets import PRESETS
 from opfuse.quantization.qdq.quantizer import Quantizer, prepare
 from opfuse.quantization.interpreter.program import QdqProgram
 from opfuse.quantization.algorithms.reconstruction import apply_reconstruction, reconstruct
-from opfuse.quantization.qdq.layers import exposed
+from opfuse.quantization.qdq.layers import QdqLayers, exposed
 from opfuse.quantization.qdq.sqnr import OutputReference
 from opfuse.runtime import create_session
 from test_quantize_accuracy import smooth
@@ -241,6 +241,22 @@ def test_an_op_the_interpreter_does_not_know_ends_the_reconstruction_there():
     assert program.stopped.startswith("custom_relu") and "MysteryOp" in program.stopped
     layers = {layer for b in program.blocks() for layer in b.layers}
     assert "conv0" in layers and "conv2" not in layers and "fc" not in layers
+
+
+def test_a_removed_activation_the_interpreter_cannot_apply_ends_the_reconstruction_there():
+    """A Relu the quantiser removed after a layer, which the interpreter cannot run (an attribute
+    it does not know): the layer's output cannot be compared with the float model's, so the
+    program stops at that layer and the reason names the Relu, as for an op it does not know."""
+    float_model, qdq = quantised(residual_net(seed=1), "cpu", data(8, 1))
+    removed = QdqLayers(float_model, qdq).removed_activations()
+    assert removed and not QdqProgram(float_model, qdq).stopped
+    tensor_name, act = sorted(removed.items())[0]
+    layer = next(n for n in qdq.graph.node if tensor_name in n.output)
+    act.attribute.append(helper.make_attribute("mystery", 1))  # the float model's own node
+    program = QdqProgram(float_model, qdq)
+    assert program.stopped.startswith(layer.name), program.stopped
+    assert f"'{act.name}'" in program.stopped and "mystery" in program.stopped
+    assert layer.name not in {name for b in program.blocks() for name in b.layers}
 
 
 def test_quantize_reconstruct_end_to_end_and_on_the_command_line(tmp_path, capsys):

@@ -61,7 +61,7 @@ from opfuse.cost.accelerator import Kernel, kernels_of, predict
 from opfuse.cost.int8 import int8_traffic
 from opfuse.cost.profiles import HardwareProfile
 from opfuse.cost.traffic import analyse_traffic
-from opfuse.core.ops import ONNX_DOMAINS, first_line
+from opfuse.core.ops import ONNX_DOMAINS, first_line, proto_attr
 from opfuse.targets.ethos_u import FUSED_ACTIVATIONS
 from opfuse.targets.ethos_u.vela_veto import quantize_for_ethos_u
 
@@ -144,7 +144,7 @@ def decompose_batchnorm(proto: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(node)
             continue
         gamma, beta, mean, var = (numpy_helper.to_array(p).astype(np.float64) for p in params)
-        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        eps = proto_attr(node, "epsilon", 1e-5)
         a = gamma / np.sqrt(var + eps)
         b = beta - mean * a
         shape = (len(a),) + (1,) * max(ranks.get(node.input[0], 4) - 2, 0)

@@ -30,6 +30,9 @@ symbol (``batch``, ``height``), or an unnamed one (``-1``, ``'?'``, or no value 
   (``--dim 'past_seq + 1=17'`` sets ``past_seq=16``); with its names, it must agree with
   them, and a contradiction is a usage error. A search assignment giving a derived
   dimension a size below 1 is skipped. The report says which sizes were derived.
+- **The same dimension** (:func:`same_dim`): what the rewrites ask of two dims of inferred
+  shapes before they fuse (an attention's batch and sequence, a rotary table against its
+  input, ``Range(0, n)`` against the axis it indexes). One rule for all of them, below.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ __all__ = [
     "runtime_inputs",
     "dim_name",
     "dim_key",
+    "symbol",
+    "same_dim",
     "SIZE_STEPS",
 ]
 
@@ -145,6 +150,37 @@ def dim_name(dim) -> str | None:
     both "?", which are not one size)."""
     name = getattr(dim, "value", None)
     return None if isinstance(dim, int) or name is None or str(name) in ("", "?") else str(name)
+
+
+ANONYMOUS_PREFIX = "unk__"  # onnx's shape inference: the name of a dim it could not determine
+
+
+def symbol(dim) -> str | None:
+    """The name a dim of an inferred shape is known by, None when it has none: a fixed size, no
+    name, "" or "?" (:func:`dim_name`), or onnx's ``unk__N``.
+
+    ``unk__N`` is a placeholder, not a name: onnx's inference writes a fresh one for each dim it
+    could not determine (ONNX Runtime's symbolic inference reads them as unknown). Two values
+    carrying the same ``unk__N`` are equal only as far as one run of one tool propagated it;
+    nothing the model states says so (opfuse infers shapes many times, a file may carry another
+    tool's). A model's input may still be given one (``--dim unk__0=4``: :func:`dim_key`)."""
+    name = dim_name(dim)
+    return None if name is None or name.startswith(ANONYMOUS_PREFIX) else name
+
+
+def same_dim(a, b) -> bool:
+    """Whether two dims of inferred shapes are provably equal: the same integer, or the same
+    :func:`symbol` (``batch``, ``past_seq + 1``).
+
+    An anonymous dim (no :func:`symbol`: none, "", "?", ``unk__N``) is the same as no other,
+    itself included: Paddle2ONNX writes "?" on every free axis, and ``unk__N`` proves nothing
+    (:func:`symbol`). A rewrite that needs two dims equal refuses then: that costs a fusion,
+    never a wrong one. An integer is never the same as a symbol (``batch`` may be 1 at run time,
+    but nothing says it is)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return isinstance(a, int) and isinstance(b, int) and a == b
+    name = symbol(a)
+    return name is not None and name == symbol(b)
 
 
 def dim_key(value: ir.Value, axis: int, dim) -> tuple[str, bool] | None:

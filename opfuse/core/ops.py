@@ -79,6 +79,7 @@ __all__ = [
     "float_attr",
     "str_attr",
     "plain_attributes",
+    "proto_attr",
     "dtype_name",
     "first_line",
 ]
@@ -331,6 +332,18 @@ def plain_attributes(node: Any) -> dict[str, Any]:
         elif isinstance(value, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in value):
             out[name] = list(value)
     return out
+
+
+# -- attributes (protobuf nodes) ------------------------------------------------------------
+
+def proto_attr(node: Any, name: str, default: Any = None) -> Any:
+    """A ``NodeProto``'s attribute ``name`` as onnx gives it (``onnx.helper.get_attribute_value``:
+    bytes for a string, a list for repeated values, a ``TensorProto`` for a tensor), ``default``
+    when the node has none (``onnx.helper.get_node_attr_value`` raises then)."""
+    from onnx import helper  # (onnx is heavy: start-up imports this module, not onnx)
+
+    found = next((a for a in node.attribute if a.name == name), None)
+    return default if found is None else helper.get_attribute_value(found)
 
 
 def dtype_name(dtype: Any) -> str | None:

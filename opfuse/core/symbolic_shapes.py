@@ -23,6 +23,7 @@ import onnx
 import onnx_ir as ir
 
 from opfuse.core.analysis import _inference_proto  # (the same proto onnx's inference reads)
+from opfuse.core.dims import ANONYMOUS_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,6 @@ def _less_known(shape, dims) -> bool:
     for old, new in zip(shape, dims):
         if isinstance(old, int):
             continue
-        if new is not None and (old.value is None or str(old.value).startswith("unk__")):
+        if new is not None and (old.value is None or str(old.value).startswith(ANONYMOUS_PREFIX)):
             return True
     return False

@@ -62,6 +62,7 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.core.analysis import Constant, NameTable, find_constant, infer_shapes, node_label, opset_of
+from opfuse.core.dims import same_dim, symbol
 from opfuse.core.edit import drop_unread_nodes
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import constant_int
@@ -230,7 +231,7 @@ class IndexArithmeticPass(OpfusePass):
         if not 0 <= axis < len(x.shape) or constant_int(producer.inputs[0]) != 0 or constant_int(producer.inputs[2]) != 1:
             return False
         dim = _dim_read(producer.inputs[1])
-        if dim is None or not _same_dim(dim, x.shape[axis]):
+        if dim is None or not same_dim(dim, x.shape[axis]):
             return False
         return self._bypass(node, x, "Gather(Range)", (
             f"Range(0, {_dim_text(dim)}, 1) takes axis {axis} of '{x.name}' whole and in order"), [producer])
@@ -379,10 +380,7 @@ def _input_dim_read(node: ir.Node) -> str | None:
     start, end = start + rank if start < 0 else start, end + rank if end < 0 else end
     if not 0 <= start < rank or end != start + 1:
         return None
-    dim = t.shape[start]
-    if isinstance(dim, int) or dim.value is None or str(dim.value).startswith("unk__"):
-        return None
-    return str(dim.value)
+    return symbol(t.shape[start])
 
 
 def _whole_shape(node: ir.Node | None) -> bool:
@@ -447,13 +445,6 @@ def _dim_read(value: ir.Value) -> int | ir.SymbolicDim | None:
         k = int(index.array)
         return dims[k] if -len(dims) <= k < len(dims) else None
     return None
-
-
-def _same_dim(a, b) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return isinstance(a, int) and isinstance(b, int) and a == b
-    named = [d.value for d in (a, b) if d is not None and d.value is not None and not str(d.value).startswith("unk__")]
-    return len(named) == 2 and named[0] == named[1]
 
 
 def _dim_text(dim) -> str:

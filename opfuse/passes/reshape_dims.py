@@ -35,6 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.core.analysis import Constant, NameTable, find_constant, infer_shapes, node_label
+from opfuse.core.dims import same_dim
 from opfuse.core.edit import drop_unread_nodes
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
@@ -100,18 +101,13 @@ def _constant_target(node: ir.Node) -> list[int] | None:
         mine = x.shape[k] if k < len(x.shape) else None
         if isinstance(dim, int):
             out.append(dim)
-        elif mine is not None and not isinstance(mine, int) and _named(dim) and _named(mine) \
-                and dim.value == mine.value:
+        elif same_dim(dim, mine):
             out.append(0)
         else:
             return None
     if out.count(-1) > 1:
         return None
     return out
-
-
-def _named(dim) -> bool:
-    return dim.value is not None and not str(dim.value).startswith("unk__")
 
 
 def _piece(value: ir.Value | None) -> list | None:

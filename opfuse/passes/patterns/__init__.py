@@ -45,7 +45,7 @@ before BiasGelu takes it).
 from __future__ import annotations
 
 __all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "rules_in_form", "model_opset",
-           "constant_array", "constant_int", "same_dim",
+           "constant_array", "constant_int",
            "opset_problem", "reduce_axes", "trailing_axis"]
 
 import dataclasses
@@ -152,13 +152,6 @@ def constant_int(value) -> int | None:
     """The integer of a one-element constant (a Slice's start, an axis), else None."""
     array = constant_array(value)
     return int(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
-
-
-def same_dim(a, b) -> bool:
-    """Two dims of inferred shapes are provably equal: the same integer, or the same named symbol."""
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
 def reduce_axes(node) -> list[int] | None:

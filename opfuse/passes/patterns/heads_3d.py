@@ -50,9 +50,9 @@ __all__ = ["rules"]
 
 from onnxscript.rewriter import pattern
 
+from opfuse.core.dims import same_dim
 from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.passes.patterns import constant_array
-from opfuse.passes.patterns.kv_cache import _same
 
 _HEAD_PERM = [0, 2, 1, 3]
 _LIVE_HOPS = 12  # how far a use is followed to see that it reaches an output
@@ -80,8 +80,8 @@ def _split_heads(b, inside: set, one_token: bool) -> tuple[str | None, dict[str,
         if s3 is None or s4 is None or len(s3) != 3 or len(s4) != 4:
             return f"the {prefix} head split's shapes are not known ({form})", {}
         h, dh = s4[2], s4[3]
-        tokens = s3[1] == 1 and s4[1] == 1 if one_token else _same(s4[1], s3[1])
-        if not (isinstance(h, int) and isinstance(dh, int) and _same(s4[0], s3[0]) and tokens and s3[2] == h * dh):
+        tokens = s3[1] == 1 and s4[1] == 1 if one_token else same_dim(s4[1], s3[1])
+        if not (isinstance(h, int) and isinstance(dh, int) and same_dim(s4[0], s3[0]) and tokens and s3[2] == h * dh):
             token = "one token's " if one_token else ""
             return f"the {prefix} head split {list(s3)} -> {list(s4)} is not {token}{form}", {}
         heads[prefix] = h
@@ -143,10 +143,10 @@ class AttentionIn3D(pattern.RewriteRuleClassBase):
         out, q3, dh = merged.shape, b["q3"].shape, b["v_split"].shape[3]
         view = b.get("y_view")  # (the attention's own output shape is not inferred yet: [B, Hq, S, Dh] from q)
         if view is not None and (view.shape is None or len(view.shape) != 4 or not (
-                _same(view.shape[0], q3[0]) and view.shape[1] == heads["q"] and _same(view.shape[2], q3[1])
+                same_dim(view.shape[0], q3[0]) and view.shape[1] == heads["q"] and same_dim(view.shape[2], q3[1])
                 and view.shape[3] == dh)):
             return "the output is reshaped to another shape before its heads are merged"
-        if out is None or len(out) != 3 or not (_same(out[0], q3[0]) and _same(out[1], q3[1])):
+        if out is None or len(out) != 3 or not (same_dim(out[0], q3[0]) and same_dim(out[1], q3[1])):
             return f"the output's merge to {out} is not [B, S, H*Dh] of the query's B and S"
         if out[2] != heads["q"] * dh:
             return f"the output's merge to {list(out)} is not [B, S, {heads['q']}*{dh}]"
@@ -208,17 +208,17 @@ class GroupedRowsIn3D(AttentionIn3D):
         if heads["v"] != hkv or hq % hkv or b["v_split"].shape[3] != dh or b["k_split"].shape[3] != dh:
             return f"the head counts (q {hq}, k {hkv}, v {heads['v']}) do not group"
         n, grouped = hq // hkv, b["q_grouped"].shape
-        if grouped is None or len(grouped) != 4 or not (_same(grouped[0], b["q3"].shape[0]) and grouped[1] == hkv
+        if grouped is None or len(grouped) != 4 or not (same_dim(grouped[0], b["q3"].shape[0]) and grouped[1] == hkv
                                                         and grouped[2] == n and grouped[3] == dh):
             return f"the query's regrouping {grouped} is not [B, {hkv}, {n}, {dh}] (its heads as rows of the keys')"
         problem = self._mask_problem(b["mask"], b["rows_shape"], b["q_grouped"], n)
         if problem:
             return problem
         y4, out = b["y_heads"].shape, merged.shape
-        if y4 is None or len(y4) != 4 or not (_same(y4[0], b["q3"].shape[0]) and y4[1] == hq and y4[2] == 1
+        if y4 is None or len(y4) != 4 or not (same_dim(y4[0], b["q3"].shape[0]) and y4[1] == hq and y4[2] == 1
                                                  and y4[3] == dh):
             return f"the output's reshape to {y4} is not the heads' [B, {hq}, 1, {dh}]"
-        if out is None or len(out) != 3 or not (_same(out[0], b["q3"].shape[0]) and out[1] == 1 and out[2] == hq * dh):
+        if out is None or len(out) != 3 or not (same_dim(out[0], b["q3"].shape[0]) and out[1] == 1 and out[2] == hq * dh):
             return f"the output's merge to {out} is not [B, 1, {hq}*{dh}]"
         self._heads_q, self._heads_kv = hq, hkv
         return None

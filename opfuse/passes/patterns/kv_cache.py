@@ -62,6 +62,7 @@ import ast
 
 from onnxscript.rewriter import pattern
 
+from opfuse.core.dims import same_dim
 from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.passes.patterns import constant_array, opset_problem
 
@@ -74,12 +75,6 @@ def _axes(node) -> list[int] | None:
         return [int(a) for a in attr.value]
     array = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
     return None if array is None else [int(a) for a in array.reshape(-1)]
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a is not None and b is not None and a.value is not None and a.value == b.value
 
 
 def _concat_problem(present, what: str) -> str | None:
@@ -106,10 +101,10 @@ def _repeat_problem(present, unsqueezed, expanded, repeated, what: str) -> tuple
     if not isinstance(n, int) or not isinstance(src[1], int) or out[1] != src[1] * n:
         return None, f"the {what} repeat's head counts ({src[1]}, x {n} -> {out[1]}) are not static and consistent"
     for i, j in ((0, 0), (1, 1), (3, 2), (4, 3)):
-        if not _same(mid[i], src[j]):
+        if not same_dim(mid[i], src[j]):
             return None, f"the {what} repeat's Expand changes axis {i} ({src[j]} -> {mid[i]}), not only the new axis 2"
     for i, j in ((0, 0), (2, 3), (3, 4)):
-        if not _same(out[i], mid[j]):
+        if not same_dim(out[i], mid[j]):
             return None, f"the {what} repeat's Reshape does not merge axes 1 and 2 only ({list(mid)} -> {list(out)})"
     return n, None
 
@@ -149,7 +144,7 @@ def _mask_problem(mask, present) -> str | None:
     it so; the graph may broadcast a shorter one), or None."""
     shape = _mask_shape(mask)
     length = present.shape[2] if present.shape is not None and len(present.shape) == 4 else None
-    if shape is None or len(shape) == 0 or length is None or not _same(shape[-1], length):
+    if shape is None or len(shape) == 0 or length is None or not same_dim(shape[-1], length):
         return (f"the mask's last axis ({shape[-1] if shape else 'unknown'}) is not known to be the keys' length "
                 f"({length}, past + new): with a cache ONNX Runtime's Attention wants it so, and a broadcast "
                 "mask would not run")
@@ -206,7 +201,7 @@ def _whole_window(mask, present_key, present_value) -> tuple[object, object] | N
     # (count >= 1: keys of length 1 then mean an empty past, whatever the window)
     if (not isinstance(getattr(length, "value", None), str) or not isinstance(count, int) or count < 1
             or window_k != window_v
-            or not _same(cache_v.shape[2], length) or new_v.shape[2] != count):
+            or not same_dim(cache_v.shape[2], length) or new_v.shape[2] != count):
         return None
     shape = _mask_shape(mask)
     if shape is None or len(shape) == 0 or not _spells_sum(shape[-1], length.value, count):

@@ -47,9 +47,10 @@ import itertools
 import onnx_ir as ir
 from onnxscript.rewriter import _matcher, pattern
 
+from opfuse.core.dims import same_dim
 from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.passes.patterns.heads_3d import _live
-from opfuse.passes.patterns.kv_cache import _same, _window_slice
+from opfuse.passes.patterns.kv_cache import _window_slice
 
 
 _THEN, _ELSE = "fits_window", "cut_to_window"  # the branches' names; this rule leaves the else-branch alone
@@ -106,7 +107,7 @@ class PresentWindow(pattern.RewriteRuleClassBase):
             return f"the key's window ({windows[0][1]}) is not the value's ({windows[1][1]})"
         past_key, past_value = node.inputs[4], node.inputs[5]
         if (past_key.shape is None or past_value.shape is None or len(past_key.shape) != 4
-                or len(past_value.shape) != 4 or not _same(past_key.shape[2], past_value.shape[2])):
+                or len(past_value.shape) != 4 or not same_dim(past_key.shape[2], past_value.shape[2])):
             return "the past keys and values are not shown to be one length"
         found = _new_keys(node)
         if found is None:

@@ -66,7 +66,7 @@ from onnxscript.rewriter import pattern
 from opfuse.core.ops import ELEMENTWISE_KINDS, MS_DOMAIN, ONNX_DOMAINS, is_onnx, is_op, op_kind
 from opfuse.passes.patterns import constant_array, model_opset, opset_problem, rotary_interleaved
 from opfuse.passes.patterns import constant_int as _int
-from opfuse.passes.patterns import same_dim as _same_dim
+from opfuse.core.dims import same_dim
 
 TITLE = "rotary->RotaryEmbedding"
 _TABLE_HOPS = 8  # element-wise ops looked through between a table and its Concat(freqs, freqs)
@@ -177,8 +177,8 @@ class RotateHalf(pattern.RewriteRuleClassBase):
             table, problem = _table_problem(value, what)
             if problem:
                 return problem
-            if not (_same_dim(table.shape[0], x.shape[0]) and _same_dim(table.shape[1], x.shape[2])
-                    and _same_dim(table.shape[2], x.shape[3])):
+            if not (same_dim(table.shape[0], x.shape[0]) and same_dim(table.shape[1], x.shape[2])
+                    and same_dim(table.shape[2], x.shape[3])):
                 return (f"its {what} table is {list(table.shape)} and x is {list(x.shape)}: the table's batch and "
                         "sequence are not provably x's axes 0 and 2, as the fused op's cache must be")
             problem = _halves_problem(table, what)

@@ -62,7 +62,7 @@ from onnxscript.rewriter import pattern
 from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS
 from opfuse.passes.patterns import constant_array, model_opset, opset_problem
 from opfuse.passes.patterns import constant_int as _int
-from opfuse.passes.patterns import same_dim as _same_dim
+from opfuse.core.dims import same_dim
 
 
 def _ints(value) -> list[int] | None:
@@ -135,7 +135,7 @@ def _merges_last_two(reshape: ir.Node, leading: list, last: int, sources: dict) 
             continue
         if entry is not None and entry > 0 and isinstance(dim, int) and entry == dim:
             continue
-        if out is not None and len(out) == rank and _same_dim(out[i], dim):
+        if out is not None and len(out) == rank and same_dim(out[i], dim):
             continue
         unknown += 1
     return unknown == 0 or (unknown == 1 and last_dim == last)  # (-1: the pair, when every leading axis is kept)
@@ -275,7 +275,7 @@ class InterleavedRotary(pattern.RewriteRuleClassBase):
             if problem:
                 return problem
             seq_axis = 3 - heads_axis
-            if not (_same_dim(table.shape[0], x.shape[0]) and _same_dim(table.shape[1], x.shape[seq_axis])):
+            if not (same_dim(table.shape[0], x.shape[0]) and same_dim(table.shape[1], x.shape[seq_axis])):
                 return (f"its {what} table is {list(table.shape)} and x is {list(x.shape)}: the table's batch and "
                         f"sequence are not provably x's axes 0 and {seq_axis}, as the fused op's positions must be")
             cache, problem = _cache_problem(table, h, what)

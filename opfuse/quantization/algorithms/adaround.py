@@ -70,7 +70,7 @@ from opfuse.core.analysis import opset_of
 from opfuse.quantization.qdq.layers import QdqLayers, exposed
 from opfuse.quantization.algorithms.weight_ranges import choose_factors, layer_error
 from opfuse.runtime import create_session
-from opfuse.core.ops import ONNX_DOMAINS, weight_spec
+from opfuse.core.ops import ONNX_DOMAINS, proto_attr, weight_spec
 
 ITERATIONS = 1000
 BATCH = 1024  # output positions per step
@@ -157,7 +157,7 @@ def weight_sites(layers: QdqLayers, skipped: dict[str, str]) -> list[_Site]:
 
 
 def _layout(node: onnx.NodeProto, spec) -> str:
-    return spec.layout[::-1] if spec.transposed_by and _attr(node, spec.transposed_by, 0) else spec.layout
+    return spec.layout[::-1] if spec.transposed_by and proto_attr(node, spec.transposed_by, 0) else spec.layout
 
 
 def _unhandled(layers: QdqLayers, node, original, spec, dq) -> str:
@@ -171,8 +171,7 @@ def _unhandled(layers: QdqLayers, node, original, spec, dq) -> str:
         return "its activation input is not the first input"
     if layers.readers(node.input[spec.weight]) != 1 or dq.input[1] not in layers.inits:
         return "its quantised weight is shared with another layer"
-    if node.op_type == "Conv" and node.attribute and any(
-            a.name == "auto_pad" and a.s not in (b"NOTSET", b"VALID") for a in node.attribute):
+    if node.op_type == "Conv" and proto_attr(node, "auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
         return "auto_pad SAME is not handled"
     return ""
 
@@ -180,11 +179,11 @@ def _unhandled(layers: QdqLayers, node, original, spec, dq) -> str:
 def _weight_site(layers: QdqLayers, node, original, spec, dq, clamp) -> _Site | str:
     """The site of a layer :func:`_unhandled` passed, or why its weight or input does not fit."""
     const = layers.const
-    trans_a = bool(_attr(original, "transA", 0)) if node.op_type == "Gemm" else False
+    trans_a = bool(proto_attr(original, "transA", 0)) if node.op_type == "Gemm" else False
     q = const(dq.input[0])
     scale = const(dq.input[1]).astype(np.float64)
     zero = const(dq.input[2]).astype(np.float64) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
-    axis = _attr(dq, "axis", 1)
+    axis = proto_attr(dq, "axis", 1)
     w = numpy_helper.to_array(layers.float_inits[original.input[spec.weight]]).astype(np.float64)
     if w.shape != q.shape or (node.op_type != "Conv" and w.ndim != 2):
         return "its weight is not a 2-D matrix" if w.ndim != 2 else "weight shapes differ"
@@ -213,13 +212,13 @@ def _weight_site(layers: QdqLayers, node, original, spec, dq, clamp) -> _Site | 
 def _group_maps(node, original, w: np.ndarray, layout: str):
     """(the Conv's attributes or None, own layout -> [groups, out/group, K], and back)."""
     if node.op_type == "Conv":
-        group = _attr(original, "group", 1)
+        group = proto_attr(original, "group", 1)
         out = w.shape[0]
         spatial = w.ndim - 2
         conv = {"kernel": w.shape[2:], "group": group,
-                "strides": _ints(original, "strides", [1] * spatial),
-                "dilations": _ints(original, "dilations", [1] * spatial),
-                "pads": _ints(original, "pads", [0] * (2 * spatial))}
+                "strides": list(proto_attr(original, "strides", [1] * spatial)),
+                "dilations": list(proto_attr(original, "dilations", [1] * spatial)),
+                "pads": list(proto_attr(original, "pads", [0] * (2 * spatial)))}
         return conv, (lambda a: a.reshape(group, out // group, -1)), (lambda a, shape=w.shape: a.reshape(shape))
     if layout == "kn":
         return None, (lambda a: a.T[None]), (lambda a: a[0].T)
@@ -253,20 +252,6 @@ def _clamps(float_model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
         if act is not None and not isinstance(act, str) and clamp_of(act) is not None:
             out[node.name] = clamp_of(act)
     return out
-
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
-
-
-def _ints(node, name, default):
-    for a in node.attribute:
-        if a.name == name:
-            return list(a.ints)
-    return list(default)
 
 
 def _patches(x: np.ndarray, site: _Site) -> np.ndarray:

@@ -37,6 +37,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from opfuse.core.ops import proto_attr
+
 # The Hessian's damping, times the mean of its diagonal: GPTQ's 0.01 with at least DENSE input vectors per
 # column, DAMP_FEW with fewer. An LSTM's calibration may give fewer vectors than columns (ddddocr common: 6 tuning
 # samples x 40 steps = 240 for 512): the estimate is rank deficient and 0.01 fits the rounding to the
@@ -87,13 +89,6 @@ def _activations(float_model: onnx.ModelProto, samples: list[dict], names: list[
     return [session.run(names, dict(s)) for s in samples]
 
 
-def _attr(node, name, default):
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
-
-
 def round_lstm_weights(float_model: onnx.ModelProto, samples: list[dict]) -> tuple[dict[str, np.ndarray], list[str]]:
     """Each LSTM's ``W`` and ``R`` rounded on the integer kernel's grid from the float model's
     activations on ``samples``: ``{initializer name: float32 values}`` and one record per LSTM."""
@@ -111,8 +106,8 @@ def round_lstm_weights(float_model: onnx.ModelProto, samples: list[dict]) -> tup
     runs = _activations(float_model, samples, names)
     rounded = {}
     for k, node in enumerate(wanted):
-        layout = _attr(node, "layout", 0)
-        direction = _attr(node, "direction", b"forward")
+        layout = proto_attr(node, "layout", 0)
+        direction = proto_attr(node, "direction", b"forward")
         direction = direction.decode() if isinstance(direction, bytes) else direction
         xs = [r[2 * k] for r in runs]
         ys = [r[2 * k + 1] for r in runs]

@@ -21,7 +21,8 @@ A tensor that depends on no QuantizeLinear (a mask, a shape) is computed once pe
 same name as its target; ONNX Runtime renames a layer's output that is a graph output, and
 its DequantizeLinear carries the float name. ONNX Runtime also removes a Relu or Clip after
 a layer (the quantiser's range clips instead): :meth:`QdqProgram.activated` applies it
-before a block output is compared with the float model's.
+before a block output is compared with the float model's; one it has no torch function for
+ends the program at that layer (its output has nothing to be compared with).
 
 :class:`FloatProgram` runs the float model in torch for the targets and their output
 sensitivities (ONNX Runtime gives the targets where torch cannot run the model).
@@ -46,7 +47,7 @@ from opfuse.quantization.qdq.layers import QdqLayers, exposed
 from opfuse.quantization.qdq.sqnr import CHANNEL_FIRST
 from opfuse.quantization.interpreter.ops import Unsupported, node_function
 from opfuse.runtime import create_session
-from opfuse.core.ops import OpKind, op_kind, weight_spec
+from opfuse.core.ops import OpKind, op_kind, proto_attr, weight_spec
 
 LAYERS_PER_BLOCK = 2
 PROBES = 2  # Hutchinson probes per sample for the output sensitivities
@@ -75,12 +76,14 @@ class QdqProgram:
         self.sites = {s.name: s for s in weight_sites(layers, {})}
         self.site_of_weight = {s.initializer: s for s in self.sites.values()}
         self.activations = {}  # tensor -> (function, constant inputs) of the Relu/Clip the quantiser removed
+        unapplied: dict[str, Unsupported] = {}  # tensor -> why its removed Relu/Clip cannot be applied
         for tensor, act in layers.removed_activations().items():
             try:
                 self.activations[tensor] = (node_function(act, _opset(float_model)),
                                             [_constant(float_model, name) for name in act.input[1:]])
-            except Unsupported:
-                pass
+            except Unsupported as e:  # its layer cannot be compared with the float model: the program stops there
+                unapplied[tensor] = Unsupported(f"the {act.op_type} '{act.name}' the quantiser removed after it "
+                                                f"cannot be applied ({e})")
         self.constants: dict[str, np.ndarray] = {}  # DQ of a constant (not a learned weight), Constant nodes
         self.functions = {}  # id(compute node) -> torch function
         self.steps = []  # (kind, node): quantize, alias (the DQ of an activation), constant, compute
@@ -106,6 +109,9 @@ class QdqProgram:
             else:
                 try:
                     self.functions[id(node)] = node_function(node, self.opset)
+                    for o in node.output:
+                        if o in unapplied:
+                            raise unapplied[o]
                 except Unsupported as e:
                     self.stopped = f"{node.name or node.op_type}: {e}"
                     break
@@ -168,7 +174,7 @@ class QdqProgram:
         zero = numpy_helper.to_array(self.inits[node.input[2]]) \
             if len(node.input) > 2 and node.input[2] in self.inits else np.zeros((), np.uint8)
         info = np.iinfo(zero.dtype)
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        axis = proto_attr(node, "axis", 1)
         self.quant_of[node.name] = (scale, zero.astype(np.float64), float(info.min), float(info.max), axis)
         if scale is None or scale.size != 1 or not float(scale.reshape(())) > 0:
             return  # per-axis (or computed, or zero) activation scales stay as they are
@@ -445,7 +451,7 @@ def _dequantize(node, inits) -> np.ndarray:
     z = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and node.input[2] in inits else 0
     if s.size > 1:
         shape = [1] * q.ndim
-        shape[next((a.i for a in node.attribute if a.name == "axis"), 1) % q.ndim] = -1
+        shape[proto_attr(node, "axis", 1) % q.ndim] = -1
         s, z = s.reshape(shape), np.reshape(z, shape)
     return dequantize(q, z, s, s.dtype)
 

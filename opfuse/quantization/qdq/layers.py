@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from opfuse.core.ops import ONNX_DOMAINS
+from opfuse.core.ops import ONNX_DOMAINS, proto_attr
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 REMOVABLE_ACTIVATIONS = ("Relu", "Clip")  # what ONNX Runtime's quantiser folds into the layer's output range
@@ -76,7 +76,7 @@ class QdqLayers:
         q = self.const(dq.input[0]).astype(np.float64)
         scale = self.const(dq.input[1]).astype(np.float64)
         zero = self.const(dq.input[2]).astype(np.float64) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
-        axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+        axis = proto_attr(dq, "axis", 1)
         if scale.ndim == 1 and scale.size > 1:
             shape = [1] * q.ndim
             shape[axis] = -1

@@ -48,7 +48,7 @@ from opfuse.quantization.qdq.layers import QDQ_OPS, removed_activations
 from opfuse.quantization.presets import Preset
 from opfuse.quantization.algorithms.ranges import search_ranges
 from opfuse.quantization.algorithms.lstm_rounding import apply_rounded, round_lstm_weights
-from opfuse.core.ops import ONNX_DOMAINS, WEIGHTED_OPS, first_line
+from opfuse.core.ops import ONNX_DOMAINS, WEIGHTED_OPS, first_line, proto_attr
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _give_biases(model: onnx.ModelProto) -> int:
         if node.op_type == "Conv":
             channels = weight.dims[0]
         else:
-            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            trans_b = proto_attr(node, "transB", 0)
             channels = weight.dims[0] if trans_b else weight.dims[1]
         name = f"{node.name}.zero_bias"
         while name in used:

@@ -22,9 +22,9 @@ __all__ = ["LAYOUT_AWARE", "matmul", "softmax"]
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.core.ops import ONNX_DOMAINS
+from opfuse.core.ops import ONNX_DOMAINS, proto_attr
 from opfuse.targets.ethos_u import tflite_ops
-from opfuse.targets.ethos_u.tflite_graph import NCHW_TO_NHWC, Lowering, Value, attr
+from opfuse.targets.ethos_u.tflite_graph import NCHW_TO_NHWC, Lowering, Value
 from opfuse.targets.ethos_u.tflite_ops import FIXED_OUTPUT, OP, OPT, emit, make_options
 from opfuse.targets.ethos_u.tflite_writer import Quant
 
@@ -86,7 +86,7 @@ def softmax(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     rank = len(x.shape)
     opset = next((o.version for o in L.model.opset_import if o.domain in ONNX_DOMAINS), 13)
-    axis = (int(attr(node, "axis", -1 if opset >= 13 else 1)) + rank) % rank
+    axis = (int(proto_attr(node, "axis", -1 if opset >= 13 else 1)) + rank) % rank
     stored = NCHW_TO_NHWC if rank == 4 else tuple(range(rank))  # the layout new_value gives its output
     if (x.layout == stored and x.layout[-1] == axis) or axis != rank - 1:
         return tflite_ops.softmax(L, node)

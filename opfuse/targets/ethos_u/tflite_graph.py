@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LoweringError", "Lowering", "Value", "QdqGraph", "read_qdq", "quantize_per_tensor", "attr",
+__all__ = ["LoweringError", "Lowering", "Value", "QdqGraph", "read_qdq", "quantize_per_tensor",
            "NCHW_TO_NHWC", "ACTIVATION_BOUNDS"]
 
 import dataclasses
@@ -22,7 +22,7 @@ import onnx
 from ai_edge_litert import schema_py_generated as schema
 from onnx import numpy_helper
 
-from opfuse.core.ops import ACTIVATION_OPS, OPS
+from opfuse.core.ops import ACTIVATION_OPS, OPS, proto_attr
 from opfuse.errors import BadInputError
 from opfuse.targets.ethos_u.tflite_writer import Quant, TfliteWriter
 
@@ -69,13 +69,6 @@ class QdqGraph:
     quantised: bool
 
 
-def attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
-
-
 def read_qdq(model: onnx.ModelProto) -> QdqGraph:
     """The graph with its QuantizeLinear/DequantizeLinear pairs read off (see the module docstring)."""
     graph = model.graph
@@ -83,7 +76,7 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         if node.op_type == "Constant":
-            constants[node.output[0]] = numpy_helper.to_array(attr(node, "value"))
+            constants[node.output[0]] = numpy_helper.to_array(proto_attr(node, "value"))
         else:
             nodes.append(node)
     quantised = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in nodes)
@@ -100,7 +93,7 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
         scale = constants[node.input[1]].astype(np.float64)
         zp = constants[node.input[2]] if len(node.input) > 2 and node.input[2] else np.zeros_like(scale, np.int8)
         source = alias.get(node.input[0], node.input[0])
-        axis = attr(node, "axis", 1)
+        axis = proto_attr(node, "axis", 1)
         if node.op_type == "QuantizeLinear":
             if source in constants:
                 raise LoweringError(node, "a QuantizeLinear of a constant (expected the integers in the model)")
@@ -296,7 +289,7 @@ class Lowering:
             return _ACT.RELU
         if node.op_type != "Clip":
             return None
-        lo, hi = attr(node, "min"), attr(node, "max")
+        lo, hi = proto_attr(node, "min"), proto_attr(node, "max")
         if len(node.input) > 1 and node.input[1]:
             lo = float(self.g.constants[node.input[1]]) if node.input[1] in self.g.constants else "?"
         if len(node.input) > 2 and node.input[2]:

@@ -19,7 +19,8 @@ __all__ = ["reshape", "transpose", "concat", "pad", "resize", "split", "slice_"]
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.targets.ethos_u.tflite_graph import NCHW_TO_NHWC, Lowering, Value, attr
+from opfuse.core.ops import proto_attr
+from opfuse.targets.ethos_u.tflite_graph import NCHW_TO_NHWC, Lowering, Value
 from opfuse.targets.ethos_u.tflite_ops import emit, make_options, requantised
 
 OP = schema.BuiltinOperator
@@ -67,7 +68,7 @@ def reshape(L: Lowering, node) -> None:
 def transpose(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     rank = len(x.shape)
-    perm = list(attr(node, "perm", list(reversed(range(rank)))))
+    perm = list(proto_attr(node, "perm", list(reversed(range(rank)))))
     out = L.new_value(node.output[0])
     tflite_perm = [x.layout.index(perm[out.layout[k]]) for k in range(rank)]
     if tflite_perm == list(range(rank)):
@@ -78,7 +79,7 @@ def transpose(L: Lowering, node) -> None:
 def concat(L: Lowering, node) -> None:
     out_shape = L.shape(node.output[0])
     rank = len(out_shape)
-    axis = (int(attr(node, "axis")) + rank) % rank
+    axis = (int(proto_attr(node, "axis")) + rank) % rank
     out = L.new_value(node.output[0])
     inputs = []
     for name in node.input:
@@ -93,17 +94,17 @@ def concat(L: Lowering, node) -> None:
 
 def pad(L: Lowering, node) -> None:
     x = L.value(node.input[0])
-    mode = attr(node, "mode", b"constant")
+    mode = proto_attr(node, "mode", b"constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     if mode != "constant":
         raise L.refuse(f"mode={mode} (only constant padding is lowered)")
     rank = len(x.shape)
-    pads = attr(node, "pads")
+    pads = proto_attr(node, "pads")
     if pads is None:
         pads = L.constant(node.input[1]).tolist()
     if len(node.input) > 3 and node.input[3]:
         raise L.refuse("padding a subset of axes (the axes input)")
-    value = float(attr(node, "value", 0.0))
+    value = float(proto_attr(node, "value", 0.0))
     if len(node.input) > 2 and node.input[2]:
         value = float(L.constant(node.input[2]).reshape(-1)[0])
     if any(p < 0 for p in pads):
@@ -130,11 +131,11 @@ def resize(L: Lowering, node) -> None:
     out_shape = L.shape(node.output[0])
     if out_shape[:2] != x.shape[:2]:
         raise L.refuse("a resize of the batch or channel axis")
-    mode = attr(node, "mode", b"nearest")
+    mode = proto_attr(node, "mode", b"nearest")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    ctm = attr(node, "coordinate_transformation_mode", b"half_pixel")
+    ctm = proto_attr(node, "coordinate_transformation_mode", b"half_pixel")
     ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
-    nearest_mode = attr(node, "nearest_mode", b"round_prefer_floor")
+    nearest_mode = proto_attr(node, "nearest_mode", b"round_prefer_floor")
     nearest_mode = nearest_mode.decode() if isinstance(nearest_mode, bytes) else nearest_mode
     factors = [o / i for o, i in zip(out_shape[2:], x.shape[2:])]
     align = half = False
@@ -173,7 +174,7 @@ def resize(L: Lowering, node) -> None:
 
 
 def _axis_values(L: Lowering, node, name: str, index: int):
-    value = attr(node, name)
+    value = proto_attr(node, name)
     if value is None and len(node.input) > index and node.input[index]:
         value = L.constant(node.input[index]).tolist()
     return value
@@ -183,7 +184,7 @@ def split(L: Lowering, node) -> None:
     """Split -> SPLIT_V along the remapped axis; each output keeps the input's quantisation."""
     x = L.value(node.input[0])
     rank = len(x.shape)
-    axis = (int(attr(node, "axis", 0)) + rank) % rank
+    axis = (int(proto_attr(node, "axis", 0)) + rank) % rank
     sizes = _axis_values(L, node, "split", 1)
     if sizes is None:
         sizes = [L.shape(o)[axis] for o in node.output]

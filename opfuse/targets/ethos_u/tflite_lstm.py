@@ -56,7 +56,8 @@ import math
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.targets.ethos_u.tflite_graph import Lowering, Value, attr
+from opfuse.core.ops import proto_attr
+from opfuse.targets.ethos_u.tflite_graph import Lowering, Value
 from opfuse.targets.ethos_u.tflite_ops import make_options
 from opfuse.targets.ethos_u.tflite_writer import Quant
 
@@ -85,19 +86,19 @@ def _input(node, i: int) -> str:
 
 def _check(L: Lowering, node, directions: int, steps: int) -> None:
     """Refuse, with the reason, every form TFLite's UNIDIRECTIONAL_SEQUENCE_LSTM computes otherwise."""
-    acts = attr(node, "activations")
+    acts = proto_attr(node, "activations")
     if acts is not None:
         names = tuple((a.decode() if isinstance(a, bytes) else a).lower() for a in acts)
         if names != _DEFAULT_ACTIVATIONS * directions:
             raise L.refuse(f"activations {list(names)}: TFLite's LSTM runs the sigmoid on its gates and one "
                            "fused activation (tanh) on the cell and the output")
-    if attr(node, "clip") is not None:
+    if proto_attr(node, "clip") is not None:
         raise L.refuse("clip: ONNX clips the gates' inputs, TFLite's cell_clip clips the cell state")
-    if attr(node, "input_forget", 0):
+    if proto_attr(node, "input_forget", 0):
         raise L.refuse("input_forget=1 (a coupled input gate) is not lowered; TFLite's CIFG form drops the "
                        "input gate's weights and Vela does not run it")
-    if attr(node, "layout", 0) not in (0, 1):
-        raise L.refuse(f"layout={attr(node, 'layout')}")
+    if proto_attr(node, "layout", 0) not in (0, 1):
+        raise L.refuse(f"layout={proto_attr(node, 'layout')}")
     lens = _input(node, 4)
     if lens:
         if not L.is_constant(lens) or np.any(L.constant(lens) != steps):
@@ -200,14 +201,14 @@ def _direction(L: Lowering, node, x: Value, seq: int, d: int, hidden: int, time_
 
 def lstm(L: Lowering, node) -> None:
     """ONNX LSTM -> one UNIDIRECTIONAL_SEQUENCE_LSTM per direction (see the module docstring)."""
-    direction = attr(node, "direction", b"forward")
+    direction = proto_attr(node, "direction", b"forward")
     direction = direction.decode() if isinstance(direction, bytes) else direction
     directions = 2 if direction == "bidirectional" else 1
     x = L.value(node.input[0])
     if len(x.shape) != 3:
         raise L.refuse(f"an LSTM input of rank {len(x.shape)} (ONNX's is [T, B, I] or [B, T, I])")
-    time_major = attr(node, "layout", 0) == 0
-    hidden = int(attr(node, "hidden_size", L.constant(node.input[2]).shape[-1]))
+    time_major = proto_attr(node, "layout", 0) == 0
+    hidden = int(proto_attr(node, "hidden_size", L.constant(node.input[2]).shape[-1]))
     _check(L, node, directions, x.shape[0 if time_major else 1])
     prefix = node.name or node.output[0]
     y_onnx = L.new_value(node.output[0])  # [T, D, B, H] (or [B, T, D, H]), stored NHWC

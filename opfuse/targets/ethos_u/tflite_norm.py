@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from opfuse.core.ops import ONNX_DOMAINS
+from opfuse.core.ops import ONNX_DOMAINS, proto_attr
 from opfuse.targets.ethos_u.tflite_graph import Lowering
 from opfuse.targets.ethos_u.tflite_ops import OP
 
@@ -50,8 +50,7 @@ def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 def _written_out(node: onnx.NodeProto, opset: int, rank: int, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     """A LayerNormalization node (rule 0) as the ops of the written-out form, already in rules 1 and 2."""
-    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), -1)
-    eps = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-5)
+    axis, eps = proto_attr(node, "axis", -1), proto_attr(node, "epsilon", 1e-5)
     axes = list(range((axis + rank) % rank, rank))
     p = f"{node.name or node.output[0]}/"
     graph.initializer.extend([numpy_helper.from_array(np.array(eps, np.float32), p + "eps"),

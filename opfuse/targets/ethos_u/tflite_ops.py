@@ -32,8 +32,8 @@ import math
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-from opfuse.core.ops import ONNX_DOMAINS
-from opfuse.targets.ethos_u.tflite_graph import NCHW_TO_NHWC, Lowering, Value, attr
+from opfuse.core.ops import ONNX_DOMAINS, proto_attr
+from opfuse.targets.ethos_u.tflite_graph import NCHW_TO_NHWC, Lowering, Value
 from opfuse.targets.ethos_u.tflite_writer import Quant
 
 OP = schema.BuiltinOperator
@@ -89,10 +89,10 @@ def _spatial_padding(node, in_hw, out_hw, kernel, strides, dilations,
     """TFLite padding for ONNX pads: (SAME or VALID, explicit (before, after) per spatial dim
     to write as a PAD first; all zero when the padding alone is exact). ``allow_same=False``:
     SAME is not exact (an average that counts the padding)."""
-    auto_pad = attr(node, "auto_pad", b"NOTSET")
+    auto_pad = proto_attr(node, "auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     n = len(in_hw)
-    pads = list(attr(node, "pads", [0] * (2 * n)))
+    pads = list(proto_attr(node, "pads", [0] * (2 * n)))
     begins = pads[:n]  # the end pads are what the windows read (``after`` below)
     explicit = []
     same = valid = True
@@ -135,8 +135,8 @@ def _explicit_pad(L: Lowering, x: Value, spatial: list[tuple[int, int]], fill: s
 
 def _spatial_attrs(L: Lowering, node, x: Value, kernel):
     n = len(kernel)
-    strides = list(attr(node, "strides", [1] * n))
-    dilations = list(attr(node, "dilations", [1] * n))
+    strides = list(proto_attr(node, "strides", [1] * n))
+    dilations = list(proto_attr(node, "dilations", [1] * n))
     out_hw = L.shape(node.output[0])[2:]
     return strides, dilations, out_hw
 
@@ -187,7 +187,7 @@ def conv(L: Lowering, node) -> None:
     w = L.constant(node.input[1])
     c_out, c_per_group, kh, kw = w.shape
     c_in = x.shape[1]
-    group = int(attr(node, "group", 1))
+    group = int(proto_attr(node, "group", 1))
     depthwise = group > 1 and group == c_in and c_per_group == 1 and c_out % c_in == 0
     if group != 1 and not depthwise:
         raise L.refuse(f"groups={group} is neither a plain nor a depthwise convolution "
@@ -224,10 +224,10 @@ def fully_connected(L: Lowering, node) -> None:
     b = L.constant(node.input[1])
     alpha, beta = 1.0, 1.0
     if node.op_type == "Gemm":
-        if attr(node, "transA", 0):
+        if proto_attr(node, "transA", 0):
             raise L.refuse("transA=1 (FULLY_CONNECTED reads its input untransposed)")
-        alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
-        trans_b = bool(attr(node, "transB", 0))
+        alpha, beta = float(proto_attr(node, "alpha", 1.0)), float(proto_attr(node, "beta", 1.0))
+        trans_b = bool(proto_attr(node, "transB", 0))
     else:
         trans_b = False
         if b.ndim != 2:
@@ -307,7 +307,7 @@ def unary(L: Lowering, node) -> None:
     elif node.op_type == "HardSwish":
         L.w.op(OP.HARD_SWISH, [x.index], [out.index])
     elif node.op_type == "LeakyRelu":
-        alpha = float(attr(node, "alpha", 0.01))
+        alpha = float(proto_attr(node, "alpha", 0.01))
         L.w.op(OP.LEAKY_RELU, [x.index], [out.index], make_options(schema.LeakyReluOptionsT, alpha=alpha),
                OPT.LeakyReluOptions)
 
@@ -330,18 +330,18 @@ def pool(L: Lowering, node) -> None:
     if node.op_type == "GlobalMaxPool":
         kernel, strides, padding, explicit = list(x.shape[2:]), [1, 1], PAD.VALID, [(0, 0)] * 2
     else:
-        kernel = list(attr(node, "kernel_shape"))
+        kernel = list(proto_attr(node, "kernel_shape"))
         strides, dilations, out_hw = _spatial_attrs(L, node, x, kernel)
         if any(d != 1 for d in dilations):
             raise L.refuse(f"dilations={dilations} (TFLite pools are not dilated)")
-        include_pad = node.op_type == "AveragePool" and bool(attr(node, "count_include_pad", 0))
+        include_pad = node.op_type == "AveragePool" and bool(proto_attr(node, "count_include_pad", 0))
         padding, explicit = _spatial_padding(node, x.shape[2:], out_hw, kernel, strides, dilations,
                                              allow_same=not include_pad)
     if node.op_type == "AveragePool" and any(b or a for b, a in explicit):
-        if not attr(node, "count_include_pad", 0):
+        if not proto_attr(node, "count_include_pad", 0):
             raise L.refuse("pads that are not TFLite's SAME with count_include_pad=0 (the padded "
                            "average would count the padding)")
-        pads = list(attr(node, "pads", [0, 0, 0, 0]))
+        pads = list(proto_attr(node, "pads", [0, 0, 0, 0]))
         if [a for _, a in explicit] != pads[2:]:
             raise L.refuse("ceil_mode windows that read past the pads with count_include_pad=1")
         x = _explicit_pad(L, x, explicit, "zero")
@@ -364,13 +364,13 @@ def _mean(L: Lowering, node, x: Value, tflite_axes: list[int], keep: bool) -> No
 def reduce_mean(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     rank = len(x.shape)
-    axes = attr(node, "axes")
+    axes = proto_attr(node, "axes")
     if axes is None and len(node.input) > 1 and node.input[1]:
         axes = L.constant(node.input[1]).tolist()
     if axes is None:
         axes = list(range(rank))
     axes = [(a + rank) % rank for a in axes]
-    keep = bool(attr(node, "keepdims", 1))
+    keep = bool(proto_attr(node, "keepdims", 1))
     tflite_axes = [x.layout.index(a) for a in axes]
     if not keep:
         kept = [a for a in x.layout if a not in axes]
@@ -385,7 +385,7 @@ def softmax(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     rank = len(x.shape)
     opset = next((o.version for o in L.model.opset_import if o.domain in ONNX_DOMAINS), 13)
-    axis = (int(attr(node, "axis", -1 if opset >= 13 else 1)) + rank) % rank
+    axis = (int(proto_attr(node, "axis", -1 if opset >= 13 else 1)) + rank) % rank
     if opset < 13 and axis != rank - 1:
         raise L.refuse(f"opset {opset} Softmax over axis {axis}: it flattens the axes after it, TFLite's does not")
     if x.layout[-1] != axis:
@@ -402,7 +402,7 @@ def hard_sigmoid(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     if len(x.shape) != 4:
         raise L.refuse(f"HardSigmoid of a rank-{len(x.shape)} tensor (lowered for rank 4, as a depthwise conv)")
-    alpha, beta = float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))
+    alpha, beta = float(proto_attr(node, "alpha", 0.2)), float(proto_attr(node, "beta", 0.5))
     c = x.shape[1]
     w = np.full((c, 1, 1, 1), alpha, np.float32)
     data, wq = _weights_of(L, w)
@@ -444,12 +444,12 @@ def transpose_conv(L: Lowering, node) -> None:
     x = L.value(node.input[0])
     if len(x.shape) != 4:
         raise L.refuse("a ConvTranspose that is not 2-D")
-    if int(attr(node, "group", 1)) != 1:
-        raise L.refuse(f"group={attr(node, 'group')} (TRANSPOSE_CONV is not grouped)")
+    if int(proto_attr(node, "group", 1)) != 1:
+        raise L.refuse(f"group={proto_attr(node, 'group')} (TRANSPOSE_CONV is not grouped)")
     w = L.constant(node.input[1])
     c_in, c_out, kh, kw = w.shape
-    strides = list(attr(node, "strides", [1, 1]))
-    if any(d != 1 for d in attr(node, "dilations", [1, 1])):
+    strides = list(proto_attr(node, "strides", [1, 1]))
+    if any(d != 1 for d in proto_attr(node, "dilations", [1, 1])):
         raise L.refuse("dilated ConvTranspose (TRANSPOSE_CONV is not dilated)")
     out_shape = L.shape(node.output[0])
     padding = None
@@ -457,8 +457,8 @@ def transpose_conv(L: Lowering, node) -> None:
         ok = True
         for i, k in enumerate((kh, kw)):
             total = (x.shape[2 + i] - 1) * strides[i] + k - out_shape[2 + i]
-            pads = list(attr(node, "pads", [0, 0, 0, 0]))
-            begin = pads[i] if attr(node, "auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET") else None
+            pads = list(proto_attr(node, "pads", [0, 0, 0, 0]))
+            begin = pads[i] if proto_attr(node, "auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET") else None
             if mode == PAD.VALID:  # TFLite: the output is (in - 1) * stride + kernel, nothing cropped
                 ok &= begin == 0 and total == 0
             else:  # TFLite: in = ceil(out / stride), cropped total // 2 at the start
@@ -489,7 +489,7 @@ def batch_norm(L: Lowering, node) -> None:
     if len(x.shape) != 4:
         raise L.refuse(f"BatchNormalization of a rank-{len(x.shape)} tensor (lowered for rank 4)")
     gamma, beta, mean, var = (L.constant(n).astype(np.float64) for n in node.input[1:5])
-    s = gamma / np.sqrt(var + float(attr(node, "epsilon", 1e-5)))
+    s = gamma / np.sqrt(var + float(proto_attr(node, "epsilon", 1e-5)))
     t = beta - mean * s
     act, out_name = L.fused_activation(OP.ADD, node.output[0])
     out = L.new_value(out_name)

@@ -36,12 +36,8 @@ __all__ = ["tflite_overrides", "move_groups", "kept_scales"]
 import numpy as np
 import onnx
 
-from opfuse.core.ops import ONNX_DOMAINS, OPS
+from opfuse.core.ops import ONNX_DOMAINS, OPS, proto_attr
 from opfuse.targets.ethos_u.tflite_ops import FIXED_OUTPUT
-
-
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def _moves_values(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> bool:
@@ -49,10 +45,10 @@ def _moves_values(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) 
     if node.domain not in ONNX_DOMAINS or info is None or info.int8 != "move":
         return False
     if node.op_type == "Resize":
-        mode = _attr(node, "mode", b"nearest")
+        mode = proto_attr(node, "mode", b"nearest")
         return (mode.decode() if isinstance(mode, bytes) else mode) == "nearest"
     if node.op_type == "Pad":
-        mode = _attr(node, "mode", b"constant")
+        mode = proto_attr(node, "mode", b"constant")
         if (mode.decode() if isinstance(mode, bytes) else mode) != "constant":
             return False
         value = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
@@ -64,7 +60,7 @@ def move_groups(model: onnx.ModelProto, excluded: set[str] = frozenset()) -> lis
     """The tensors joined by value-moving ops (module docstring, 2.), each group sorted, groups
     of two or more; tensors in ``excluded`` and constants join none."""
     constants = {i.name: i for i in model.graph.initializer}
-    constants.update({n.output[0]: _attr(n, "value") for n in model.graph.node if n.op_type == "Constant"})
+    constants.update({n.output[0]: proto_attr(n, "value") for n in model.graph.node if n.op_type == "Constant"})
     parent: dict[str, str] = {}
 
     def find(t: str) -> str:

@@ -12,7 +12,9 @@ For each fusion the epilogue pass proposes (a Conv or Gemm and the ops it would 
    activation fused into the op before it and not, and both compiled by Vela for the profile's NPU;
 3. declined when Vela's cycles for the fused form exceed the unfused form's, with both figures
    as the reason. A candidate Vela or the lowering cannot take (a residual Add has no TFLite
-   form inside a conv) is not objected to: Vela has no figure for it.
+   form inside a conv) is not objected to: Vela has no figure for it. Only those failures are
+   (:func:`_no_figure`): a bug in the lowering (a TypeError, a KeyError...) is raised, not
+   taken for "no objection".
 
 Candidates with equal shapes, attributes and absorbed ops share one answer (ResNet-50 repeats its
 blocks), so a model costs one pair of Vela runs per distinct candidate.
@@ -33,6 +35,7 @@ from onnx import helper
 
 from opfuse.cost.profiles import HardwareProfile
 from opfuse.core.ops import first_line
+from opfuse.errors import OpfuseError
 from opfuse.targets.ethos_u.tflite_norm import QUANTISED_OPS, rsqrt_form
 
 
@@ -81,8 +84,8 @@ def _measure(anchor: ir.Node, absorbed: list[ir.Node], profile: HardwareProfile)
     from opfuse.targets.ethos_u.lower import lower_to_tflite
     from opfuse.targets.ethos_u.vela import compile_with_vela  # runs Vela in a subprocess
 
+    float_model = _candidate_model(anchor, absorbed)
     try:
-        float_model = _candidate_model(anchor, absorbed)
         qdq = _quantize(float_model)
         cycles = []
         for fuse in (True, False):
@@ -90,9 +93,21 @@ def _measure(anchor: ir.Node, absorbed: list[ir.Node], profile: HardwareProfile)
             result = compile_with_vela(tflite, npu=profile.vela["npu"], system_config=profile.vela.get("system_config"),
                                        memory_mode=profile.vela.get("memory_mode"))
             cycles.append(result.cycles)
-    except Exception as e:  # noqa: BLE001 - a candidate Vela cannot take has no figure; the reason is kept
+    except _no_figure() as e:  # a candidate Vela cannot take has no figure; the reason is kept
         return VelaVerdict(None, None, first_line(e))
     return VelaVerdict(cycles[0], cycles[1])
+
+
+def _no_figure() -> tuple[type[Exception], ...]:
+    """What a candidate Vela has no figure for raises: the lowering's refusal (``LoweringError``),
+    Vela's failure (``VelaError``) or absence (``BadInputError``), all :class:`OpfuseError`; and
+    ONNX Runtime's own errors when its quantiser cannot run the candidate model. Anything else is
+    a bug and is raised."""
+    # ONNX Runtime's C++ errors as its Python binding raises them: loaded only when a candidate is measured
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, InvalidGraph, RuntimeException
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented  # (as above)
+
+    return OpfuseError, Fail, InvalidArgument, InvalidGraph, OrtNotImplemented, RuntimeException
 
 
 def _candidate_model(anchor: ir.Node, absorbed: list[ir.Node]) -> onnx.ModelProto:
