@@ -175,6 +175,7 @@ def test_fresh_names_take_constant_time_per_name():
 # the ops; a new one must be added here with the reason it is not a column of the op table.
 OWN_RULES = {
     ("llm/__init__.py", frozenset({"Gather", "MatMul"})): "the ops int4 weight-only quantisation rewrites (its report)",
+    ("llm/quantize_int4.py", frozenset({"Gather", "MatMul"})): "the ops int4 weight-only quantisation rewrites",
     ("passes/patterns/self_attention.py", "_SCALINGS"): "the two ways an export scales the scores (its rules)",
     ("passes/reshape_dims.py", "_SHAPE_ARITHMETIC"): "the shape arithmetic a constant target leaves dead",
     ("passes/index_arithmetic.py", "_BROADCASTS"): "the ops an export of broadcast_tensors writes (rule 1)",

@@ -321,8 +321,8 @@ def test_the_runtime_s_own_rounding_is_measured_only_when_the_modelled_floor_fai
     import opfuse.verify
 
     calls = []
-    real = opfuse.verify._runtime_rounding
-    monkeypatch.setattr(opfuse.verify, "_runtime_rounding", lambda *a: calls.append(a[2]) or real(*a))
+    real = opfuse.verify.runtime_rounding
+    monkeypatch.setattr(opfuse.verify, "runtime_rounding", lambda *a: calls.append(a[2]) or real(*a))
     optimize(conv_bn_chain([1, 3, 16, 16]))  # ordinary statistics: no EXTENDED session
     assert calls == []
 
