@@ -12,6 +12,8 @@ from __future__ import annotations
 
 __all__ = ["VARIATION_LEVEL", "runtime_variation", "runtime_rounding"]
 
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -57,13 +59,28 @@ def runtime_rounding(original_x, sets, tensors: list[str], masks=None) -> tuple[
 def _distances(original_x, sets, tensors, masks, level: str) -> dict[tuple[str, str], float] | None:
     """The distances of :func:`runtime_rounding` at one ``level`` (None when the original does
     not build or run there)."""
-    source = _in_float64(original_x) if level == "float64" else original_x
-    if source is None:
-        return None
-    try:
-        session = create_session(source, "disabled" if level == "float64" else level)
-    except Exception:  # noqa: BLE001 - onnxruntime raises its own exception types
-        return None
+    with tempfile.TemporaryDirectory(prefix="opfuse-float64-") as tmp:
+        if level == "float64":  # on disk with its weights as external data: the session maps them, not copies
+            proto = _in_float64(original_x)
+            if proto is None:
+                return None
+            source = os.path.join(tmp, "float64.onnx")
+            try:
+                onnx.save_model(proto, source, save_as_external_data=True, location="float64.onnx.data")
+            except (OSError, ValueError):
+                return None
+            del proto
+        else:
+            source = original_x
+        try:
+            session = create_session(source, "disabled" if level == "float64" else level, prepack=False)
+        except Exception:  # noqa: BLE001 - onnxruntime raises its own exception types
+            return None
+        return _measured(session, sets, tensors, masks, level)
+
+
+def _measured(session, sets, tensors, masks, level: str) -> dict[tuple[str, str], float] | None:
+    """Each tensor's distance from ``session``'s run to the float32 original's (``sets``' expected)."""
     names = [o.name for o in session.get_outputs()]
     wanted = [t for t in tensors if t in names]
     out = {}
@@ -88,9 +105,9 @@ def _distances(original_x, sets, tensors, masks, level: str) -> dict[tuple[str, 
     return out
 
 
-def _in_float64(original_x) -> bytes | None:
+def _in_float64(original_x) -> onnx.ModelProto | None:
     """The original with every float32 tensor in float64 (initializers, constants, Casts, declared
-    types, subgraphs): a reference without float32's rounding, as bytes. ``original_x`` is bytes,
+    types, subgraphs): a reference without float32's rounding. ``original_x`` is bytes,
     or an ir.Model kept with external data (its weights are read in). None when the float64
     model would exceed protobuf's 2 GB, or cannot be converted."""
     if isinstance(original_x, ir.Model):
@@ -142,6 +159,6 @@ def _in_float64(original_x) -> bytes | None:
                         a.i = float64
                     elif a.type == onnx.AttributeProto.TENSOR:
                         tensor(a.t)
-        return proto.SerializeToString()
+        return proto
     except Exception:  # noqa: BLE001 - external data, a tensor numpy cannot read: no float64 reference
         return None
