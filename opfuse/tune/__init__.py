@@ -197,7 +197,7 @@ class Tuning:
         return out
 
     def _in_file(self, family: str) -> str:
-        if family not in self.in_file or not self.in_file:
+        if family not in self.in_file:
             return ""
         found = self.in_file[family]
         return f"; in the file: {', '.join(f'{op} {n}' for op, n in found.items())}" if found else "; in the file: none"
@@ -274,7 +274,7 @@ def _graph_kind(model: ir.Model) -> str:
 
 def tuning_feeds(model: ir.Model, dims: Mapping[str, int] | None, *, level: str = "all", seed: int = 0,
                  bound: Mapping[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], str]:
-    """Feeds at the deployment's sizes (module docstring, step 1) and their description;
+    """Feeds at the deployment's sizes (module docstring, step 2) and their description;
     raises :class:`opfuse.errors.BadInputError` when the model runs at none."""
     free = free_dims(model)
     given = dict(dims or {})

@@ -29,9 +29,10 @@ A **configuration** maps each family to its option; :func:`configure` turns one 
 the optimiser runs: the target with those patterns set to ``keep`` (a policy override as
 data, :attr:`opfuse.targets.kernels.Target.patterns`), the attention pattern's op form
 (:attr:`~opfuse.targets.kernels.Target.pattern_forms`), the passes without the ones turned
-off, and the opset to raise to. In a timed configuration the attention family is chosen by
-measurement, so the target's policy exceptions (a decode step's attention kept written out
-at ONNX Runtime) do not apply: they are what the untimed default follows.
+off, and the opset to raise to. :func:`policy_configuration` is what the target writes untimed,
+as a configuration (a policy exception's ``untimed`` options included: a decode step's
+Attention-23 at ONNX Runtime): the measured choice's reference, which stands wherever the
+clock cannot tell.
 
 ONNX Runtime's contrib GroupQueryAttention is not a form here: its kernel ran the Llama decode
 step's four attentions slower than the standard op with its cache (ORT profile, one thread, past
@@ -48,7 +49,7 @@ the opset the user gave (portable ONNX keeps the model's opset unless asked).
 from __future__ import annotations
 
 __all__ = ["Family", "AttentionForm", "FAMILIES", "ATTENTION_FORMS", "WRITTEN_OUT", "ON", "OFF", "Configuration",
-           "configure", "base_configuration", "policy_configuration", "label", "forms_for", "family_ops"]
+           "configure", "policy_configuration", "forms_for"]
 
 import dataclasses
 from collections.abc import Mapping
@@ -144,12 +145,6 @@ class Configuration:
         return cls(tuple((f.name, options[f.name]) for f in FAMILIES if f.name in options))
 
 
-def base_configuration(opset_given: bool) -> Configuration:
-    """Every family on, attention written out; the opset family only when the user asked for a raise."""
-    return Configuration(tuple((f.name, WRITTEN_OUT if f.name == "attention" else ON) for f in FAMILIES
-                               if f.name != "opset" or opset_given))
-
-
 def policy_configuration(target: Target, opset_given: bool,
                          exception: Mapping[str, str] | None = None) -> Configuration:
     """What ``target`` writes untimed, as a configuration: each family on where one of its patterns'
@@ -171,16 +166,6 @@ def policy_configuration(target: Target, opset_given: bool,
             options[family.name] = ON if fused else OFF
     options.update(exception or {})
     return Configuration(tuple(options.items()))
-
-
-def label(config: Configuration, base: Configuration | None = None) -> str:
-    """:meth:`Configuration.label`."""
-    return config.label(base)
-
-
-def family_ops(family: str) -> tuple[str, ...]:
-    """The op types ``family``'s rewrites write (:attr:`Family.ops`)."""
-    return next(f.ops for f in FAMILIES if f.name == family)
 
 
 def forms_for(target: str) -> list[AttentionForm]:

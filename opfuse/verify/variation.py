@@ -132,13 +132,8 @@ def _in_float64(original_x) -> onnx.ModelProto | None:
         if t.data_type == float32:
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
 
-    def graph(g):
-        for t in g.initializer:
-            tensor(t)
-        for v in [*g.input, *g.output, *g.value_info]:
-            if v.type.tensor_type.elem_type == float32:
-                v.type.tensor_type.elem_type = float64
-        for node in g.node:
+    def nodes(ns):
+        for node in ns:
             for a in node.attribute:
                 if a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i == float32:
                     a.i = float64
@@ -150,15 +145,18 @@ def _in_float64(original_x) -> onnx.ModelProto | None:
                     for sub in a.graphs:
                         graph(sub)
 
+    def graph(g):
+        for t in g.initializer:
+            tensor(t)
+        for v in [*g.input, *g.output, *g.value_info]:
+            if v.type.tensor_type.elem_type == float32:
+                v.type.tensor_type.elem_type = float64
+        nodes(g.node)
+
     try:
         graph(proto.graph)
         for function in proto.functions:
-            for node in function.node:
-                for a in node.attribute:
-                    if a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i == float32:
-                        a.i = float64
-                    elif a.type == onnx.AttributeProto.TENSOR:
-                        tensor(a.t)
+            nodes(function.node)
         return proto
     except Exception:  # noqa: BLE001 - external data, a tensor numpy cannot read: no float64 reference
         return None
