@@ -125,11 +125,13 @@ class StagedModel:
     :meth:`load` reads the staged bytes back (what verification runs); :meth:`commit` renames
     them into place, refusing bytes that changed on disk since staging; :meth:`discard` (or
     leaving the ``with`` block) removes what was not committed. ``fingerprint`` is the
-    model's :func:`fingerprint` when it was staged: the caller compares it with the model's
-    before committing, and stages again if the model changed.
+    model's :func:`fingerprint` when it was staged (None with ``fingerprinted=False``: the
+    caller runs nothing between staging and committing that could change the model): the
+    caller compares it with the model's before committing, and stages again if the model changed.
     """
 
-    def __init__(self, model: ir.Model, path: str | os.PathLike | None, *, external_data: bool | None = None):
+    def __init__(self, model: ir.Model, path: str | os.PathLike | None, *, external_data: bool | None = None,
+                 fingerprinted: bool = True):
         self.destination = None if path is None else pathlib.Path(path)
         if self.destination is not None:
             check_destinations(self.destination)
@@ -140,7 +142,7 @@ class StagedModel:
         if external_data is None:
             external_data = needs_external_data(model)
         self.data_name = name + ".data" if external_data else None
-        self.fingerprint = fingerprint(model)
+        self.fingerprint = fingerprint(model) if fingerprinted else None
         try:
             self.directory = pathlib.Path(tempfile.mkdtemp(prefix=".opfuse-", dir=parent))
             self.path = self.directory / name

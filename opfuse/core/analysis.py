@@ -311,10 +311,15 @@ def _value_names(model: ir.Model) -> dict[str, list[ir.Value]]:
         values = list(scope.container.inputs)
         if scope.function is None:
             values += scope.graph.initializers.values()
-        values += (v for node in scope.graph for v in node.outputs)
+        for node in scope.graph:
+            values += node.outputs
         for v in values:
-            if v.name:
-                found.setdefault(v.name, []).append(v)
+            name = v.name
+            if name:
+                if name in found:
+                    found[name].append(v)
+                else:
+                    found[name] = [v]
     return found
 
 

@@ -302,7 +302,10 @@ def op_label(domain: str, op_type: str) -> str:
 
 def count_ops(nodes: Iterable[Any]) -> Counter:
     """Node count per :func:`op_label` for anything with ``domain`` and ``op_type``."""
-    return Counter(op_label(n.domain, n.op_type) for n in nodes)
+    counts: Counter = Counter()
+    for (domain, op_type), n in Counter((n.domain, n.op_type) for n in nodes).items():
+        counts[op_label(domain, op_type)] += n  # (a label per distinct op, not per node; first-seen order kept)
+    return counts
 
 
 # -- attributes (onnx-ir nodes) -------------------------------------------------------------
