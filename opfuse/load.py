@@ -110,6 +110,8 @@ def _check_proto(
         onnx.checker.check_model(str(path) if path is not None else proto)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as e:
         message = first_line(e, limit=None)
+        if _runtime_op_unknown(message):  # ONNX Runtime's own op in the ONNX domain (opfuse writes them)
+            return _check_runtime_ops(proto, where)
         if "is required but missing" not in message or not _fill_output_types(proto):
             raise BadInputError(f"{where}: invalid ONNX model: {message}") from None
         try:
@@ -124,6 +126,70 @@ def _check_proto(
     if problem:
         raise BadInputError(f"{where}: invalid ONNX model: {problem}")
     return []
+
+
+# ONNX Runtime registers a few ops of its own in the ONNX domain, which onnx's schemas do not have:
+# SimplifiedLayerNormalization (what ``--target onnxruntime`` writes for an RMSNorm, as ONNX Runtime's
+# own fusion does) and, below opset 17, its LayerNormalization. onnx.checker refuses a node of them
+# ("No Op registered for ..."), so opfuse's own output could not be its input.
+RUNTIME_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization", "LayerNormalization"})
+_STAND_IN_DOMAIN = "com.microsoft"  # (the checker and shape inference pass over an op of another domain)
+
+
+def _runtime_op_unknown(message: str) -> bool:
+    return message.startswith("No Op registered for ") and message.split()[4] in RUNTIME_ONNX_DOMAIN_OPS
+
+
+def _check_runtime_ops(proto: onnx.ModelProto, where: str) -> list[str]:
+    """The checks of :func:`_check_proto` on a stand-in of ``proto`` whose ONNX Runtime ops
+    (:data:`RUNTIME_ONNX_DOMAIN_OPS`) are in another domain, so that the checker passes over
+    them and checks everything else; the model loaded keeps them as they are. The main graph's
+    initializers with external data are graph inputs of the stand-in: the check of the file, which
+    stopped at such a node, had checked them, as it checks initializers before nodes, and the
+    stand-in, checked in memory, cannot reach the files beside the model."""
+    stand_in = onnx.ModelProto()
+    stand_in.CopyFrom(proto)
+    moved = 0
+    for graph in _graphs(stand_in):
+        for node in graph.node:
+            if node.domain in ONNX_DOMAINS and node.op_type in RUNTIME_ONNX_DOMAIN_OPS and (
+                    node.op_type != "LayerNormalization" or not onnx.defs.has(node.op_type, _onnx_opset(stand_in))):
+                node.domain = _STAND_IN_DOMAIN
+                moved += 1
+    if not any(o.domain == _STAND_IN_DOMAIN for o in stand_in.opset_import):
+        stand_in.opset_import.append(onnx.helper.make_opsetid(_STAND_IN_DOMAIN, 1))
+    external = [t for t in stand_in.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    for tensor in external:
+        stand_in.graph.initializer.remove(tensor)
+        stand_in.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    try:
+        onnx.checker.check_model(stand_in)
+    except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as e:
+        raise BadInputError(f"{where}: invalid ONNX model: {first_line(e, limit=None)}") from None
+    problem = _inference_problem(stand_in)
+    if problem:
+        raise BadInputError(f"{where}: invalid ONNX model: {problem}")
+    return []
+
+
+def _onnx_opset(proto: onnx.ModelProto) -> int:
+    return next((o.version for o in proto.opset_import if o.domain in ONNX_DOMAINS), 1)
+
+
+def _graphs(proto: onnx.ModelProto):
+    """Every graph of ``proto``: the main graph, its subgraphs, and the functions' bodies (as
+    graphs of nodes) with theirs."""
+    def walk(graph):
+        yield graph
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(attr.g)
+                for sub in attr.graphs:
+                    yield from walk(sub)
+    yield from walk(proto.graph)
+    for function in proto.functions:
+        yield from walk(function)
 
 
 def _inference_problem(proto: onnx.ModelProto) -> str:

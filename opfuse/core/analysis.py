@@ -441,10 +441,14 @@ def _inference_proto(model: ir.Model) -> onnx.ModelProto:
     finally:
         for value in initializers:
             value.const_value = tensors[value.name]
-            if value.const_value is not None:
-                graph.register_initializer(value)
-            else:
-                graph.initializers.add(value)
+        if len(graph.initializers) != len(initializers):  # all put back in their order (a second run
+            for value in initializers:                    # of opfuse on its output writes the same file)
+                graph.initializers.pop(value.name, None)
+            for value in initializers:
+                if value.const_value is not None:
+                    graph.register_initializer(value)
+                else:
+                    graph.initializers.add(value)
         kept = graph.inputs[:n_inputs]
         graph.inputs.clear()
         graph.inputs.extend(kept)
