@@ -27,7 +27,7 @@ from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.core.dims import resolve_dims
 from opfuse.passes.leftovers import leftover_notes
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
-from opfuse.prepare.opset import upgrade_opset
+from opfuse.prepare.opset import kernels_lost, upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.passes.constant_branches import RESOLVED
@@ -234,6 +234,7 @@ class _Plan:
     veto: object = None  # the hardware profile's fusion veto
     backend: object = None  # the device's module, when compiling for it
     device: object = None  # its parsed options
+    asked_opset: int | None = None  # --opset (a configuration may raise the opset where it is None)
 
 
 @dataclasses.dataclass
@@ -250,6 +251,7 @@ class _Run:
     static_note: int = -1  # its note's index in report.notes
     declared: object = None  # the shape information the input declared
     input_was_external: bool = False
+    opset_kept: bool = False  # a configuration's opset raise not made (ONNX Runtime would lose a kernel)
 
 
 @young_collections_only()  # (a context manager from contextlib is a decorator too; see its docstring)
@@ -274,7 +276,7 @@ def optimize(model: ModelSource, *, options: OptimizeOptions | None = None,
         options, plan, note = _untimed_policy(model, options, plan)
         run = _prepare(model, options, plan)
         _rewrite(run, options, plan)
-        if note:
+        if note and not run.opset_kept:  # (the exception's note says the opset was raised)
             run.report.notes.append(note)
         run.report.tuning = untimed(options.target, untimed_because, measured_policy=measured)
     _verify_and_write(run, options, plan)
@@ -377,7 +379,7 @@ def _plan(model: ModelSource, options: OptimizeOptions) -> _Plan:
         backend.require_backend()  # not installed: one line with the install command, before any work
         device = backend.Options.parse(o.htp_options)
     inexact = [n for n in names if not pass_class(n).exact]
-    return _Plan(names, chosen, fusion, inexact, veto, backend, device)
+    return _Plan(names, chosen, fusion, inexact, veto, backend, device, o.opset)
 
 
 def _prepare(model: ModelSource, options: OptimizeOptions, plan: _Plan,
@@ -408,7 +410,12 @@ def _prepare(model: ModelSource, options: OptimizeOptions, plan: _Plan,
         run.work, run.static = make_static(run.work, o.dims)  # an unbound dimension: one line naming it
         report.notes.append(run.static.note())
         run.static_note = len(report.notes) - 1
-    if o.opset is not None:
+    lost = kernels_lost(run.work, o.opset) if o.opset is not None and o.opset != plan.asked_opset else []
+    if lost:  # a configuration's raise (not --opset) that ONNX Runtime could not run: the rewrites that need it refuse
+        run.opset_kept = True
+        report.notes.append(f"opset not raised to {o.opset}: ONNX Runtime's CPU kernels do not run "
+                            f"{', '.join(lost)}; the rewrites that need opset {o.opset} are not made")
+    elif o.opset is not None:
         run.work, note = upgrade_opset(run.work, o.opset)
         report.notes.extend([note] if note else [])
         label_unnamed(run.work)

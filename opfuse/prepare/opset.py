@@ -18,15 +18,17 @@ raise its opset.
 
 from __future__ import annotations
 
-__all__ = ["upgrade_opset"]
+__all__ = ["upgrade_opset", "kernels_lost"]
+
+import functools
 
 import onnx
 import onnx.version_converter
 import onnx_ir as ir
 
-from opfuse.core.analysis import opset_of
+from opfuse.core.analysis import iter_scopes, opset_of
 from opfuse.errors import BadInputError
-from opfuse.core.ops import first_line
+from opfuse.core.ops import ONNX_DOMAINS, first_line
 
 
 STAND_IN_BYTES = 4096  # initializers larger than this go through the converter as references only
@@ -73,3 +75,50 @@ def upgrade_opset(model: ir.Model, opset: int) -> tuple[ir.Model, str | None]:
         upgraded = ir.serde.deserialize_model(onnx.version_converter.convert_version(ir.serde.serialize_model(model),
                                                                                      opset))
     return upgraded, f"opset raised {current} -> {opset} with onnx's version converter (--opset)"
+
+
+_OPEN = 2 ** 31 - 1  # a kernel registered "from version V on"
+
+
+@functools.cache
+def _cpu_kernels() -> dict[str, tuple[tuple[int, int], ...]]:
+    """ONNX Runtime's CPU kernels of the ONNX domain: op -> their version ranges (empty without
+    ONNX Runtime, or where this build does not list them)."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        defs = _pybind_state.get_all_opkernel_def()
+    except Exception:  # noqa: BLE001 - no list, no verdict
+        return {}
+    found: dict[str, list] = {}
+    for k in defs:
+        if k.provider == "CPUExecutionProvider" and k.domain in ONNX_DOMAINS:
+            found.setdefault(k.op_name, []).append(tuple(k.version_range))
+    return {op: tuple(ranges) for op, ranges in found.items()}
+
+
+def _runs(op: str, version: int) -> bool:
+    """Whether a CPU kernel takes ``op``'s schema of ``version`` (its since-version). ONNX Runtime
+    matches a kernel registered from V on to version V only (a newer version of the op may be one
+    it does not support), and a kernel with an end version to every version in its range."""
+    return any(start == version or (end != _OPEN and start <= version <= end)
+               for start, end in _cpu_kernels().get(op, ()))
+
+
+def kernels_lost(model: ir.Model, opset: int) -> list[str]:
+    """The default-domain ops of ``model`` (every graph) that ONNX Runtime's CPU provider runs at the
+    model's opset and would not run at ``opset``: "RandomNormalLike (version 22)" for a VITS
+    vocoder at opset 15 raised to 23 (its kernel is registered for version 1 only)."""
+    if not _cpu_kernels():
+        return []
+    lost: dict[str, int] = {}
+    for scope in iter_scopes(model):
+        for op in {n.op_type for n in scope.graph if n.domain in ONNX_DOMAINS} - set(lost):
+            try:
+                now = onnx.defs.get_schema(op, scope.opset).since_version
+                then = onnx.defs.get_schema(op, opset).since_version
+            except onnx.defs.SchemaError:
+                continue
+            if then != now and _runs(op, now) and not _runs(op, then):
+                lost[op] = then
+    return [f"{op} (version {version})" for op, version in sorted(lost.items())]

@@ -207,7 +207,7 @@ def measure(
                 optimized = os.path.join(tmp, f"opt{i}.onnx") if v.level != "disabled" and copy == 0 else None
                 try:
                     if v.name not in sources:
-                        sources[v.name] = serialize(v.model, tmp)
+                        sources[v.name] = _seeded_source(v.model, tmp)
                     copies_of.setdefault(v.name, []).append(ort.InferenceSession(
                         sources[v.name], session_options(v.level, threads, optimized_path=optimized),
                         providers=["CPUExecutionProvider"],
@@ -295,6 +295,22 @@ def measure(
     )
 
 
+
+
+def _seeded_source(model: ir.Model | bytes | str, tmp: str) -> bytes | str:
+    """What a session loads for ``model``: an onnx-ir model's random nodes draw from seeds of their
+    names (:mod:`opfuse.verify.random_ops`, as verification does), so that each variant's first run
+    draws the same numbers and their outputs compare (a VITS voice adds noise from RandomNormalLike);
+    the model itself keeps its attributes."""
+    if not isinstance(model, ir.Model):
+        return serialize(model, tmp)
+    from opfuse.verify.random_ops import drop_given_seeds, seed_random_nodes
+
+    given = seed_random_nodes(model)
+    try:
+        return serialize(model, tmp)
+    finally:
+        drop_given_seeds(model, given)
 
 
 def rounds_for_budget(pass_s: float, budget_s: float, least: int, most: int) -> int:
