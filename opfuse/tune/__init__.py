@@ -144,7 +144,8 @@ class Tuning:
     target: str = ""
     in_file: dict = dataclasses.field(default_factory=dict)  # family -> {op: count} in the model written
     # each refused decision as (configuration with it, configuration without it, the reason): the
-    # pipeline turns the rewrites only the first has into refusals, one per site (not serialised)
+    # pipeline turns the rewrites only the first has into refusals, one per site (in the record, so
+    # that a replay explains them as the timed run did: opfuse.tune.run)
     declined: list[tuple[Configuration, Configuration, str]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -162,7 +163,9 @@ class Tuning:
                 "aa": None if self.aa is None else dataclasses.asdict(self.aa), "noise": self.noise,
                 "families": [f.to_dict() for f in self.families], "configuration": self.configuration,
                 "chosen": self.chosen, "written": self.written,
-                "final": None if self.final is None else dataclasses.asdict(self.final)}
+                "final": None if self.final is None else dataclasses.asdict(self.final),
+                "declined": [{"with": with_it.to_dict(), "without": without.to_dict(), "reason": reason}
+                             for with_it, without, reason in self.declined]}
 
     def describe_written(self, model: ir.Model) -> None:
         """Count each family's ops in the model written (:attr:`in_file`): the log states the file."""
@@ -229,7 +232,9 @@ def replayed(record: dict, source: str) -> tuple[Configuration | None, Tuning]:
                     final=Spread(**record["final"]) if record.get("final") else None,
                     written=record.get("written", ""), scope=record.get("scope", ""), source=source,
                     configuration=configuration, signature=record.get("signature", ""),
-                    machine=record.get("machine", {}), target=record.get("target", ""))
+                    machine=record.get("machine", {}), target=record.get("target", ""),
+                    declined=[(Configuration.from_dict(d["with"]), Configuration.from_dict(d["without"]), d["reason"])
+                              for d in record.get("declined", [])])
     return config, tuning
 
 

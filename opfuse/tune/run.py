@@ -72,6 +72,8 @@ def tuned_run(model: ModelSource, options, plan, configured: Callable):
             tuning.signature, tuning.machine, tuning.target = sig, machine(options.tune_threads), options.target
             tuning.configuration = None if chosen is None else chosen.to_dict()
             save_record(tuning.record(), cached)
+        elif tuning.declined and chosen is not None:  # replayed: the declined fusions' sites, as timed
+            _explain(model, original, block, options, plan, tuning, reports, configured)
     run = configured(model, options, plan, chosen, verify=options.verify, loaded=(original, display))
     run.report.tuning = tuning
     if chosen is not None:
@@ -80,13 +82,11 @@ def tuned_run(model: ModelSource, options, plan, configured: Callable):
     return run
 
 
-def _timed(model: ModelSource, original: ir.Model, block, policy, options, plan,
-           reports: dict, configured: Callable):
-    """Time the families (:func:`opfuse.tune.tune`) on the whole model (``block`` None), else on the
-    prefix through ``block`` (:mod:`opfuse.tune.block`). Fills ``reports`` (configuration -> the
-    report of its rewrites) for the refusals."""
-    bound = resolve_constant_inputs(original, options.constant_inputs)
-    scope, timed_model, lookups = "the whole model", model, []
+def _scope(model: ModelSource, original: ir.Model, block, options):
+    """What the configurations are timed on: the whole model (``block`` None), else the prefix through
+    ``block`` (:mod:`opfuse.tune.block`); as (what ``configured`` takes, the loaded model of it, the
+    options with the constant inputs it has, a description)."""
+    scope, timed_model = "the whole model", model
     if block is not None:
         prefix = prefix_model(original.clone(), block)
         scope = f"on {block.describe()}: the prefix through it, {sum(1 for _ in prefix.graph)} nodes"
@@ -94,6 +94,32 @@ def _timed(model: ModelSource, original: ir.Model, block, policy, options, plan,
     timed_original = timed_model if isinstance(timed_model, ir.Model) else original
     sub_options = dataclasses.replace(options, constant_inputs={
         k: v for k, v in (options.constant_inputs or {}).items() if k in {i.name for i in timed_original.graph.inputs}})
+    return timed_model, timed_original, sub_options, scope
+
+
+def _explain(model: ModelSource, original: ir.Model, block, options, plan, tuning, reports: dict,
+             configured: Callable) -> None:
+    """For a replayed record: the rewrites of each declined decision's two configurations, on what the
+    timed run ran them on (the whole model or its first block), untimed, into ``reports``, so that
+    :func:`_declined` names each site as after timing. Best effort: where they raise, the decision
+    stands without its sites."""
+    try:
+        timed_model, timed_original, sub_options, _ = _scope(model, original, block, options)
+        source = timed_original if timed_model is not model else model
+        for config in {c for with_it, without, _ in tuning.declined for c in (with_it, without)}:
+            reports[config] = configured(source, sub_options, plan, config, verify=False).report
+    except Exception:  # noqa: BLE001 - explaining never fails a run
+        reports.clear()
+
+
+def _timed(model: ModelSource, original: ir.Model, block, policy, options, plan,
+           reports: dict, configured: Callable):
+    """Time the families (:func:`opfuse.tune.tune`) on the whole model (``block`` None), else on the
+    prefix through ``block`` (:mod:`opfuse.tune.block`). Fills ``reports`` (configuration -> the
+    report of its rewrites) for the refusals."""
+    bound = resolve_constant_inputs(original, options.constant_inputs)
+    lookups = []
+    timed_model, timed_original, sub_options, scope = _scope(model, original, block, options)
     feeds = None
     try:
         if timed_model is not model:  # the prefix: its feeds drawn with its lookups, then the lookups cut
