@@ -66,6 +66,7 @@ from __future__ import annotations
 __all__ = ["CleanupPass"]
 
 import contextlib
+from collections import Counter
 import inspect
 import logging
 
@@ -101,10 +102,10 @@ class CleanupPass(OpfusePass):
         self._reported: list = []  # the refusals the last run put in the report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        before = _all_ops(model)
+        before, main = _op_counts(model)
         ops = before
         for _ in range(BRANCH_ROUNDS if self.fold_constants else 0):
-            if self._shapes_seen != count_ops(model.graph):  # (the inference costs; its answer would not change)
+            if self._shapes_seen != main:  # (the inference costs; its answer would not change)
                 records, self._shape_refusals = fold_shape_values(model)
                 self.report.records.extend(records)
                 self._shapes_seen = count_ops(model.graph)
@@ -117,15 +118,14 @@ class CleanupPass(OpfusePass):
             _type_constant_outputs(model)
             if not any(r.pattern == RESOLVED for r in records):
                 break
-            ops = _all_ops(model)  # an If became its branch: the shapes inside it may now fold its Ifs
+            ops, main = _op_counts(model)  # an If became its branch: the shapes inside it may now fold its Ifs
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         _eliminate_identities(model)
         if self.eliminate_common and not random_nodes(model):  # (it skips RandomNormal and kin, not Bernoulli)
             _share_integer_constants(model)
             common.CommonSubexpressionEliminationPass()(model)
         common.RemoveUnusedNodesPass()(model)
-        after = _all_ops(model)
-        self._shapes_seen = count_ops(model.graph)
+        after, self._shapes_seen = _op_counts(model)
         self._report_refusals(standing(self._shape_refusals, model.graph))
         gone = before - after
         for op, n in gone.items():
@@ -366,7 +366,19 @@ def _type_constant_outputs(model: ir.Model) -> None:
 
 
 def _all_ops(model: ir.Model):
-    return count_ops(node for scope in iter_scopes(model) for node in scope.graph)
+    return _op_counts(model)[0]
+
+
+def _op_counts(model: ir.Model) -> tuple[Counter, Counter]:
+    """(the op counts of every graph, those of the main graph), in one walk."""
+    total = main = None
+    for scope in iter_scopes(model):  # (the main graph first)
+        counts = count_ops(scope.graph)
+        if main is None:
+            main, total = counts, Counter(counts)
+        else:
+            total.update(counts)
+    return total, main
 
 
 def _eliminate_identities(model: ir.Model) -> int:
