@@ -119,12 +119,19 @@ class Shapes:
         return ["batch=1", f"past_seq={self.past}"] if graph == "decode" else ["batch=1", f"seq={self.seq}"]
 
 
+PAD = 2  # the padding's token id: masked, so any; not 0, whose embedding a random corpus model zeroes (below)
+
+
 def prefill_feeds(ids: list[int], seq: int) -> dict:
+    """A prompt left-padded into the prefill chunk. The padding token is :data:`PAD`, not 0: the corpus
+    models' pad_token_id 0 has a zero embedding, so the padded rows' RMSNorm divides by sqrt(eps), and a
+    quantised Add rounds eps to 0 (on the CPU the Reciprocal then saturates; on the HTP it gives other
+    numbers, which swamp the output's SQNR though those rows are never read)."""
     pad = seq - len(ids)
     if pad < 0:
         raise ValueError(f"a prompt of {len(ids)} tokens does not fit the {seq}-token prefill")
     mask = np.array([[0] * pad + [1] * len(ids)], np.int64)
-    return {"input_ids": np.array([[0] * pad + list(ids)], np.int64), "attention_mask": mask,
+    return {"input_ids": np.array([[PAD] * pad + list(ids)], np.int64), "attention_mask": mask,
             "position_ids": np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int64)}
 
 

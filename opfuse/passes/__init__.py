@@ -29,6 +29,8 @@
 ``rotary-table``          a rotary embedding's Cos/Sin of angles computed from integer
                           positions -> Gather(table, positions) from a table computed on
                           the CPU, bounded by the graph's attention context (``--target qnn``)
+``reciprocal-div``        Reciprocal(x) -> Div(1, x), exact: QNN's HTP computes a quantised
+                          Reciprocal of a small-scaled input wrongly (``--target qnn``)
 ========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -66,6 +68,7 @@ REGISTRY: dict[str, str] = {
     "dequantize-dynamic": "opfuse.passes.dequantize_dynamic:DequantizeDynamicPass",
     "mask-fill": "opfuse.passes.mask_fill:MaskFillPass",
     "rotary-table": "opfuse.passes.rotary_table:RotaryTablePass",
+    "reciprocal-div": "opfuse.passes.reciprocal_div:ReciprocalDivPass",
 }
 PASS_NAMES = tuple(REGISTRY)
 DEFAULT_PASSES = TARGET_DEFAULT_PASSES["onnx"]

@@ -43,7 +43,8 @@ TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
     "onnxruntime": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "pack-projections", "fuse-epilogue"),
     # mask-fill after fuse-patterns: an Add(scores, mask) it rewrites is no longer attention's spelling;
     # rotary-table last: its bound is the attention context the bound dims give
-    "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "mask-fill", "rotary-table"),
+    "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "mask-fill", "rotary-table",
+                   "reciprocal-div"),
     "ethos-u": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
 }
 TARGETS = tuple(TARGET_MODULES)

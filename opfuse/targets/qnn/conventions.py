@@ -7,20 +7,56 @@ layers the mixed-precision search keeps with 16-bit activations as tensor overri
 per-channel weights, LayerNormalization's scale and bias kept per tensor (the HTP refuses a
 per-channel DequantizeLinear there). The portable configuration is in
 :class:`opfuse.quantization.qdq.quantizer.Quantizer`.
+
+A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
+as they are, their range runs from -65504 to the scores' maximum, and a 16-bit step is then 1.0, a coarse
+grid for attention scores of a few units (a 1-layer Llama's prefill: the Softmax's own noise at 22.5 dB,
+the output 0.3 dB). So where such a Where is in the model the quantiser is configured from the calibrated
+ranges (:func:`wants_ranges`), and the Where's output gets the range of its scores, widened below by
+:data:`MASKED_MARGIN`: the fill saturates at that minimum, whose ``exp(min - max) <= exp(-20)`` (2e-9) is
+below the Softmax's 16-bit output step (1.5e-5), so a masked position still weighs nothing, and a fully
+masked row is still constant (uniform).
 """
 
 from __future__ import annotations
 
-__all__ = ["quantizer_config", "qnn_types"]
+__all__ = ["quantizer_config", "qnn_types", "wants_ranges", "MASKED_MARGIN"]
 
 import pathlib
 
+import numpy as np
 import onnx
 from onnxruntime import quantization as ortq
 
 ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
 WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8,  # Preset.weight
                 "int4": ortq.QuantType.QInt8}  # (int4: the MatMul/Gemm weights, by override; the rest int8)
+
+
+MASKED_MARGIN = 20.0  # below the scores' minimum, where a masked score saturates (module docstring)
+
+
+def _masked_wheres(float_model: onnx.ModelProto) -> dict[str, str]:
+    """{Where output: its scores input} of each mask-fill Where (a branch the one-element -65504 constant)."""
+    from onnx import numpy_helper
+
+    from opfuse.passes.mask_fill import FILL
+
+    fills = {i.name for i in float_model.graph.initializer
+             if numpy_helper.to_array(i).size == 1 and float(numpy_helper.to_array(i).reshape(-1)[0]) == FILL}
+    out = {}
+    for n in float_model.graph.node:
+        if n.op_type == "Where" and len(n.input) == 3:
+            if n.input[1] in fills and n.input[2] not in fills:
+                out[n.output[0]] = n.input[2]
+            elif n.input[2] in fills and n.input[1] not in fills:
+                out[n.output[0]] = n.input[1]
+    return out
+
+
+def wants_ranges(float_model: onnx.ModelProto) -> bool:
+    """Whether :func:`quantizer_config` reads the calibrated ranges: for a model with masked scores."""
+    return bool(_masked_wheres(float_model))
 
 
 def qnn_types(preset) -> dict:
@@ -31,17 +67,23 @@ def qnn_types(preset) -> dict:
 
 
 def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
-                     method, extra: dict, sixteen: list[str], excluded: list[str]) -> dict:
+                     method, extra: dict, sixteen: list[str], excluded: list[str], ranges=None) -> dict:
     """``quantize_static``'s keyword arguments for the HTP: ``reader`` the calibration reader
     (None: the ranges are cached), ``sample_reader`` a fresh one for ``get_qnn_qdq_config``,
     ``method`` and ``extra`` the calibration method and its options, ``sixteen`` the tensors
-    kept with 16-bit activations, ``excluded`` the nodes kept in float."""
+    kept with 16-bit activations, ``excluded`` the nodes kept in float; ``ranges`` the calibrated ranges
+    (ONNX Runtime's ``TensorsData``), read for the masked scores (module docstring)."""
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (its QNN helpers: on use)
 
     overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in sixteen}
     if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
         overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
                           for name in _layernorm_constants(float_model)})
+    for out, scores in _masked_wheres(float_model).items() if ranges is not None else ():
+        if scores in ranges.data:
+            low, high = (float(np.asarray(v).reshape(-1)[0]) for v in ranges.data[scores].range_value)
+            entry = overrides.setdefault(out, [{}])[0]
+            entry.update(rmin=np.float32(min(low, 0.0) - MASKED_MARGIN), rmax=np.float32(max(high, 0.0)))
     if preset.weight == "int4":  # w4a16: each MatMul/Gemm weight int4, one scale per output channel
         overrides.update({name: [{"quant_type": ortq.QuantType.QInt4, "symmetric": True, "axis": axis}]
                           for name, axis in _int4_weights(float_model).items() if name not in overrides})
