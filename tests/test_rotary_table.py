@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 import opfuse
 from decoder_nets import export_llama_step, export_tiny_llama
 from graphs import model, ops, ort_run, rng, tensor, vinfo
+from qnn_graphs import needs_htp
 
 n = helper.make_node
 CONTEXT, D = 16, 8
@@ -130,3 +131,39 @@ def test_a_llama_decode_step_at_a_fixed_context(tmp_path):
     expected, actual = ort_run(original, feeds), ort_run(out, feeds)
     for name, value in expected.items():
         np.testing.assert_allclose(actual[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@needs_htp
+def test_a_llama_decode_step_compiles_whole_with_its_table_and_presents_agree(tmp_path):
+    """The one-layer Llama's decode step at a 255 + 1 context through the command line (a child process):
+    every node on the HTP, a [256, 16] table, and its presents (rotated keys) on the HTP within 1e-2 of their
+    scale of the original on the CPU at position 200 (float16 angles put them 9e-2 off there)."""
+    pytest.importorskip("onnxruntime_qnn", reason="the qnn extra (onnxruntime-qnn) is not installed")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from opfuse.targets.qnn.backend import open_session
+
+    src = export_llama_step(tmp_path / "decode.onnx", "decode")
+    out, log = tmp_path / "o.onnx", tmp_path / "log.json"
+    done = subprocess.run([sys.executable, "-m", "opfuse", "optimize", str(src), "-o", str(out), "--target", "qnn",
+                           "--require-npu", "--dim", "batch=1", "--dim", "past_seq=255", "--report", str(log), "-q"],
+                          capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "OPFUSE_SUPERVISED_CHILD"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a [256, 16] table" in log.read_text()
+    assert json.loads(log.read_text())["device"]["on_cpu"] == []
+    r = rng(3)
+    feeds = {"input_ids": np.array([[7]], np.int64), "attention_mask": np.ones((1, 256), np.int64),
+             "position_ids": np.array([[200]], np.int64)}
+    for i in range(1):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kv}"] = r.standard_normal((1, 2, 255, 16)).astype(np.float32)
+    expected = ort_run(ir.load(src), feeds)
+    session = open_session(str(out), strict=True)
+    names = [o.name for o in session.session.get_outputs()]
+    actual = dict(zip(names, session.run(feeds, names)))
+    new = expected["present.0.key"][:, :, -1]
+    assert np.abs(actual["present.0.key"][:, :, -1] - new).max() / np.abs(new).max() < 1e-2
