@@ -184,7 +184,7 @@ def _path(node: ir.Node):
 def _table(nodes: list[ir.Node], positions: ir.Value, out: ir.Value, bound: int, opset: int):
     """The [bound, row] table of ``out`` over positions 0..bound-1, computed by ``nodes`` on ONNX Runtime's
     CPU; or why the path is not position-wise (two draws of scattered positions)."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # (the CPU runs the path: only where a site is found)
 
     initializers, seen = [], set()
     for n in nodes:

@@ -38,12 +38,10 @@ MASKED_MARGIN = 20.0  # below the scores' minimum, where a masked score saturate
 
 def _masked_wheres(float_model: onnx.ModelProto) -> dict[str, str]:
     """{Where output: its scores input} of each mask-fill Where (a branch the one-element -65504 constant)."""
-    from onnx import numpy_helper
-
-    from opfuse.passes.mask_fill import FILL
+    from opfuse.passes.mask_fill import FILL  # (the pass's constant; the passes load after the targets)
 
     fills = {i.name for i in float_model.graph.initializer
-             if numpy_helper.to_array(i).size == 1 and float(numpy_helper.to_array(i).reshape(-1)[0]) == FILL}
+             if onnx.numpy_helper.to_array(i).size == 1 and float(onnx.numpy_helper.to_array(i).reshape(-1)[0]) == FILL}
     out = {}
     for n in float_model.graph.node:
         if n.op_type == "Where" and len(n.input) == 3:
