@@ -39,6 +39,7 @@ For the corpus' random Llama the prompts are random token ids.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -204,7 +205,7 @@ def sqnr(reference: np.ndarray, actual: np.ndarray) -> float:
 def prompts_tokens(model: str, count: int, prompts: list[str], work: pathlib.Path, seq: int) -> list[list[int]]:
     """Chat prompts tokenised with the model's own tokenizer (GGUF, via transformers); random ids for a
     corpus model with random weights. Cached in the work folder."""
-    cache = work / f"tokens-{abs(hash(tuple(prompts))) % 10**8}.json"
+    cache = work / f"tokens-{hashlib.sha1(json.dumps(prompts[:count]).encode()).hexdigest()[:10]}.json"
     if cache.exists():
         return json.loads(cache.read_text())
     if model == "smollm2-135m":
