@@ -17,7 +17,7 @@ user runs, in a child process:
     float   opfuse optimize G.onnx -o O.onnx --target qnn --require-npu --dim batch=1 --dim past_seq=255
             --context O_ctx.onnx              (the prefill: --dim seq=64)
     w8a16   opfuse quantize G.onnx -o O.onnx --preset qnn-a16-per-channel --calibration C.npz --require-npu
-            --dim ... --context O_ctx.onnx --reconstruct off
+            --dim ... --context O_ctx.onnx --reconstruct off --no-bias-correction
     w4a16   the same with --preset qnn-w4a16
     ort-w8a16  ONNX Runtime's documented flow on the same export and calibration: the shapes fixed,
             ``get_qnn_qdq_config`` (uint16 activations, int8 symmetric per-channel weights, as the
@@ -255,7 +255,7 @@ def build(variant: str, model: str, paths: dict, shapes: Shapes, work: pathlib.P
         elif variant in PRESETS:
             args = ["quantize", str(paths[graph]), "-o", str(out), "--preset", PRESETS[variant], "--calibration",
                     str(npz[graph]), "--require-npu", *dims, "--context", str(ctx), "--report", str(report),
-                    "--reconstruct", "off", "--overwrite", "-q"]
+                    "--reconstruct", "off", "--no-bias-correction", "--overwrite", "-q"]
         else:
             raise ValueError(variant)
         done = {"command": "opfuse " + " ".join(a if not a.startswith("/") else pathlib.Path(a).name for a in args)}
