@@ -12,8 +12,10 @@ A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.pass
 as they are, their range runs from -65504 to the scores' maximum, and a 16-bit step is then 1.0, a coarse
 grid for attention scores of a few units (a 1-layer Llama's prefill: the Softmax's own noise at 22.5 dB,
 the output 0.3 dB). So where such a Where is in the model the quantiser is configured from the calibrated
-ranges (:func:`wants_ranges`), and the Where's output gets the range of its scores, widened below by
-:data:`MASKED_MARGIN`: the fill saturates at that minimum, whose ``exp(min - max) <= exp(-20)`` (2e-9) is
+ranges (:func:`wants_ranges`), and where calibration applied the mask (the Where's calibrated minimum
+reaches the fill) the Where's output gets the range of its scores, widened below by
+:data:`MASKED_MARGIN` (a mask calibration never applied, BERT's all-ones in ``benchmarks/qnn.py``, keeps
+its calibrated range, as before): the fill saturates at that minimum, whose ``exp(min - max) <= exp(-20)`` (2e-9) is
 below the Softmax's 16-bit output step (1.5e-5), so a masked position still weighs nothing, and a fully
 masked row is still constant (uniform).
 """
@@ -34,12 +36,11 @@ WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8,  #
 
 
 MASKED_MARGIN = 20.0  # below the scores' minimum, where a masked score saturates (module docstring)
+FILL = -65504.0  # opfuse.passes.mask_fill.FILL (float16's minimum: the passes load after the targets)
 
 
 def _masked_wheres(float_model: onnx.ModelProto) -> dict[str, str]:
     """{Where output: its scores input} of each mask-fill Where (a branch the one-element -65504 constant)."""
-    from opfuse.passes.mask_fill import FILL  # (the pass's constant; the passes load after the targets)
-
     fills = {i.name for i in float_model.graph.initializer
              if onnx.numpy_helper.to_array(i).size == 1 and float(onnx.numpy_helper.to_array(i).reshape(-1)[0]) == FILL}
     out = {}
@@ -78,7 +79,8 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
         overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
                           for name in _layernorm_constants(float_model)})
     for out, scores in _masked_wheres(float_model).items() if ranges is not None else ():
-        if scores in ranges.data:
+        masked = out in ranges.data and float(np.asarray(ranges.data[out].range_value[0]).reshape(-1)[0]) <= FILL / 2
+        if masked and scores in ranges.data:  # (a mask never applied in calibration keeps its range)
             low, high = (float(np.asarray(v).reshape(-1)[0]) for v in ranges.data[scores].range_value)
             entry = overrides.setdefault(out, [{}])[0]
             entry.update(rmin=np.float32(min(low, 0.0) - MASKED_MARGIN), rmax=np.float32(max(high, 0.0)))
