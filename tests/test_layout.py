@@ -178,6 +178,7 @@ OWN_RULES = {
     ("llm/quantize_int4.py", frozenset({"Gather", "MatMul"})): "the ops int4 weight-only quantisation rewrites",
     ("passes/patterns/self_attention.py", "_SCALINGS"): "the two ways an export scales the scores (its rules)",
     ("passes/reshape_dims.py", "_SHAPE_ARITHMETIC"): "the shape arithmetic a constant target leaves dead",
+    ("passes/rotary_table.py", "PATH_OPS"): "the ops a position-wise path of angles may hold (the pass's legality)",
     ("passes/index_arithmetic.py", "_BROADCASTS"): "the ops an export of broadcast_tensors writes (rule 1)",
     ("passes/index_arithmetic.py", "_IDENTITY_CONSTANT"): "the ops that return their input with a constant (rule 4)",
     ("core/activations.py", frozenset({"Relu", "Clip"})): "the clamp-merging rule",

@@ -145,3 +145,50 @@ def test_a_llama_step_compiles_whole_on_the_htp(tmp_path, graph, dim):
     text = json.dumps(report)
     assert "GatherND(index grid)->Gather" in text and "mask fill->-65504" in text
     assert "GatherND" not in ops(onnx.load(out))
+
+
+def test_the_quantised_masked_scores_take_the_scores_range_where_calibration_masked():
+    """The qnn quantiser configuration: a mask-fill Where whose calibrated minimum reaches -65504 gets its scores'
+    range widened by 20 below (the fill saturates there, not a 16-bit step of 1.0); one calibration never masked
+    keeps its own range."""
+    pytest.importorskip("onnxruntime")
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+
+    from opfuse.quantization.presets import PRESETS
+    from opfuse.targets.qnn import conventions
+
+    out, _ = _mask_fill(_masked_softmax(MIN))
+    (where,) = [n for n in out.graph.node if n.op_type == "Where"]
+    assert conventions._masked_wheres(out) == {where.output[0]: "scores"}
+    assert conventions.wants_ranges(out) and not conventions.wants_ranges(_masked_softmax(MIN))
+
+    def overrides(low):
+        ranges = TensorsData(CalibrationMethod.MinMax, {
+            "scores": TensorData(lowest=np.float32(-7.0), highest=np.float32(9.0)),
+            where.output[0]: TensorData(lowest=np.float32(low), highest=np.float32(9.0))})
+        captured = {}
+
+        def fake(path, reader, **kwargs):
+            captured.update(kwargs)
+            raise StopIteration
+
+        return ranges, captured, fake
+
+    for low, expected in ((-65504.0, (-27.0, 9.0)), (-7.0, None)):
+        ranges, captured, fake = overrides(low)
+        import onnxruntime.quantization.execution_providers.qnn as qnn_module
+
+        original = qnn_module.get_qnn_qdq_config
+        qnn_module.get_qnn_qdq_config = fake
+        try:
+            with pytest.raises(StopIteration):
+                conventions.quantizer_config("m.onnx", out, PRESETS["qnn-a16"],
+                                             reader=None, sample_reader=None, method=None, extra={}, sixteen=[],
+                                             excluded=[], ranges=ranges)
+        finally:
+            qnn_module.get_qnn_qdq_config = original
+        got = (captured.get("init_overrides") or {}).get(where.output[0])
+        if expected is None:
+            assert got is None, got
+        else:
+            assert (float(got[0]["rmin"]), float(got[0]["rmax"])) == expected, got

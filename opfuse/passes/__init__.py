@@ -26,6 +26,11 @@
 ``mask-fill``             an additive mask filled with float32's minimum (or -inf) before
                           a Softmax -> Where(allowed, scores, -65504): a value float16 and
                           a 16-bit range hold, the same Softmax (``--target qnn``)
+``rotary-table``          a rotary embedding's Cos/Sin of angles computed from integer
+                          positions -> Gather(table, positions) from a table computed on
+                          the CPU, bounded by the graph's attention context (``--target qnn``)
+``reciprocal-div``        Reciprocal(x) -> Div(1, x), exact: QNN's HTP computes a quantised
+                          Reciprocal of a small-scaled input wrongly (``--target qnn``)
 ========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -62,6 +67,8 @@ REGISTRY: dict[str, str] = {
     "equalize-homogeneous": "opfuse.passes.equalize:HomogeneousEqualizePass",
     "dequantize-dynamic": "opfuse.passes.dequantize_dynamic:DequantizeDynamicPass",
     "mask-fill": "opfuse.passes.mask_fill:MaskFillPass",
+    "rotary-table": "opfuse.passes.rotary_table:RotaryTablePass",
+    "reciprocal-div": "opfuse.passes.reciprocal_div:ReciprocalDivPass",
 }
 PASS_NAMES = tuple(REGISTRY)
 DEFAULT_PASSES = TARGET_DEFAULT_PASSES["onnx"]

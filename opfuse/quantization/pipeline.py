@@ -237,6 +237,9 @@ def _fold(loaded: _Loaded, options: QuantizeOptions, settings) -> tuple[onnx.Mod
         fusion.records[:0], fusion.refusals[:0] = dequantised.records, dequantised.refusals
         fusion.ops_before = dequantised.ops_before
     seeded = seed_random_nodes(folded)  # calibration and SQNR draw the same numbers (the output drops the seeds)
+    # weights still in the input's external data file go into memory: the proto below is run from bytes
+    # (a relative data path would be read against the working directory) and saved again by the quantiser
+    ir.external_data.load_to_model(folded)
     float_model, prep_notes = prepare(ir.serde.serialize_model(folded), preset)
     report = QuantReport(model=loaded.display, preset=options.preset, fusion=fusion,
                          calibration_samples=len(loaded.calib), notes=[*notes, *prep_notes])

@@ -10,6 +10,11 @@
 - ``qnn-a16``: ``qnn`` with uint16 activations (QNN's "w8a16": the HTP runs 16-bit
   activations natively, at a cost in speed).
 - ``qnn-a16-per-channel``: ``qnn-a16`` with ``qnn-per-channel``'s weights.
+- ``qnn-w4a16``: ``qnn-a16-per-channel`` with the MatMul and Gemm weights in int4, symmetric, one
+  scale per output channel (QNN's "w4a16"); the other weights (norm scales, gathered tables) int8.
+  int4 needs DequantizeLinear-21, so the model is raised to opset 21. What the HTP takes, probed on
+  one MatMul and one Gemm (onnxruntime-qnn 2.7.0, soc_model 57): int4 weights per channel and per
+  tensor, whole on the HTP, as it takes int8 per channel.
 - ``ethos-u``: TFLite's int8 conventions for Arm's Ethos-U (int8 asymmetric activations, int8
   symmetric per-channel weights, int32 bias), every op ONNX Runtime can quantise quantised (an NPU
   runs no float; :mod:`opfuse.targets.ethos_u.device`); the result is lowered to TFLite, compiled
@@ -127,7 +132,7 @@ class Preset:
     name: str
     summary: str
     activation: Literal["uint8", "uint16", "int8"]
-    weight: Literal["int8", "uint8"]
+    weight: Literal["int8", "uint8", "int4"]  # int4: the MatMul/Gemm weights only, the rest int8
     per_channel: bool
     steps: tuple[StepSetting, ...]  # in order
     target: str = "onnx"  # whose passes fold the model and whose device (if any) compiles and verifies it
@@ -136,6 +141,8 @@ class Preset:
 
     @property
     def min_opset(self) -> int:
+        if self.weight == "int4":
+            return 21  # (int4 in DequantizeLinear)
         return 13 if self.per_channel else 11
 
     def device(self):
@@ -187,6 +194,9 @@ PRESETS: dict[str, Preset] = {
     "qnn-a16-per-channel": Preset("qnn-a16-per-channel", "as qnn-a16 with int8 symmetric per-channel weights",
                                   "uint16", "int8", per_channel=True, steps=_QNN_STEPS, target="qnn",
                                   keep_as="int16"),
+    "qnn-w4a16": Preset("qnn-w4a16", "as qnn-a16-per-channel with int4 symmetric per-channel MatMul and Gemm "
+                        "weights (QNN's w4a16; opset 21)", "uint16", "int4", per_channel=True, steps=_QNN_STEPS,
+                        target="qnn", keep_as="int16"),
     "ethos-u": Preset("ethos-u", "TFLite's int8 for Arm Ethos-U: int8 asymmetric activations, int8 symmetric "
                       "per-channel weights, lowered to TFLite and compiled by Vela", "int8", "int8", per_channel=True,
                       steps=_ETHOS_U_STEPS, target="ethos-u", keep_as="int16"),

@@ -41,8 +41,10 @@ TARGET_MODULES: dict[str, str] = {
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
     "onnx": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
     "onnxruntime": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "pack-projections", "fuse-epilogue"),
-    # mask-fill after fuse-patterns: an Add(scores, mask) it rewrites is no longer attention's spelling
-    "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "mask-fill"),
+    # mask-fill after fuse-patterns: an Add(scores, mask) it rewrites is no longer attention's spelling;
+    # rotary-table last: its bound is the attention context the bound dims give
+    "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "mask-fill", "rotary-table",
+                   "reciprocal-div"),
     "ethos-u": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
 }
 TARGETS = tuple(TARGET_MODULES)

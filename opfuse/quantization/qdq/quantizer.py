@@ -335,9 +335,13 @@ class Quantizer:
 
     def _wants_ranges(self) -> bool:
         """Whether the preset's device configures the quantiser from the calibrated ranges
-        (its ``WANTS_RANGES``: the ``ethos-u`` device, for the quantisations TFLite fixes)."""
+        (its ``WANTS_RANGES``: the ``ethos-u`` device, for the quantisations TFLite fixes; or a function of the
+        float model: the ``qnn`` device, for a decoder's masked scores)."""
         device = self.preset.device()
-        return bool(getattr(device, "WANTS_RANGES", False)) and not self._calibrating
+        wants = getattr(device, "WANTS_RANGES", False)
+        if callable(wants):
+            wants = wants(self.float_model)
+        return bool(wants) and not self._calibrating
 
     def _cached_ranges(self):
         """The calibration cache's ranges (ONNX Runtime's ``TensorsData``), None before it is written."""

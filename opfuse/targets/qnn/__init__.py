@@ -74,7 +74,13 @@ transformers' padding mask is read with; ``index-arithmetic`` writes it as Gathe
 grid folded into a constant once the dims are bound, too). Its fill value, float32's minimum, is
 outside the HTP's float16 and any 16-bit range, so ``mask-fill`` (this target's pass list,
 :data:`opfuse.targets.TARGET_DEFAULT_PASSES`) writes ``Where(allowed, scores, -65504)`` before the
-Softmax, the same Softmax on every row (:mod:`opfuse.passes.mask_fill`).
+Softmax, the same Softmax on every row (:mod:`opfuse.passes.mask_fill`); quantised, that Where's
+output takes the scores' range, widened below (:mod:`.conventions`). The rotary angles the HTP would
+compute in float16 (``Cos``/``Sin`` of ``position * inv_freq``, off by 0.09 at position 127) become a
+table read by position, bounded by the attention context the bound dims give
+(:mod:`opfuse.passes.rotary_table`); ``Reciprocal``, which the HTP computes wrongly quantised on a
+small-scaled input, becomes ``Div(1, x)`` (:mod:`opfuse.passes.reciprocal_div`). Weights: the HTP takes
+int4 MatMul and Gemm weights, per channel and per tensor, at opset 21 (``--preset qnn-w4a16``).
 
 The device beside the target (the package ``opfuse.targets.qnn``, :attr:`Target.device` names
 :mod:`.device`): whether the backend is installed and the HTP options, opening a session on it

@@ -7,19 +7,55 @@ layers the mixed-precision search keeps with 16-bit activations as tensor overri
 per-channel weights, LayerNormalization's scale and bias kept per tensor (the HTP refuses a
 per-channel DequantizeLinear there). The portable configuration is in
 :class:`opfuse.quantization.qdq.quantizer.Quantizer`.
+
+A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
+as they are, their range runs from -65504 to the scores' maximum, and a 16-bit step is then 1.0, a coarse
+grid for attention scores of a few units (a 1-layer Llama's prefill: the Softmax's own noise at 22.5 dB,
+the output 0.3 dB). So where such a Where is in the model the quantiser is configured from the calibrated
+ranges (:func:`wants_ranges`), and where calibration applied the mask (the Where's calibrated minimum
+reaches the fill) the Where's output gets the range of its scores, widened below by
+:data:`MASKED_MARGIN` (a mask calibration never applied, BERT's all-ones in ``benchmarks/qnn.py``, keeps
+its calibrated range, as before): the fill saturates at that minimum, whose ``exp(min - max) <= exp(-20)`` (2e-9) is
+below the Softmax's 16-bit output step (1.5e-5), so a masked position still weighs nothing, and a fully
+masked row is still constant (uniform).
 """
 
 from __future__ import annotations
 
-__all__ = ["quantizer_config", "qnn_types"]
+__all__ = ["quantizer_config", "qnn_types", "wants_ranges", "MASKED_MARGIN"]
 
 import pathlib
 
+import numpy as np
 import onnx
 from onnxruntime import quantization as ortq
 
 ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
-WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8}  # Preset.weight
+WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8,  # Preset.weight
+                "int4": ortq.QuantType.QInt8}  # (int4: the MatMul/Gemm weights, by override; the rest int8)
+
+
+MASKED_MARGIN = 20.0  # below the scores' minimum, where a masked score saturates (module docstring)
+FILL = -65504.0  # opfuse.passes.mask_fill.FILL (float16's minimum: the passes load after the targets)
+
+
+def _masked_wheres(float_model: onnx.ModelProto) -> dict[str, str]:
+    """{Where output: its scores input} of each mask-fill Where (a branch the one-element -65504 constant)."""
+    fills = {i.name for i in float_model.graph.initializer
+             if onnx.numpy_helper.to_array(i).size == 1 and float(onnx.numpy_helper.to_array(i).reshape(-1)[0]) == FILL}
+    out = {}
+    for n in float_model.graph.node:
+        if n.op_type == "Where" and len(n.input) == 3:
+            if n.input[1] in fills and n.input[2] not in fills:
+                out[n.output[0]] = n.input[2]
+            elif n.input[2] in fills and n.input[1] not in fills:
+                out[n.output[0]] = n.input[1]
+    return out
+
+
+def wants_ranges(float_model: onnx.ModelProto) -> bool:
+    """Whether :func:`quantizer_config` reads the calibrated ranges: for a model with masked scores."""
+    return bool(_masked_wheres(float_model))
 
 
 def qnn_types(preset) -> dict:
@@ -30,17 +66,27 @@ def qnn_types(preset) -> dict:
 
 
 def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
-                     method, extra: dict, sixteen: list[str], excluded: list[str]) -> dict:
+                     method, extra: dict, sixteen: list[str], excluded: list[str], ranges=None) -> dict:
     """``quantize_static``'s keyword arguments for the HTP: ``reader`` the calibration reader
     (None: the ranges are cached), ``sample_reader`` a fresh one for ``get_qnn_qdq_config``,
     ``method`` and ``extra`` the calibration method and its options, ``sixteen`` the tensors
-    kept with 16-bit activations, ``excluded`` the nodes kept in float."""
+    kept with 16-bit activations, ``excluded`` the nodes kept in float; ``ranges`` the calibrated ranges
+    (ONNX Runtime's ``TensorsData``), read for the masked scores (module docstring)."""
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (its QNN helpers: on use)
 
     overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in sixteen}
     if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
         overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
                           for name in _layernorm_constants(float_model)})
+    for out, scores in _masked_wheres(float_model).items() if ranges is not None else ():
+        masked = out in ranges.data and float(np.asarray(ranges.data[out].range_value[0]).reshape(-1)[0]) <= FILL / 2
+        if masked and scores in ranges.data:  # (a mask never applied in calibration keeps its range)
+            low, high = (float(np.asarray(v).reshape(-1)[0]) for v in ranges.data[scores].range_value)
+            entry = overrides.setdefault(out, [{}])[0]
+            entry.update(rmin=np.float32(min(low, 0.0) - MASKED_MARGIN), rmax=np.float32(max(high, 0.0)))
+    if preset.weight == "int4":  # w4a16: each MatMul/Gemm weight int4, one scale per output channel
+        overrides.update({name: [{"quant_type": ortq.QuantType.QInt4, "symmetric": True, "axis": axis}]
+                          for name, axis in _int4_weights(float_model).items() if name not in overrides})
     config = get_qnn_qdq_config(str(float_path), reader or sample_reader, calibrate_method=method,
                                 init_overrides=overrides or None, **qnn_types(preset))
     return dict(
@@ -51,6 +97,22 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
         per_channel=config.per_channel, calibrate_method=config.calibrate_method,
         extra_options={**config.extra_options, **extra},
     )
+
+
+def _int4_weights(float_model: onnx.ModelProto) -> dict[str, int]:
+    """{weight: its output-channel axis} of the MatMul (a [K, N] initializer as input 1: axis 1) and Gemm
+    (axis 0 with transB, else 1) weights: what ``qnn-w4a16`` writes in int4. get_qnn_qdq_config would give a
+    MatMul's weight a per-tensor override ("QNN does not support per-channel MatMul"); the HTP of
+    onnxruntime-qnn 2.7.0 takes per-channel int4 and int8 MatMul weights whole at opset 21 (probed)."""
+    inits = {i.name: len(i.dims) for i in float_model.graph.initializer}
+    out: dict[str, int] = {}
+    for n in float_model.graph.node:
+        if n.op_type == "MatMul" and len(n.input) > 1 and inits.get(n.input[1]) == 2:
+            out[n.input[1]] = 1
+        elif n.op_type == "Gemm" and len(n.input) > 1 and inits.get(n.input[1]) == 2:
+            trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
+            out[n.input[1]] = 0 if trans_b else 1
+    return out
 
 
 def _layernorm_constants(float_model: onnx.ModelProto) -> list[str]:

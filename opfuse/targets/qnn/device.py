@@ -28,10 +28,11 @@ from opfuse.targets.qnn.backend import HtpOptions as Options
 from opfuse.targets.qnn.backend import require_backend
 from opfuse.targets.qnn.compile import compile_on_htp as compile  # noqa: A001 - the interface's name
 from opfuse.targets.qnn.conventions import quantizer_config
+from opfuse.targets.qnn.conventions import wants_ranges as WANTS_RANGES  # noqa: N812 (a model's question)
 from opfuse.targets.qnn.runner import HtpRunner as Runner
 from opfuse.targets.qnn.runner import htp_accuracy as accuracy
 
 TITLE = "QNN HTP backend"
 NAME = "HTP"
 
-__all__ = ["TITLE", "NAME", "Options", "require_backend", "compile", "quantizer_config", "Runner", "accuracy"]
+__all__ = ["TITLE", "NAME", "Options", "require_backend", "compile", "quantizer_config", "WANTS_RANGES", "Runner", "accuracy"]
