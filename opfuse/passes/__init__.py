@@ -23,6 +23,9 @@
                           back to float ops with the int8 weights dequantised; not exact
                           (it removes the activations' run-time rounding): ``quantize``
                           runs it on such a model, no target by default
+``fuse-dynamic-int8``     DynamicQuantizeLinear + MatMulInteger + Cast + Mul [+ Add] (what
+                          ``quantize_dynamic`` writes) -> DynamicQuantizeMatMul or
+                          MatMulIntegerToFloat (onnxruntime)
 ``mask-fill``             an additive mask filled with float32's minimum (or -inf) before
                           a Softmax -> Where(allowed, scores, -65504): a value float16 and
                           a 16-bit range hold, the same Softmax (``--target qnn``)
@@ -62,6 +65,7 @@ REGISTRY: dict[str, str] = {
     "equalize-homogeneous": "opfuse.passes.equalize:HomogeneousEqualizePass",
     "dequantize-dynamic": "opfuse.passes.dequantize_dynamic:DequantizeDynamicPass",
     "mask-fill": "opfuse.passes.mask_fill:MaskFillPass",
+    "fuse-dynamic-int8": "opfuse.passes.fuse_dynamic_int8:FuseDynamicInt8Pass",
 }
 PASS_NAMES = tuple(REGISTRY)
 DEFAULT_PASSES = TARGET_DEFAULT_PASSES["onnx"]

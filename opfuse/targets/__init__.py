@@ -40,7 +40,8 @@ TARGET_MODULES: dict[str, str] = {
 # target -> the passes ``opfuse optimize --target T`` runs when --passes is not given
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
     "onnx": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
-    "onnxruntime": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "pack-projections", "fuse-epilogue"),
+    "onnxruntime": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "pack-projections", "fuse-epilogue",
+                             "fuse-dynamic-int8"),
     # mask-fill after fuse-patterns: an Add(scores, mask) it rewrites is no longer attention's spelling
     "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "mask-fill"),
     "ethos-u": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
