@@ -351,3 +351,41 @@ def test_shape_reads_of_anonymous_dims_stay_apart(anonymous):
     assert ops(out).count("Shape") == 2 and not any(r.pattern == "Shape(same dim)" for r in report.records)
     feeds = {"a": np.zeros((2, 3), np.float32), "b": np.zeros((2, 6), np.float32)}
     _same(ort_run(original, feeds), ort_run(out, feeds))
+
+
+# -- rule 6: Slices that tile an axis ------------------------------------------------------------
+
+def _slices_model(bounds, *, opset=17, axis=0, output_slice=False, dim=3):
+    """h[dim, B, 4] -> one Slice per (start, end) along ``axis`` -> Relu each (the LSTM stack's h0[l:l+1])."""
+    nodes, inits, outputs = [], [tensor("axis", np.array([axis], np.int64))], []
+    for i, (start, end) in enumerate(bounds):
+        inits += [tensor(f"s{i}", np.array([start], np.int64)), tensor(f"e{i}", np.array([end], np.int64))]
+        nodes += [n("Slice", ["h", f"s{i}", f"e{i}", "axis"], [f"p{i}"], name=f"slice{i}"),
+                  n("Relu", [f"p{i}"], [f"y{i}"], name=f"relu{i}")]
+        outputs.append(vinfo(f"y{i}", None))
+    if output_slice:
+        outputs.append(vinfo("p0", None))
+    return model(nodes, [vinfo("h", [dim, "B", 4])], outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("opset", [11, 17])
+@pytest.mark.parametrize("bounds", [[(0, 1), (1, 2), (2, 3)], [(2, 99), (0, 1), (-2, -1)], [(0, 2), (2, 3)]],
+                         ids=["in-order", "any-order-negative-clamped", "uneven"])
+def test_slices_that_tile_an_axis_become_one_split(bounds, opset):
+    m = _slices_model(bounds, opset=opset)
+    out, report = _optimize(m)
+    assert ops(out).count("Split") == 1 and "Slice" not in ops(out)
+    split = next(node for node in out.graph if node.op_type == "Split")
+    in_order = sorted(range(len(bounds)), key=lambda i: bounds[i][0] % 3)  # (a negative start counts from the end)
+    assert [v.name for v in split.outputs] == [f"p{i}" for i in in_order]
+    assert {c.rewrite.split(" at ")[0] for c in report.verification.rewrites} == {"Slices->Split"}
+    feeds = {"h": rng(1).normal(0, 1, (3, 2, 4)).astype(np.float32)}
+    _same(ort_run(m, feeds), ort_run(out, feeds))
+
+
+@pytest.mark.parametrize("case", ["gap", "overlap", "one-slice", "graph-output", "symbolic-dim"])
+def test_slices_that_do_not_tile_an_axis_stay(case):
+    bounds = {"gap": [(0, 1), (2, 3)], "overlap": [(0, 2), (1, 3)], "one-slice": [(0, 3)]}.get(case, [(0, 1), (1, 3)])
+    m = _slices_model(bounds, output_slice=case == "graph-output", axis=1 if case == "symbolic-dim" else 0)
+    out, _ = _optimize(m)
+    assert "Split" not in ops(out) and ops(out).count("Slice") == len(bounds)
