@@ -96,6 +96,7 @@ class FuseDynamicInt8Pass(OpfusePass):
     name = "fuse-dynamic-int8"
     emits_contrib_ops = True
     options = frozenset({"exclude", "veto", "target"})  # (what the fusion stage hands every pass)
+    requires_ops = frozenset({"MatMulInteger"})
 
     def __init__(self, report=None, *, exclude=None, veto=None, target: Target | str = "onnxruntime"):
         super().__init__(report)
