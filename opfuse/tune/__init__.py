@@ -360,7 +360,8 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         if possible is not None and not _could_be_here(family, possible):
             own = next(f for f in FAMILIES if f.name == family)
             results[config] = FamilyResult(family, candidate, "not in this graph", absent if own.patterns else (
-                f"not in this graph: {', '.join(own.passes)} finds none of the ops it needs here"))
+                f"not in this graph: {', '.join(own.passes)} does not run at this target or finds none of the ops it "
+                "needs here"))
     models: dict[Configuration, ir.Model] = {}
     try:
         models[policy] = build(policy)
