@@ -383,6 +383,21 @@ def test_slices_that_tile_an_axis_become_one_split(bounds, opset):
     _same(ort_run(m, feeds), ort_run(out, feeds))
 
 
+def test_slices_of_a_computed_tensor_stay_for_the_patterns():
+    """Rotate-half's two halves of a computed tensor tile its last axis: they stay Slices, which the
+    rotary pattern (run after this pass) reads."""
+    inits = [tensor("axis", np.array([-1], np.int64)), tensor("zero", np.array([0], np.int64)),
+             tensor("half", np.array([2], np.int64)), tensor("end", np.array([4], np.int64))]
+    nodes = [n("Relu", ["h"], ["q"], name="relu"),
+             n("Slice", ["q", "zero", "half", "axis"], ["x1"], name="first_half"),
+             n("Slice", ["q", "half", "end", "axis"], ["x2"], name="second_half"),
+             n("Neg", ["x2"], ["nx2"], name="neg"),
+             n("Concat", ["nx2", "x1"], ["y"], axis=-1, name="rotate_half")]
+    m = model(nodes, [vinfo("h", [3, "B", 4])], [vinfo("y", None)], inits)
+    out, _ = _optimize(m)
+    assert "Split" not in ops(out) and ops(out).count("Slice") == 2
+
+
 @pytest.mark.parametrize("case", ["gap", "overlap", "one-slice", "graph-output", "symbolic-dim"])
 def test_slices_that_do_not_tile_an_axis_stay(case):
     bounds = {"gap": [(0, 1), (2, 3)], "overlap": [(0, 2), (1, 3)], "one-slice": [(0, 3)]}.get(case, [(0, 1), (1, 3)])

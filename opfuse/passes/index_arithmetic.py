@@ -54,7 +54,10 @@ eleven nodes. The rules, each exact:
    s_i..e_i - 1 of the axis in both, copied (exact). ONNX Runtime's EXTENDED level does the same
    (``GatherSliceToSplitFusion``): an LSTM stack's ``h0[l:l+1]`` per layer. Every Slice reading x
    must be in the tiling (a Split's outputs cover the axis once), and none of their outputs a
-   graph output; Split takes its sizes as an input from opset 13, as an attribute before.
+   graph output; Split takes its sizes as an input from opset 13, as an attribute before. Only
+   where x is a graph input: a computed tensor's Slices may be a pattern's own spelling
+   (rotate-half's two halves of q and k, :mod:`opfuse.passes.patterns.rotary`), which
+   ``fuse-patterns``, running after this pass, must still find as Slices.
 
 Legality common to all: the main graph only; a node whose output is a graph output is left
 (the output keeps its name and its producer); the ranks and dims come from onnx's shape
@@ -124,6 +127,8 @@ class IndexArithmeticPass(OpfusePass):
     # -- rule 6 -------------------------------------------------------------------------------
     def _slices_to_split(self, node: ir.Node) -> bool:
         x = node.inputs[0]
+        if not x.is_graph_input():  # (a computed tensor's Slices may be a pattern's: module docstring)
+            return False
         slices = [use.node for use in x.uses() if use.idx == 0 and is_op(use.node, "Slice")]
         if slices[0] is not node or len(slices) < 2 or x.shape is None:  # (the group once, at its first Slice)
             return False
@@ -391,7 +396,7 @@ def _could_apply(node: ir.Node) -> bool:
         return value is not None and is_op(value.producer(), *ops)
 
     if is_op(node, "Slice"):
-        return (len(node.inputs) >= 3 and node.inputs[0] is not None
+        return (len(node.inputs) >= 3 and node.inputs[0] is not None and node.inputs[0].is_graph_input()
                 and sum(use.idx == 0 and is_op(use.node, "Slice") for use in node.inputs[0].uses()) >= 2
                 and all(isinstance(find_constant(v), Constant) for v in node.inputs[1:] if v is not None))
     if is_op(node, "GatherND"):
