@@ -6,7 +6,7 @@ exported by torch's dynamo exporter take 30-35 nodes on tensors of a few hundred
 where each node's cost is ONNX Runtime's per-kernel overhead, not its arithmetic: on
 Mistral's decode step they were a tenth of its time. The padding term alone,
 ``attention_mask[batch_arange[:, None, None, None], kv_arange[None, None, None, :]]``, is
-eleven nodes. The rules, each exact:
+eleven nodes. Four rules, each exact:
 
 1. **GatherND over a separable index grid** (torch's advanced indexing with broadcast
    index vectors)::
@@ -44,20 +44,6 @@ eleven nodes. The rules, each exact:
    ``Or(x, c)`` with all False, ``Expand(x, c)`` with ``c`` all ones; each only when ``c``
    does not broadcast ``x`` to a larger shape (its rank at most ``x``'s, each of its dims 1 or
    ``x``'s static dim).
-
-5. **One dim read once**: Shape nodes reading the same declared dim of graph inputs (one name)
-   are one (the first serves all).
-6. **Slices that tile an axis are one Split**: ``Slice(x, s_i, e_i, [a])`` for i = 1..n (n >= 2),
-   one constant axis a, step 1, whose intervals ``[s_i, e_i)`` (negative counted from the end,
-   clamped to the dim, as Slice does) are non-empty and, sorted, cover ``[0, d)`` of x's static
-   dim d exactly, without overlap, are ``Split(x, [e_i - s_i], axis=a)``: output i is elements
-   s_i..e_i - 1 of the axis in both, copied (exact). ONNX Runtime's EXTENDED level does the same
-   (``GatherSliceToSplitFusion``): an LSTM stack's ``h0[l:l+1]`` per layer. Every Slice reading x
-   must be in the tiling (a Split's outputs cover the axis once), and none of their outputs a
-   graph output; Split takes its sizes as an input from opset 13, as an attribute before. Only
-   where x is a graph input: a computed tensor's Slices may be a pattern's own spelling
-   (rotate-half's two halves of q and k, :mod:`opfuse.passes.patterns.rotary`), which
-   ``fuse-patterns``, running after this pass, must still find as Slices.
 
 Legality common to all: the main graph only; a node whose output is a graph output is left
 (the output keeps its name and its producer); the ranks and dims come from onnx's shape
@@ -112,9 +98,7 @@ class IndexArithmeticPass(OpfusePass):
         for node in candidates:
             if node.graph is None or any(v.is_graph_output() for v in node.outputs):
                 continue
-            if is_op(node, "Slice"):
-                modified |= self._slices_to_split(node)
-            elif is_op(node, "GatherND"):
+            if is_op(node, "GatherND"):
                 modified |= self._gather_nd(node)
             elif is_op(node, "Gather"):
                 modified |= self._whole_axis(node)
@@ -123,72 +107,6 @@ class IndexArithmeticPass(OpfusePass):
             else:
                 modified |= self._returns_input(node)
         return ir.passes.PassResult(model, modified=modified)
-
-    # -- rule 6 -------------------------------------------------------------------------------
-    def _slices_to_split(self, node: ir.Node) -> bool:
-        x = node.inputs[0]
-        if not x.is_graph_input():  # (a computed tensor's Slices may be a pattern's: module docstring)
-            return False
-        slices = [use.node for use in x.uses() if use.idx == 0 and is_op(use.node, "Slice")]
-        if slices[0] is not node or len(slices) < 2 or x.shape is None:  # (the group once, at its first Slice)
-            return False
-        rank = len(x.shape)
-        parts, axis = [], None
-        for s in slices:
-            found = _one_axis_interval(s, rank)
-            if found is None or any(v.is_graph_output() for v in s.outputs):
-                return False
-            a, start, end = found
-            if axis is not None and a != axis:
-                return False
-            axis = a
-            parts.append((start, end, s))
-        dim = x.shape[axis]
-        if not isinstance(dim, int):
-            return False
-        parts = [(_clamp(start, dim), _clamp(end, dim), s) for start, end, s in parts]
-        parts.sort(key=lambda part: part[0])
-        edges = [0] + [end for _, end, _ in parts]
-        if any(start != edge or end <= start for (start, end, _), edge in zip(parts, edges)) or edges[-1] != dim:
-            return False
-        graph = node.graph
-        first = min(slices, key=lambda n: self._order(graph).get(n, 0))
-        sizes = np.array([end - start for start, end, _ in parts], np.int64)
-        base = f"{x.name}_split"
-        if self._opset >= 13:
-            inputs = [x, self._index_constant(sizes, f"{base}_sizes")]
-            graph.register_initializer(inputs[1])
-            attributes = [ir.AttrInt64("axis", axis)]
-        else:
-            inputs, attributes = [x], [ir.AttrInt64("axis", axis), ir.AttrInt64s("split", sizes.tolist())]
-        split = ir.Node("", "Split", inputs, attributes=attributes, num_outputs=len(parts),
-                        name=self._names.fresh(base))
-        graph.insert_before(first, split)
-        names = []
-        for out, (_, _, s) in zip(split.outputs, parts):
-            old = s.outputs[0]
-            out.dtype, out.shape = old.dtype, old.shape
-            names.append(old.name)
-            old.replace_all_uses_with(out)
-        removed = []
-        for _, _, s in parts:
-            graph.remove(s, safe=True)
-            removed.append(s)
-        removed += drop_unread_nodes([v.producer() for _, _, s in parts for v in s.inputs[1:] if v is not None])
-        for out, name in zip(split.outputs, names):
-            out.name = name  # each output keeps the name of the Slice's it replaces
-        detail = (f"{len(parts)} Slices of '{x.name}' tile its axis {axis} (size {dim}) as "
-                  f"{sizes.tolist()}")
-        for out in split.outputs:
-            self.report.records.append(FusionRecord(
-                pattern="Slices->Split", node=node_label(first), removed=tuple(node_label(n) for n in removed)
-                if out is split.outputs[0] else (), produced=node_label(split), graph="main", detail=detail,
-                output=out.name))
-        return True
-
-    @staticmethod
-    def _order(graph: ir.Graph) -> dict[ir.Node, int]:
-        return {n: i for i, n in enumerate(graph)}
 
     # -- rule 5 -------------------------------------------------------------------------------
     def _one_dim_one_read(self, graph: ir.Graph) -> bool:
@@ -391,14 +309,10 @@ class IndexArithmeticPass(OpfusePass):
 
 
 def _could_apply(node: ir.Node) -> bool:
-    """A cheap look at the structure of rules 1-4 and 6 (before shape inference, which reads the whole model)."""
+    """A cheap look at the structure of rules 1-4 (before shape inference, which reads the whole model)."""
     def made_by(value, *ops):
         return value is not None and is_op(value.producer(), *ops)
 
-    if is_op(node, "Slice"):
-        return (len(node.inputs) >= 3 and node.inputs[0] is not None and node.inputs[0].is_graph_input()
-                and sum(use.idx == 0 and is_op(use.node, "Slice") for use in node.inputs[0].uses()) >= 2
-                and all(isinstance(find_constant(v), Constant) for v in node.inputs[1:] if v is not None))
     if is_op(node, "GatherND"):
         return len(node.inputs) == 2 and (made_by(node.inputs[1], "Concat")
                                           or isinstance(find_constant(node.inputs[1]), Constant))
@@ -409,24 +323,6 @@ def _could_apply(node: ir.Node) -> bool:
     if is_op(node, "Expand", *_IDENTITY_CONSTANT):
         return len(node.inputs) == 2 and any(isinstance(find_constant(v), Constant) for v in node.inputs)
     return False
-
-
-def _one_axis_interval(node: ir.Node, rank: int) -> tuple[int, int, int] | None:
-    """(axis, start, end) of a Slice of one constant axis and step 1 (opset 10+: its inputs), else None."""
-    inputs = list(node.inputs) + [None] * 5
-    if len(node.inputs) < 3 or node.attributes.get("starts") is not None:
-        return None
-    start, end = constant_int(inputs[1]), constant_int(inputs[2])
-    axis = 0 if inputs[3] is None else constant_int(inputs[3])
-    step = 1 if inputs[4] is None else constant_int(inputs[4])
-    if None in (start, end, axis) or step != 1 or not -rank <= axis < rank:
-        return None
-    return axis % rank, start, end
-
-
-def _clamp(index: int, dim: int) -> int:
-    """A Slice bound as Slice reads it: negative counted from the end, then clamped to [0, dim]."""
-    return min(max(index + dim if index < 0 else index, 0), dim)
 
 
 class _Grid:
