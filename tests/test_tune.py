@@ -240,6 +240,9 @@ def test_a_family_whose_patterns_cannot_match_is_not_built(monkeypatch):
     _, report = optimize(conv_bn_model(), target="onnxruntime", tune=True)
     absent = {f.family for f in report.tuning.families if "finds all its ops" in f.reason}
     assert {"attention", "self-attention", "rotary", "norms"} <= absent
+    integer = next(f for f in report.tuning.families if f.family == "dynamic-int8")
+    assert integer.reason == ("not in this graph: fuse-dynamic-int8 does not run at this target or finds none of "
+                              "the ops it needs here")
     # the reference, the epilogues off, the folds alone, the chosen one again with verification
     assert len(built) <= 4
 

@@ -23,6 +23,11 @@
                           back to float ops with the int8 weights dequantised; not exact
                           (it removes the activations' run-time rounding): ``quantize``
                           runs it on such a model, no target by default
+``fuse-dynamic-int8``     DynamicQuantizeLinear + MatMulInteger + Cast + Mul [+ Add] (what
+                          ``quantize_dynamic`` writes) -> DynamicQuantizeMatMul or
+                          MatMulIntegerToFloat (onnxruntime)
+``slices-to-split``       Slices that tile an axis of one tensor -> one Split (an LSTM
+                          stack's h0[l:l+1]; after the patterns: onnx, onnxruntime)
 ``mask-fill``             an additive mask filled with float32's minimum (or -inf) before
                           a Softmax -> Where(allowed, scores, -65504): a value float16 and
                           a 16-bit range hold, the same Softmax (``--target qnn``)
@@ -69,6 +74,8 @@ REGISTRY: dict[str, str] = {
     "mask-fill": "opfuse.passes.mask_fill:MaskFillPass",
     "rotary-table": "opfuse.passes.rotary_table:RotaryTablePass",
     "reciprocal-div": "opfuse.passes.reciprocal_div:ReciprocalDivPass",
+    "fuse-dynamic-int8": "opfuse.passes.fuse_dynamic_int8:FuseDynamicInt8Pass",
+    "slices-to-split": "opfuse.passes.slices_to_split:SlicesToSplitPass",
 }
 PASS_NAMES = tuple(REGISTRY)
 DEFAULT_PASSES = TARGET_DEFAULT_PASSES["onnx"]

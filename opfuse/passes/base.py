@@ -13,6 +13,9 @@ A pass declares, as class attributes:
   other rewrites have settled: it changes what they match (``pack-projections``: a packed
   MatMul is no projection the attention patterns know), so running among them would hide
   their refusals of the graph written;
+- ``requires_ops`` - the op types of which a model must hold one for the pass to change
+  anything (empty: any model might); the measured choice builds no variant without a family's
+  pass where the model has none (:mod:`opfuse.passes.pattern_gate`);
 - ``exact`` - whether its rewrites compute the same numbers (every pass but
   ``dequantize-dynamic``). An inexact pass runs before the others, and verification takes
   its result as the reference, its distance from the input measured and reported
@@ -53,6 +56,7 @@ class OpfusePass(ir.passes.InPlacePass):
     options: ClassVar[frozenset[str]] = frozenset()
     exact: ClassVar[bool] = True
     after_rewrites: ClassVar[bool] = False
+    requires_ops: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, report: FusionReport | None = None, **options: Any):
         super().__init__()

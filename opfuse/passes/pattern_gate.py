@@ -9,11 +9,14 @@ its branches need. A later stage's ops made by an earlier one are found there, s
 rule may answer; except for a staged pattern that names its ``ENTRY_STAGE`` (attention: the SDPA
 stage), whose earlier stages alone fuse nothing (attention's shape rule matches most CNNs): that
 stage's rule must find its ops, less those an earlier stage's rules name (which they may have made).
+
+A family's own pass is gated the same way by the ops it declares it needs
+(:attr:`opfuse.passes.base.OpfusePass.requires_ops`: ``fuse-dynamic-int8`` needs a MatMulInteger).
 """
 
 from __future__ import annotations
 
-__all__ = ["patterns_that_could_match"]
+__all__ = ["patterns_that_could_match", "passes_that_could_run"]
 
 import collections
 
@@ -21,6 +24,7 @@ import onnx_ir as ir
 
 from opfuse.core.analysis import iter_scopes
 from opfuse.core.ops import ONNX_DOMAINS
+from opfuse.passes import pass_class
 from opfuse.passes.patterns import rules_in_form
 from opfuse.targets.kernels import Target
 
@@ -38,6 +42,16 @@ def patterns_that_could_match(model: ir.Model, target: Target, patterns, *, form
                for form in options):
             found.add(pattern)
     return found
+
+
+def passes_that_could_run(model: ir.Model, names) -> set[str]:
+    """The passes of ``names`` that could change ``model``: those declaring no required ops
+    (:attr:`opfuse.passes.base.OpfusePass.requires_ops`), and those whose ops it holds."""
+    required = {name: pass_class(name).requires_ops for name in names}
+    if not any(required.values()):
+        return set(names)
+    present = {n.op_type for scope in iter_scopes(model) for n in scope.graph}
+    return {name for name, ops in required.items() if not ops or ops & present}
 
 
 def _stage_could_match(found, present: collections.Counter) -> bool:

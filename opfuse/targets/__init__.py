@@ -39,8 +39,9 @@ TARGET_MODULES: dict[str, str] = {
 }
 # target -> the passes ``opfuse optimize --target T`` runs when --passes is not given
 TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
-    "onnx": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
-    "onnxruntime": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "pack-projections", "fuse-epilogue"),
+    "onnx": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "slices-to-split"),
+    "onnxruntime": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "pack-projections", "fuse-epilogue",
+                             "fuse-dynamic-int8", "slices-to-split"),
     # mask-fill after fuse-patterns: an Add(scores, mask) it rewrites is no longer attention's spelling;
     # rotary-table last: its bound is the attention context the bound dims give
     "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "mask-fill", "rotary-table",

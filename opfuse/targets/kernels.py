@@ -33,6 +33,7 @@ from __future__ import annotations
 __all__ = [
     "ActivationEncoding",
     "EpilogueKernel",
+    "IntegerMatMulKernels",
     "KernelView",
     "Target",
     "PolicyException",
@@ -175,6 +176,24 @@ class EpilogueKernel:
 
 
 @dataclasses.dataclass(frozen=True)
+class IntegerMatMulKernels:
+    """A runtime's kernels for a dynamically quantised MatMul (ONNX Runtime's quantize_dynamic
+    writes ``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul(., Mul(xs, ws)) [-> Add(bias)]``;
+    :mod:`opfuse.passes.fuse_dynamic_int8` matches it): the op quantising its float input itself
+    (``quantizes``: ``(A, B, b_scale, b_zero_point, bias)``), the one reading an already quantised
+    input (``reads_quantized``: ``(A, B, a_scale, b_scale, a_zero_point, b_zero_point, bias)``),
+    what their inputs may be, as data."""
+
+    domain: str
+    quantizes: str  # "DynamicQuantizeMatMul"
+    reads_quantized: str  # "MatMulIntegerToFloat"
+    a_dtypes: frozenset[str]  # the quantised input A reads_quantized takes ("uint8": the CPU kernel's only)
+    b_dtypes: frozenset[str]  # the weight's ("int8", "uint8")
+    b_per_column: bool  # a scale and zero point per column of B ([N]), besides one value
+    b_rank: int = 2  # the weight's rank the rewrite writes (its kernel packs a 2-D B once)
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicyException:
     """Where a target's policy for ``pattern`` does not hold: ``sites(model)`` finds the
     graph's places that make it an exception (empty: the policy holds); there the pattern's
@@ -211,6 +230,7 @@ class Target:
     device: str | None = None  # the module compiling for its own backend (opfuse.targets.qnn.device's interface)
     exceptions: tuple[PolicyException, ...] = ()  # graphs where a pattern's policy does not hold
     runs_here: bool = False  # ONNX Runtime's CPU provider runs what it writes: its fusions are timed (opfuse.tune)
+    integer_matmul: IntegerMatMulKernels | None = None  # its dynamic-int8 MatMul kernels (None: it has none)
 
     def __post_init__(self):
         bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}

@@ -31,6 +31,16 @@ QuickGelu with alpha 1), MultiHeadAttention and Attention, and RotaryEmbedding (
 its caches the graph's own cos/sin tables with position ids over them; the standard op where
 the model's opset is 23: :mod:`opfuse.passes.patterns.rotary`).
 
+Dynamic int8 (what ``onnxruntime.quantization.quantize_dynamic`` writes) runs in the contrib
+kernels :data:`INTEGER_MATMUL` names (:mod:`opfuse.passes.fuse_dynamic_int8`):
+
+    DynamicQuantizeMatMul(A, B, b_scale, b_zp?, bias?)                   A float32
+    MatMulIntegerToFloat(A, B, a_scale, b_scale, a_zp?, b_zp?, bias?)    A uint8
+
+B int8 or uint8, 2-D; b_scale and b_zp one value or one per column ([N]); a_scale and a_zp one
+value (onnxruntime 1.32's CPU kernels: MatMulIntegerToFloat is registered for a uint8 A only,
+and a per-column B parameter must be [N] for the kernel's own per-column path).
+
 Those are the fusions the measured choice (:mod:`opfuse.tune`, on by default: this target's
 runtime is here) times family by family, attention's form included (written out,
 MultiHeadAttention, or the standard Attention-23 with the opset raised to 23); what follows
@@ -92,6 +102,7 @@ __all__ = [
     "residual_add",
     "runtime_graph",
     "has_layout_pass",
+    "INTEGER_MATMUL",
 ]
 
 import onnx_ir as ir
@@ -99,7 +110,7 @@ import onnx_ir as ir
 from opfuse.core.analysis import NameTable, iter_scopes, trace_producer
 from opfuse.report import FusionReport
 from opfuse.runtime import optimized_graph
-from opfuse.targets.kernels import ActivationEncoding, EpilogueKernel, PolicyException, Target
+from opfuse.targets.kernels import ActivationEncoding, EpilogueKernel, IntegerMatMulKernels, PolicyException, Target
 from opfuse.core.ops import MS_DOMAIN, WEIGHTED_OPS, is_op
 
 _MLAS = frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid"})  # what both kernels run
@@ -121,6 +132,11 @@ KERNELS: dict[str, EpilogueKernel] = {
 _RUNTIME_KERNELS = (
     EpilogueKernel("MatMul", MS_DOMAIN, "FusedMatMul", dtypes=frozenset({"float32", "float16"}),
                    steps=(), anchor_inputs=2, keeps_anchor_attributes=False, emitted=False),
+)
+
+INTEGER_MATMUL = IntegerMatMulKernels(
+    MS_DOMAIN, "DynamicQuantizeMatMul", "MatMulIntegerToFloat", a_dtypes=frozenset({"uint8"}),
+    b_dtypes=frozenset({"int8", "uint8"}), b_per_column=True,
 )
 
 # pattern (opfuse.passes.patterns) -> policy
@@ -376,4 +392,5 @@ TARGET = Target(
     reads=_RUNTIME_KERNELS,
     exceptions=EXCEPTIONS,
     runs_here=True,
+    integer_matmul=INTEGER_MATMUL,
 )

@@ -363,7 +363,9 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
     absent = "not in this graph: no rule of its patterns finds all its ops here"
     for config, (family, candidate) in candidates.items():
         if possible is not None and not _could_be_here(family, possible):
-            results[config] = FamilyResult(family, candidate, "not in this graph", absent)
+            own = next(f for f in FAMILIES if f.name == family)  # (a family of passes alone: what they need)
+            results[config] = FamilyResult(family, candidate, "not in this graph", absent if own.patterns else f"not in "
+                                           f"this graph: {', '.join(own.passes)} does not run at this target or finds none of the ops it needs here")
     models: dict[Configuration, ir.Model] = {}
     try:
         models[policy] = build(policy)

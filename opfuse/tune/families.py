@@ -22,6 +22,9 @@ epilogues        matmul-add (Gemm), fuse-epilogue            on / off
                  (FusedConv / FusedGemm)
 packed-          pack-projections (q, k, v or gate, up as    on / off
 projections      one MatMul and a Split)
+dynamic-int8     fuse-dynamic-int8 (quantize_dynamic's       on / off
+                 MatMulInteger chains as DynamicQuantizeMatMul,
+                 MatMulIntegerToFloat)
 opset            the ``--opset N`` the user asked for        on / off (only when asked)
 ===============  ==========================================  ============================
 
@@ -98,6 +101,8 @@ FAMILIES: tuple[Family, ...] = (
            ("fuse-epilogue",), ops=("Gemm", "FusedConv", "FusedGemm")),
     Family("packed-projections", "the packed projections (MatMuls reading one input as one MatMul and a Split)",
            passes=("pack-projections",), ops=("Split",)),
+    Family("dynamic-int8", "the dynamic int8 MatMuls (DynamicQuantizeMatMul, MatMulIntegerToFloat)",
+           passes=("fuse-dynamic-int8",), ops=("DynamicQuantizeMatMul", "MatMulIntegerToFloat")),
     Family("opset", "the opset raise (--opset)"),
 )
 ATTENTION_FORMS: tuple[AttentionForm, ...] = (

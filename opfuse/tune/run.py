@@ -20,7 +20,7 @@ import onnx_ir as ir
 from opfuse.core.ops import first_line
 from opfuse.errors import BadInputError
 from opfuse.load import ModelSource, load_model
-from opfuse.passes.pattern_gate import patterns_that_could_match
+from opfuse.passes.pattern_gate import passes_that_could_run, patterns_that_could_match
 from opfuse.prepare.constant_inputs import resolve_constant_inputs
 from opfuse.report import Refusal
 from opfuse.tune import replayed, tune, tuning_feeds, untimed
@@ -142,7 +142,8 @@ def _timed(model: ModelSource, original: ir.Model, block, policy, options, plan,
                     bound={k: v for k, v in bound.items() if k in sub_options.constant_inputs},
                     level=options.runtime_level, threads=options.tune_threads, rounds=options.tune_rounds,
                     seed=options.seed, exact=not plan.inexact, feeds=feeds, scope=scope,
-                    possible=lambda patterns, passes: bool(set(passes) & set(plan.names)) or bool(
+                    possible=lambda patterns, passes: bool(passes_that_could_run(
+                        timed_original, set(passes) & set(plan.names))) or bool(
                         patterns_that_could_match(timed_original, plan.chosen, patterns,
                                                   approximate=options.approximate)))
     except BadInputError as e:  # the input runs at no size tried: nothing to time
