@@ -24,7 +24,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from opfuse.errors import BadInputError
-from opfuse.core.ops import ONNX_DOMAINS, first_line
+from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS, first_line
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model]
 
@@ -133,7 +133,7 @@ def _check_proto(
 # own fusion does) and, below opset 17, its LayerNormalization. onnx.checker refuses a node of them
 # ("No Op registered for ..."), so opfuse's own output could not be its input.
 RUNTIME_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization", "LayerNormalization"})
-_STAND_IN_DOMAIN = "com.microsoft"  # (the checker and shape inference pass over an op of another domain)
+_STAND_IN_DOMAIN = MS_DOMAIN  # (the checker and shape inference pass over an op of another domain)
 
 
 def _runtime_op_unknown(message: str) -> bool:

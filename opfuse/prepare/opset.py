@@ -85,7 +85,7 @@ def _cpu_kernels() -> dict[str, tuple[tuple[int, int], ...]]:
     """ONNX Runtime's CPU kernels of the ONNX domain: op -> their version ranges (empty without
     ONNX Runtime, or where this build does not list them)."""
     try:
-        from onnxruntime.capi import _pybind_state
+        from onnxruntime.capi import _pybind_state  # ONNX Runtime is an optional import here
 
         defs = _pybind_state.get_all_opkernel_def()
     except Exception:  # noqa: BLE001 - no list, no verdict

@@ -52,6 +52,7 @@ from opfuse.core.ops import count_ops, first_line, is_op
 from opfuse.runtime import model_source as serialize
 from opfuse.runtime import session_options
 from opfuse.verify import compare_outputs
+from opfuse.verify.random_ops import drop_given_seeds, seed_random_nodes
 
 
 @dataclasses.dataclass
@@ -304,7 +305,6 @@ def _seeded_source(model: ir.Model | bytes | str, tmp: str) -> bytes | str:
     the model itself keeps its attributes."""
     if not isinstance(model, ir.Model):
         return serialize(model, tmp)
-    from opfuse.verify.random_ops import drop_given_seeds, seed_random_nodes
 
     given = seed_random_nodes(model)
     try:
