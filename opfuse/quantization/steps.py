@@ -40,8 +40,9 @@ from opfuse.quantization.presets import (
 )
 from opfuse.quantization.algorithms.bias_correction import compute_corrections, select_corrections
 from opfuse.quantization.qdq.quantizer import Quantizer
+from opfuse.quantization.qdq.sqnr import OutputReference
 from opfuse.quantization.report import QuantReport, ReconstructionFacts
-from opfuse.quantization.algorithms.search import KEEP_ACTIONS, Judge, monotone_search
+from opfuse.quantization.algorithms.search import KEEP_ACTIONS, monotone_search
 from opfuse.quantization.algorithms.trials import CHOICE_SAMPLES, TrialMaker
 from opfuse.runtime import create_session
 
@@ -184,7 +185,8 @@ class MixedPrecisionStep:
 
         outcome = monotone_search(
             lambda keep: maker.make(keep, keep_as=action.name), state.float_model,
-            Judge(state.float_model, state.tune, options.runner), Judge(state.float_model, state.check, options.runner),
+            OutputReference(state.float_model, state.tune, runner=options.runner),
+            OutputReference(state.float_model, state.check, runner=options.runner),
             report, keep_as=action, min_sqnr=options.min_sqnr, metric=measured if metric else None,
             min_metric=options.min_metric, max_steps=options.max_steps)
         state.qdq, state.keep, state.why, state.gain_of = outcome.model, outcome.kept, outcome.why, outcome.gain_of
@@ -259,8 +261,8 @@ class ReconstructionStep:
             candidate, _ = select_corrections(candidate, compute_corrections(maker.float_model, candidate,
                                                                              maker.samples),
                                               maker.reference.head(CHOICE_SAMPLES).sqnr)
-        before = maker.judge(state.qdq)
-        after = maker.judge(candidate) if result.values else before
+        before = maker.guard.sqnr(state.qdq)
+        after = maker.guard.sqnr(candidate) if result.values else before
         report.reconstruction = ReconstructionFacts(
             blocks=[dataclasses.asdict(b) for b in result.blocks], layers=result.layers, sqnr_db=(before, after),
             kept=after > before, stopped=result.stopped, weighted=result.weighted,

@@ -41,7 +41,7 @@ from opfuse.quantization.algorithms.bias_correction import (
     select_corrections,
 )
 from opfuse.quantization.qdq.quantizer import Quantizer
-from opfuse.quantization.qdq.sqnr import OutputReference, outputs_db
+from opfuse.quantization.qdq.sqnr import OutputReference
 
 CHOICE_SAMPLES = 16  # tuning samples on which each bias correction is kept or not
 
@@ -67,7 +67,8 @@ class TrialMaker:
         self.quantizer = quantizer
         self.float_model = float_model
         self.samples = list(samples)
-        self.reference = OutputReference(float_model, self.samples)
+        self.reference = OutputReference(float_model, self.samples)  # on the CPU
+        self.guard = self.reference.on(runner)  # the whole-model guards' scorer (module docstring)
         self.use_adaround = adaround
         self.use_bias_correction = bias_correction
         self.facts: dict[str, MethodFacts] = {}
@@ -75,12 +76,6 @@ class TrialMaker:
         self.runner = runner  # (model, samples) -> outputs per sample, for the guards; None: the CPU
         self.runner_name = runner_name  # where the runner runs, as the notes say it ("HTP")
         self.steps: list[CandidateStep] = [*[AdaRoundTrial()] * adaround, *[BiasCorrectionTrial()] * bias_correction]
-
-    def judge(self, model: onnx.ModelProto) -> float:
-        """The tuning output SQNR of ``model`` as the guards measure it (module docstring)."""
-        if self.runner is None:
-            return self.reference.sqnr(model)
-        return outputs_db(self.reference.names, self.reference.values, self.runner(model, self.samples))
 
     def make(self, keep=(), keep_as: str | None = None) -> onnx.ModelProto:
         """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16"), refined by
@@ -154,10 +149,10 @@ class AdaRoundTrial:
             return
         rounding = adaround_layers(maker.float_model, trial.qdq, maker.samples, maker._rounding_cache)
         if trial.first:
-            without_db = maker.judge(trial.qdq)
+            without_db = maker.guard.sqnr(trial.qdq)
             rounded = _copy(trial.qdq)
             apply_rounding(rounded, rounding)
-            with_db = maker.judge(rounded)
+            with_db = maker.guard.sqnr(rounded)
             facts.adaround, facts.adaround_sqnr_db = with_db > without_db, (without_db, with_db)
             facts.rounding = rounding
             trial.judged = with_db if facts.adaround else without_db
@@ -171,11 +166,11 @@ class BiasCorrectionTrial:
     def refine(self, maker: TrialMaker, trial: Trial) -> None:
         facts = trial.facts
         if trial.first:
-            without_db = trial.judged if trial.judged is not None else maker.judge(trial.qdq)
+            without_db = trial.judged if trial.judged is not None else maker.guard.sqnr(trial.qdq)
             subset = maker.reference.head(CHOICE_SAMPLES)
             corrected, correction = select_corrections(
                 trial.qdq, compute_corrections(maker.float_model, trial.qdq, maker.samples), subset.sqnr)
-            with_db = maker.judge(corrected)
+            with_db = maker.guard.sqnr(corrected)
             facts.bias_sqnr_db = (without_db, with_db)
             facts.bias_skipped = dict(correction.skipped)
             if with_db > without_db:
