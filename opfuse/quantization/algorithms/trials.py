@@ -69,18 +69,36 @@ class TrialMaker:
         self.samples = list(samples)
         self.reference = OutputReference(float_model, self.samples)  # on the CPU
         self.guard = self.reference.on(runner)  # the whole-model guards' scorer (module docstring)
-        self.use_adaround = adaround
-        self.use_bias_correction = bias_correction
         self.facts: dict[str, MethodFacts] = {}
         self._rounding_cache: dict = {}
         self.runner = runner  # (model, samples) -> outputs per sample, for the guards; None: the CPU
         self.runner_name = runner_name  # where the runner runs, as the notes say it ("HTP")
         self.steps: list[CandidateStep] = [*[AdaRoundTrial()] * adaround, *[BiasCorrectionTrial()] * bias_correction]
+        self.first: Trial | None = None  # the first candidate, as :meth:`start` made it and the steps refined it
+
+    @property
+    def use_adaround(self) -> bool:
+        return any(isinstance(s, AdaRoundTrial) for s in self.steps)
+
+    @property
+    def use_bias_correction(self) -> bool:
+        return any(isinstance(s, BiasCorrectionTrial) for s in self.steps)
+
+    def start(self, keep_as: str | None = None) -> Trial:
+        """The first candidate (nothing kept out of int8), not refined yet: each quantisation step
+        refines it in turn, deciding whether it stays (:class:`CandidateStep`), and then joins
+        :attr:`steps`, which refine every later candidate as it decided; :meth:`make` with
+        nothing kept gives (a copy of) this one."""
+        qdq = self.quantizer.quantize([], keep_as=keep_as)
+        self.first = Trial(qdq, True, self.facts.setdefault(self.quantizer.method, MethodFacts()))
+        return self.first
 
     def make(self, keep=(), keep_as: str | None = None) -> onnx.ModelProto:
         """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16"), refined by
         each candidate step in order (AdaRound, then bias correction)."""
         method = self.quantizer.method
+        if not keep and self.first is not None:
+            return _copy(self.first.qdq)
         qdq = self.quantizer.quantize(list(keep), keep_as=keep_as)
         if not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node):
             return qdq  # nothing was quantised: no rounding to choose, no bias to correct, nothing to judge
