@@ -20,7 +20,7 @@ regulariser for the first :data:`.rounding.WARMUP` of the steps, then beta annea
 paper's schedule); then h is set to 0 or 1 (h >= 0.5 rounds up). The learning rate bounds
 how far a weight can travel from its float value; with a few thousand positions per layer
 and K up to thousands of inputs, the problem is underdetermined, and a rate that lets V
-roam (0.05) flipped 40% of ResNet-18's weights and lost a dB against the rate used here.
+roam flips many weights the data cannot decide (docs/results/measurements.md).
 
 Before the rounding, each layer's weight scale is chosen by the same error, the rounding
 to nearest in place (:mod:`.weight_ranges`): a range clipped inside the weight's extremes

@@ -20,8 +20,8 @@ The samples are the tuning samples only: whatever judges a trial from outside (t
 search's stopping test, the held-out verification) runs on others. The two whole-model
 guards (AdaRound's and bias correction's "did the output SQNR rise") run the candidate on
 ``runner`` when one is given: the ``qnn`` preset passes the HTP's, since a rounding fitted
-to ONNX Runtime's CPU QDQ can raise the CPU's SQNR and lower the NPU's (silero_vad
-16k_op15: CPU 19.1 -> 22.0 dB, HTP 17.5 -> 8.4 dB).
+to ONNX Runtime's CPU QDQ can raise the CPU's SQNR and lower the NPU's (silero_vad:
+docs/results/measurements.md).
 """
 
 from __future__ import annotations
