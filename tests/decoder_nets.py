@@ -20,26 +20,12 @@ LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              vocab_size=100, max_position_embeddings=64, use_cache=False)
 
 
-# (exporter, opset, mask, positions) -> the exported file's bytes: one export per worker and form
-_EXPORTED: dict[tuple, bytes] = {}
-
-
 def export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: int = 18,
                       mask: str = "none", positions: bool = False) -> pathlib.Path:
     """The logits of a tiny random Llama for ``input_ids`` [batch, seq]. ``mask``: "input" (an
     ``attention_mask`` input too), "ones" (a mask of ones made inside: TorchScript needs one, as
     without it transformers traces ``torch.diff``, which it cannot export) or "none".
-    ``positions``: a ``position_ids`` input [batch, seq] last (else transformers makes [1, seq] inside).
-    The same form is exported once per process (seconds each) and written to each ``path`` asked."""
-    key = (exporter, opset, mask, positions)
-    if key not in _EXPORTED:
-        _export_tiny_llama(path, exporter=exporter, opset=opset, mask=mask, positions=positions)
-        _EXPORTED[key] = path.read_bytes()
-    path.write_bytes(_EXPORTED[key])
-    return path
-
-
-def _export_tiny_llama(path: pathlib.Path, *, exporter: str, opset: int, mask: str, positions: bool) -> None:
+    ``positions``: a ``position_ids`` input [batch, seq] last (else transformers makes [1, seq] inside)."""
     torch = extras.require("torch")
     transformers = extras.require("transformers")
     torch.manual_seed(0)
@@ -74,6 +60,7 @@ def _export_tiny_llama(path: pathlib.Path, *, exporter: str, opset: int, mask: s
         else:
             torch.onnx.export(Logits(), args, str(path), dynamo=False, opset_version=opset, input_names=names,
                               output_names=["logits"], dynamic_axes={n: {0: "batch", 1: "seq"} for n in names})
+    return path
 
 
 H, DH = 2, 4
