@@ -123,10 +123,8 @@ def run_fusion(model: ir.Model, names: list[str], report: FusionReport, target: 
 @contextlib.contextmanager
 def young_collections_only():
     """No full garbage collection inside: Python's collector walks every live object on
-    each one, and an onnx-ir graph is millions of small objects. Measured on
-    ``optimize(verify=False)`` of a 16000-block Conv-BatchNorm-Relu chain (48k nodes,
-    ``benchmarks/optimizer_speed.py``'s ``chain``), three interleaved runs each: 13.5-14.8 s
-    of CPU with it, 19.1-19.5 s without. Young objects are still collected; cycles that
+    each one, and an onnx-ir graph is millions of small objects (what that costs on a long
+    chain: docs/results/measurements.md). Young objects are still collected; cycles that
     outlive the run are freed by the first full collection after it.
 
     The thresholds are process-wide state: while this runs, every thread's full collections

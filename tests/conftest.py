@@ -79,8 +79,18 @@ def tmp_model(tmp_path):
     return save
 
 
+# Run on pytest-xdist workers (``make test``: two on two cores), each worker's numpy, torch and
+# OpenMP run on one thread: else each library starts a thread per core in each worker, and the
+# workers' pools fight over the cores (a test of AdaRound took ten times its time alone). Set in
+# the run that starts the workers, which inherit it; a value already in the environment stays.
+WORKER_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_extra(*modules): the test needs these modules of an extra (tests/extras.py)")
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        for name in WORKER_THREADS:
+            os.environ.setdefault(name, "1")
 
 
 def pytest_runtest_setup(item):

@@ -7,6 +7,8 @@ rule broken anywhere in ``opfuse/`` fails here with the file and line.
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 import pathlib
 import re
 import subprocess
@@ -296,6 +298,44 @@ def test_no_lab_note_in_the_package():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              for what, pattern in LAB_NOTES.items() if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+# What a run measured, in a docstring or a comment: it belongs in docs/results/ with its command
+# (docs/results/measurements.md), the docstring says why the code does what it does.
+MEASUREMENTS = {
+    "a time": re.compile(r"\b\d+(\.\d+)?\s(ms|us|µs|s|min|minutes|seconds|hours?)\b(?![-\w])"),
+    "an SQNR": re.compile(r"\d+(\.\d+)?\s?dB\b"),
+    "a speed ratio": re.compile(r"\b\d+(\.\d+)?(-\d+(\.\d+)?)?x\b(?![-\w])"),
+}
+
+
+def _docstrings_and_comments(path: pathlib.Path):
+    """(line number, text) of every docstring line and comment of a module."""
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+                and isinstance(node.body[0].value.value, str):
+            for offset, line in enumerate(node.body[0].value.value.splitlines()):
+                yield node.body[0].lineno + offset, line
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+
+
+def test_no_measurement_in_a_docstring():
+    found = [f"{path.relative_to(PACKAGE)}:{number}: {what}: {line.strip()[:80]}"
+             for path in MODULES for number, line in _docstrings_and_comments(path)
+             for what, pattern in MEASUREMENTS.items() if pattern.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_measurement_check_sees_what_it_must():
+    said = ["took 44 s for 16000 blocks", "0.414 ms with the Ifs", "CPU 19.1 -> 22.0 dB", "read 9.85 dB at 0.76x",
+            "measured, it took 7-10x the estimate", "151 us against 118 us", "~100 us each"]
+    unsaid = ["leading 1s up to the rank", "a 2x2 window", "int8 x int8 -> int32", "the 16-bit activations"]
+    assert all(any(p.search(s) for p in MEASUREMENTS.values()) for s in said)
+    assert not any(p.search(s) for s in unsaid for p in MEASUREMENTS.values())
 
 
 def test_the_architecture_page_names_every_module():

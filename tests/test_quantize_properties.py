@@ -31,8 +31,9 @@ from opfuse.quantization.presets import PRESETS
 from opfuse.quantization.qdq.quantizer import Quantizer, prepare
 from opfuse.quantization.algorithms.ranges import quantisation_error
 from opfuse.quantization.report import QuantReport
-from opfuse.quantization.algorithms.search import KEEP_ACTIONS, Judge, monotone_search
+from opfuse.quantization.algorithms.search import KEEP_ACTIONS, monotone_search
 from opfuse.quantization.algorithms.trials import TrialMaker
+from opfuse.quantization.qdq.sqnr import OutputReference
 from opfuse.runtime import create_session
 
 SLOW = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -205,7 +206,7 @@ def test_the_search_never_accepts_a_step_that_lowers_the_tuning_sqnr(net, seed, 
     report = QuantReport()
     action = KEEP_ACTIONS[keep_as]
     outcome = monotone_search(lambda keep: maker.make(keep, keep_as=action.name), float_model,
-                              Judge(float_model, tune), Judge(float_model, check), report, keep_as=action,
+                              OutputReference(float_model, tune), OutputReference(float_model, check), report, keep_as=action,
                               min_sqnr=300.0, max_steps=3)
     reference = create_session(float_model, "disabled")
     wanted = [reference.run(None, s)[0] for s in tune]

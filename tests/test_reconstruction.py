@@ -7,6 +7,7 @@ weight scale); never the reconstruction's own losses.
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 
@@ -135,6 +136,26 @@ def two_convs(seed: int, c: int = 16) -> onnx.ModelProto:
     return model(nodes, [vinfo("x", ["N", 8, 12, 12])], [vinfo("y", ["N", c, 12, 12])], inits, opset=17)
 
 
+@functools.cache
+def fitted_two_convs(seed: int, scale_fit: str):
+    """two_convs(seed) quantised per tensor on 16 samples and reconstructed (200 steps), once per
+    module (two tests read the same fit): (tuning samples, held-out samples, float model, the QDQ
+    model, the Reconstruction). Read only."""
+    calib = [{"x": x} for x in smooth(16, (1, 8, 12, 12), 1)]
+    held = [{"x": x} for x in smooth(8, (1, 8, 12, 12), 2)]
+    float_model, qdq = quantised(two_convs(seed), "per-tensor", calib)
+    return calib, held, float_model, qdq, reconstruct(float_model, qdq, calib, iterations=200, scale_fit=scale_fit)
+
+
+def fewer_steps(monkeypatch, iterations: int = 60) -> None:
+    """Block reconstruction run by the command line with ``iterations`` steps a block (it has no flag
+    for them): for the tests of what the command does around the fit, not of the fit."""
+    import opfuse.quantization.algorithms.reconstruction as module
+
+    real = module.reconstruct
+    monkeypatch.setattr(module, "reconstruct", lambda *a, **k: real(*a, **{**k, "iterations": iterations}))
+
+
 @pytest.mark.parametrize("seed,scale_fit", [(0, "learned"), (4, "learned"), (4, "search")])
 def test_reconstruction_raises_the_output_sqnr_on_samples_it_never_saw(seed, scale_fit):
     """The learned model, written and run by ONNX Runtime, against the float model: a higher
@@ -142,10 +163,7 @@ def test_reconstruction_raises_the_output_sqnr_on_samples_it_never_saw(seed, sca
     held-out ones. (On this net; on others a fit can end worse, which is why quantize keeps
     it only when the tuning output SQNR rises. With the scales searched, seed 0 gains 1.09 dB
     on the tuning samples and only 0.05 on the held-out ones.)"""
-    calib = [{"x": x} for x in smooth(16, (1, 8, 12, 12), 1)]
-    held = [{"x": x} for x in smooth(8, (1, 8, 12, 12), 2)]
-    float_model, qdq = quantised(two_convs(seed), "per-tensor", calib)
-    result = reconstruct(float_model, qdq, calib, iterations=200, scale_fit=scale_fit)
+    calib, held, float_model, qdq, result = fitted_two_convs(seed, scale_fit)
     assert result.weighted and not result.stopped and result.values
     assert [b.layers for b in result.blocks] == [["conv0", "conv1"]] and result.blocks[0].kept
     assert result.blocks[0].reconstructed_db > result.blocks[0].nearest_db
@@ -161,10 +179,8 @@ def test_kept_scales_are_not_learned_and_the_others_are():
     """``kept_scales`` (a device's fixed or shared quantisations): the scale and zero point of the
     QuantizeLinear of each tensor named are not among the values written; with none named, the
     same fit learns them."""
-    calib = [{"x": x} for x in smooth(16, (1, 8, 12, 12), 1)]
-    float_model, qdq = quantised(two_convs(4), "per-tensor", calib)
+    calib, _, float_model, qdq, free = fitted_two_convs(4, "learned")  # (the fit of the test above)
     q_of = {n.input[0]: set(n.input[1:]) for n in qdq.graph.node if n.op_type == "QuantizeLinear"}
-    free = reconstruct(float_model, qdq, calib, iterations=200, scale_fit="learned")
     learned = {t for t, params in q_of.items() if params & set(free.values)}
     assert learned  # the fit learns some activation scales
     kept = reconstruct(float_model, qdq, calib, iterations=200, scale_fit="learned", kept_scales=learned)
@@ -259,9 +275,11 @@ def test_a_removed_activation_the_interpreter_cannot_apply_ends_the_reconstructi
     assert layer.name not in {name for b in program.blocks() for name in b.layers}
 
 
-def test_quantize_reconstruct_end_to_end_and_on_the_command_line(tmp_path, capsys):
+def test_quantize_reconstruct_end_to_end_and_on_the_command_line(tmp_path, capsys, monkeypatch):
     """``opfuse quantize --reconstruct``: the report says what each block measured and
-    whether it was kept (by the tuning output SQNR), and the written model runs."""
+    whether it was kept (by the tuning output SQNR), and the written model runs (60 steps a
+    block: the default path's fit is the test below)."""
+    fewer_steps(monkeypatch)
     calib = data(16, 1)
     path = tmp_path / "net.onnx"
     onnx.save(residual_net(seed=2), path)

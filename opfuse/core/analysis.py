@@ -20,8 +20,8 @@ Every function here is O(size of what it touches); none rescans the whole graph.
 Shape inference is onnx-ir's ``ShapeInferencePass`` done in O(model size): that pass
 hands onnx a copy of the model whose initializers are graph inputs (the large ones without
 their data) and, for each initializer, asks whether it is already an input by scanning the
-input list (``initializer not in model.graph.inputs``), which is O(initializers x inputs):
-15 s of a 48k-node chain with 64k initializers. :func:`infer_shapes` builds the same copy
+input list (``initializer not in model.graph.inputs``), which is O(initializers x inputs): seconds
+on a long chain (docs/results/measurements.md). :func:`infer_shapes` builds the same copy
 with a set of the inputs, then merges the inferred types and shapes the same way.
 """
 

@@ -71,13 +71,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 
 from opfuse.cost.int8 import int8_traffic, is_qdq
 from opfuse.targets.kernels import read_kernel
 from opfuse.cost.profiles import HardwareProfile, list_profiles, load_profile
-from opfuse.cost.traffic import TensorInfo, Traffic
-from opfuse.core.ops import OPS, WEIGHTED_OPS, OpKind, dtype_name, op_label, plain_attributes
+from opfuse.cost.traffic import TensorInfo, Traffic, static_shape, tensor_info
+from opfuse.core.ops import OPS, WEIGHTED_OPS, OpKind, op_label, plain_attributes
 MIB = 1024 * 1024
 
 
@@ -423,18 +424,10 @@ def _mib(n: float) -> str:
 
 
 def _tensor_info(value: ir.Value | None, is_weight: bool, shape: tuple[int, ...] | None = None) -> TensorInfo | None:
+    """The traffic rule's TensorInfo of an optimiser's value: ``shape``, else its own static shape."""
     if value is None:
         return None
-    dtype = value.dtype
-    if shape is None and value.shape is not None and all(isinstance(d, int) for d in value.shape):
-        shape = tuple(int(d) for d in value.shape)
-    if shape is None and value.const_value is not None:
-        shape = tuple(value.const_value.shape)
-    if dtype is None and value.const_value is not None:
-        dtype = value.const_value.dtype
-    known = dtype is not None and dtype != ir.DataType.UNDEFINED
-    name, bits = (dtype_name(dtype), dtype.bitwidth) if known else (None, None)
-    return TensorInfo(value.name or "", shape, name, bits, is_weight)
+    return tensor_info(value, is_weight, shape if shape is not None else static_shape(value.shape))
 
 
 def _kernel_from_nodes(anchor: ir.Node, absorbed: list[ir.Node]) -> Kernel | None:
@@ -493,21 +486,17 @@ def _is_weight_operand(node: ir.Node, anchor: ir.Node, absorbed: list[ir.Node]) 
 
 
 def _conv_output_shape(x: TensorInfo, w: TensorInfo | None, attrs: dict) -> tuple[int, ...] | None:
+    """The Conv's output shape by ONNX's own shape inference of the one node (x and w known)."""
     if w is None or w.shape is None or x.shape is None or len(x.shape) < 3:
         return None
-    spatial = len(x.shape) - 2
-    kernel = list(attrs.get("kernel_shape") or w.shape[2:])
-    strides = list(attrs.get("strides") or [1] * spatial)
-    dilations = list(attrs.get("dilations") or [1] * spatial)
-    pads = list(attrs.get("pads") or [0] * (2 * spatial))
-    auto_pad = attrs.get("auto_pad", "NOTSET")
-    dims = []
-    for i in range(spatial):
-        size = x.shape[2 + i]
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            dims.append(math.ceil(size / strides[i]))
-            continue
-        eff = (kernel[i] - 1) * dilations[i] + 1
-        pad = 0 if auto_pad == "VALID" else pads[i] + pads[i + spatial]
-        dims.append((size + pad - eff) // strides[i] + 1)
-    return (x.shape[0], w.shape[0], *dims)
+    node = onnx.helper.make_node("Conv", ["x", "w"], ["y"], **attrs)
+    types = {name: onnx.helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, shape)
+             for name, shape in (("x", x.shape), ("w", w.shape))}
+    try:
+        inferred = onnx.shape_inference.infer_node_outputs(onnx.defs.get_schema("Conv"), node, types)
+    except onnx.shape_inference.InferenceError:
+        return None  # attributes that do not fit the shapes: the model cannot tell
+    dims = inferred["y"].tensor_type.shape.dim
+    if not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+        return None  # (a window larger than the padded input: no output to cost)
+    return tuple(int(d.dim_value) for d in dims)

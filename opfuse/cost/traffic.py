@@ -54,6 +54,8 @@ from __future__ import annotations
 
 __all__ = [
     "TensorInfo",
+    "tensor_info",
+    "static_shape",
     "NodeTraffic",
     "Traffic",
     "analyse_traffic",
@@ -370,7 +372,7 @@ def _infer_shapes(
     # The values' own (declared) shapes first, then whatever inference adds.
     known: dict[str, tuple[tuple[int, ...] | None, ir.DataType | None]] = {}
     for value in _all_values(graph):
-        known[value.name] = (_static(value.shape), value.dtype)
+        known[value.name] = (static_shape(value.shape), value.dtype)
     try:
         proto = ir.serde.serialize_model(work)
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
@@ -397,7 +399,8 @@ def _all_values(graph: ir.Graph):
                 yield value
 
 
-def _static(shape: ir.Shape | None) -> tuple[int, ...] | None:
+def static_shape(shape: ir.Shape | None) -> tuple[int, ...] | None:
+    """``shape`` as a tuple of ints, or None where it is unknown or has a symbolic dim."""
     if shape is None or not all(isinstance(d, int) for d in shape):
         return None
     return tuple(int(d) for d in shape)
@@ -419,15 +422,25 @@ def _from_value_info(info: onnx.ValueInfoProto) -> tuple[tuple[int, ...] | None,
     return tuple(dims), dtype
 
 
-def _info(value: ir.Value, shapes, is_weight: bool) -> TensorInfo:
-    shape, dtype = shapes.get(value.name, (None, None))
+def tensor_info(value: ir.Value, is_weight: bool, shape: tuple[int, ...] | None = None,
+                dtype: ir.DataType | None = None) -> TensorInfo:
+    """The one :class:`TensorInfo` builder (this module's traffic and the accelerator model's
+    veto): ``shape`` and ``dtype`` where the caller knows them (here: inferred on a private copy
+    with the dims bound), else the shape of the value's constant, and the value's own dtype, else
+    its constant's. An unknown dtype has no bits (the tensor is then counted as unknown)."""
     if shape is None and value.const_value is not None:
         shape = tuple(value.const_value.shape)
     if dtype is None:
         dtype = value.dtype
+    if dtype is None and value.const_value is not None:
+        dtype = value.const_value.dtype
     if dtype is None or dtype == ir.DataType.UNDEFINED:
-        return TensorInfo(value.name, shape, None, None, is_weight)
-    return TensorInfo(value.name, shape, dtype_name(dtype), dtype.bitwidth, is_weight)
+        return TensorInfo(value.name or "", shape, None, None, is_weight)
+    return TensorInfo(value.name or "", shape, dtype_name(dtype), dtype.bitwidth, is_weight)
+
+
+def _info(value: ir.Value, shapes, is_weight: bool) -> TensorInfo:
+    return tensor_info(value, is_weight, *shapes.get(value.name, (None, None)))
 
 
 def _weight_values(graph: ir.Graph) -> set[ir.Value]:

@@ -18,7 +18,7 @@ Steps, each a well-kept pass where one exists:
    shapes and the slices an exporter takes of a weight (inputs up to 4M elements,
    outputs within onnxscript's limit); never the quantisation ops, whose Q/DQ pairs a
    quantised runtime reads. The folder infers shapes node by node (onnx's inference per
-   node: ~100 us each, most of this stage) only where a folding decision can read one:
+   node, most of this stage's time) only where a folding decision can read one:
    when the model has an op whose partial evaluation reads a shape or a type (Reshape,
    Shape, Size, Cast, Concat, Expand...; see :data:`SHAPE_READERS`), or when the shapes
    are wanted in the output (``--keep-shapes``). Otherwise it folds the same nodes
@@ -110,7 +110,7 @@ class CleanupPass(OpfusePass):
                 self.report.records.extend(records)
                 self._shapes_seen = count_ops(model.graph)
             infer = self.infer_shapes or _inference_matters(ops)
-            if not infer and not _could_fold(model):  # (a pass over 48k nodes that folds nothing: ~0.5 s)
+            if not infer and not _could_fold(model):  # (a pass that folds nothing still walks every node)
                 break
             with _quiet_folder():
                 records = _fold_constants(model, ops, infer)

@@ -327,8 +327,8 @@ class HomogeneousEqualizePass(EqualizePass):
     """:class:`EqualizePass` on the pairs whose ops between need no new bound: a Clip between
     (ReLU6) is refused rather than turned into a Relu and a per-channel Min, an op that ONNX
     Runtime's int8 conv does not absorb as it absorbs the Clip (the per-tensor quantisation
-    preset: on MobileNetV2, whose pairs all have a ReLU6 between, equalising every pair
-    read 9.85 dB at 0.76x the float model's speed, and none 9.90 dB at 1.75x)."""
+    preset: on MobileNetV2, whose pairs all have a ReLU6 between, equalising every pair cost
+    speed for no SQNR: docs/results/measurements.md)."""
 
     name = "equalize-homogeneous"
     bounds = False

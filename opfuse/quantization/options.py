@@ -61,7 +61,7 @@ class QuantizeOptions:
     calibrate: Calibrate = "auto"
     holdout: int | None = None
     max_steps: int = 64
-    runner: Callable | None = None  # runner(model, samples) -> outputs per sample (.search.Runner)
+    runner: Callable | None = None  # runner(model, samples) -> outputs per sample (.qdq.sqnr.Runner)
     keep_as: KeepAs | None = None  # None: the preset's
     output: str | os.PathLike | None = None
     report_path: str | os.PathLike | None = None

@@ -74,8 +74,8 @@ from typing import Literal
 
 ScaleFit = Literal["learned", "search"]  # .reconstruction.SCALE_FITS
 # The qnn presets' reconstruction searches each activation scale before the rounding fit, and
-# estimated_seconds does not count that search; measured, it took 7-10x the estimate
-# (docs/quantization.md). So auto runs it for qnn when the estimate is at most a budget's eighth.
+# estimated_seconds does not count that search, which takes several times the estimate (docs/quantization.md).
+# So auto runs it for qnn when the estimate is at most a budget's eighth.
 QNN_FIT_FACTOR = 8
 
 

@@ -9,14 +9,17 @@ A step catches only the exceptions it expects (the interpreter's
 :class:`~.torch_ops_common.Unsupported`); any other error is a bug and is raised.
 
     Equalize        cross-layer equalisation, run by the fold (it is one of its passes)
-    Ranges          the calibration method, then ONNX Runtime's quantiser (:class:`.qdq.Quantizer`)
-    AdaRound        the rounding of each int8 weight, in every candidate (:mod:`.trials`)
-    BiasCorrection  empirical bias correction, in every candidate (:mod:`.trials`)
-    MixedPrecision  the candidate: with a target, the monotone search (:mod:`.search`)
+    Ranges          the calibration method, then ONNX Runtime's quantiser (:class:`.qdq.Quantizer`):
+                    the first candidate, all of it int8
+    AdaRound        the rounding of each int8 weight of the candidate, kept where it helps (:mod:`.adaround`)
+    BiasCorrection  empirical bias correction of the candidate, kept where it helps (:mod:`.bias_correction`)
+    MixedPrecision  with a target, the monotone search (:mod:`.search`) from the candidate
     Reconstruction  block reconstruction of the model chosen (:mod:`.reconstruction`)
 
-AdaRound and bias correction are applied to each candidate the search makes, so their steps
-hand themselves to the candidate maker, which composes them (:class:`.trials.TrialMaker`).
+AdaRound and bias correction each refine the candidate the steps before them made, deciding
+there whether they stay (:class:`.trials.CandidateStep`), then join the candidate maker
+(:class:`.trials.TrialMaker`), which refines every later candidate the search makes as they
+decided. Each can be applied alone to a state whose candidate a Ranges step made.
 """
 
 from __future__ import annotations
@@ -40,9 +43,17 @@ from opfuse.quantization.presets import (
 )
 from opfuse.quantization.algorithms.bias_correction import compute_corrections, select_corrections
 from opfuse.quantization.qdq.quantizer import Quantizer
+from opfuse.quantization.qdq.sqnr import OutputReference
 from opfuse.quantization.report import QuantReport, ReconstructionFacts
-from opfuse.quantization.algorithms.search import KEEP_ACTIONS, Judge, monotone_search
-from opfuse.quantization.algorithms.trials import CHOICE_SAMPLES, TrialMaker
+from opfuse.quantization.algorithms.search import KEEP_ACTIONS, monotone_search
+from opfuse.quantization.algorithms.trials import (
+    CHOICE_SAMPLES,
+    AdaRoundTrial,
+    BiasCorrectionTrial,
+    CandidateStep,
+    Trial,
+    TrialMaker,
+)
 from opfuse.runtime import create_session
 
 
@@ -70,12 +81,11 @@ class QuantState:
     workdir: str
     device: Any = None  # the target's device module (None: ONNX Runtime's CPU)
     device_options: Any = None  # its parsed options
-    adaround: bool = False  # AdaRound is among the candidate steps
-    bias_correction: bool = False  # bias correction is among them
     reconstruct: bool | str = False  # decided: True or False, or "auto" until decided
     reconstruct_reason: str = ""  # decided False: why
     quantizer: Quantizer | None = None
     maker: TrialMaker | None = None
+    trial: Trial | None = None  # the first candidate, refined by the steps in turn
     qdq: onnx.ModelProto | None = None
     keep: list = dataclasses.field(default_factory=list)
     why: dict = dataclasses.field(default_factory=dict)
@@ -135,6 +145,15 @@ class RangesStep:
                                 "output, not by its own round trip")
         state.quantizer = Quantizer(state.float_model, preset, state.tune, state.workdir, method=calibrate)
         report.calibration = calibrate
+        guards = None
+        if state.device is not None and any(isinstance(s, (AdaRound, BiasCorrection)) for s in state.options.steps()):
+            guards = _device_runner(state.device.Runner(state.device_options),  # the device judges their fit
+                                    [o.name for o in state.float_model.graph.output])
+        state.maker = TrialMaker(state.quantizer, state.float_model, state.tune, adaround=False,
+                                 bias_correction=False, runner=guards,
+                                 runner_name=state.device.NAME if guards is not None else "")
+        state.trial = state.maker.start(keep_as=state.keep_action.name)
+        state.qdq = state.trial.qdq
         return StepOutcome(self.name, True)
 
 
@@ -144,8 +163,7 @@ class AdaRoundStep:
     name = "adaround"
 
     def apply(self, state: QuantState) -> StepOutcome:
-        state.adaround = True  # each candidate is rounded (.trials), kept where it helps
-        return StepOutcome(self.name, True)
+        return _refine(self.name, AdaRoundTrial(), state)
 
 
 @dataclasses.dataclass
@@ -154,8 +172,7 @@ class BiasCorrectionStep:
     name = "bias-correction"
 
     def apply(self, state: QuantState) -> StepOutcome:
-        state.bias_correction = True  # each candidate is corrected (.trials), kept where it helps
-        return StepOutcome(self.name, True)
+        return _refine(self.name, BiasCorrectionTrial(), state)
 
 
 @dataclasses.dataclass
@@ -164,17 +181,9 @@ class MixedPrecisionStep:
     name = "mixed-precision"
 
     def apply(self, state: QuantState) -> StepOutcome:
-        options, report = state.options, state.report
-        guards = None
-        if state.device is not None and (state.adaround or state.bias_correction):  # the device judges its fit
-            guards = _device_runner(state.device.Runner(state.device_options),
-                                    [o.name for o in state.float_model.graph.output])
-        state.maker = maker = TrialMaker(state.quantizer, state.float_model, state.tune, adaround=state.adaround,
-                                         bias_correction=state.bias_correction, runner=guards,
-                                         runner_name=state.device.NAME if guards is not None else "")
+        options, report, maker = state.options, state.report, state.maker
         action = state.keep_action
         if not options.searching:  # no target (--min-sqnr or a metric): the one candidate, all of it int8
-            state.qdq = maker.make([], keep_as=action.name)
             maker.record_facts(report)
             return StepOutcome(self.name, True)
         metric = options.metric
@@ -184,7 +193,8 @@ class MixedPrecisionStep:
 
         outcome = monotone_search(
             lambda keep: maker.make(keep, keep_as=action.name), state.float_model,
-            Judge(state.float_model, state.tune, options.runner), Judge(state.float_model, state.check, options.runner),
+            OutputReference(state.float_model, state.tune, runner=options.runner),
+            OutputReference(state.float_model, state.check, runner=options.runner),
             report, keep_as=action, min_sqnr=options.min_sqnr, metric=measured if metric else None,
             min_metric=options.min_metric, max_steps=options.max_steps)
         state.qdq, state.keep, state.why, state.gain_of = outcome.model, outcome.kept, outcome.why, outcome.gain_of
@@ -259,8 +269,8 @@ class ReconstructionStep:
             candidate, _ = select_corrections(candidate, compute_corrections(maker.float_model, candidate,
                                                                              maker.samples),
                                               maker.reference.head(CHOICE_SAMPLES).sqnr)
-        before = maker.judge(state.qdq)
-        after = maker.judge(candidate) if result.values else before
+        before = maker.guard.sqnr(state.qdq)
+        after = maker.guard.sqnr(candidate) if result.values else before
         report.reconstruction = ReconstructionFacts(
             blocks=[dataclasses.asdict(b) for b in result.blocks], layers=result.layers, sqnr_db=(before, after),
             kept=after > before, stopped=result.stopped, weighted=result.weighted,
@@ -269,6 +279,17 @@ class ReconstructionStep:
         if after > before:
             state.qdq = candidate
         return StepOutcome(self.name, True)
+
+
+def _refine(name: str, step: CandidateStep, state: QuantState) -> StepOutcome:
+    """``step`` refines the first candidate (and decides there whether it stays), then refines
+    every later one the candidate maker makes."""
+    if not state.quantised:
+        return StepOutcome(name, False, "nothing was quantised")
+    step.refine(state.maker, state.trial)
+    state.maker.steps.append(step)
+    state.qdq = state.trial.qdq
+    return StepOutcome(name, True)
 
 
 _STEPS = {Equalize: EqualizeStep, AdaRound: AdaRoundStep,

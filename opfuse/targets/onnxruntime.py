@@ -47,15 +47,12 @@ MultiHeadAttention, or the standard Attention-23 with the opset raised to 23); w
 is the default policy it replaces, which applies untimed (``--no-tune``).
 
 Except in a KV-cache decode step (:data:`EXCEPTIONS`, :func:`decode_step_sites`): there
-MultiHeadAttention ran slower than the graph as written (``benchmarks/decoders.py``, timed
-mode, ORT ALL, one thread: Llama dynamo decode at past 256, median paired ratio 1.10-1.16
-to the export, against 0.75-0.84 for the standard Attention-23 of ``--target onnx
---opset 23``), so it is never written there. Untimed (``--no-tune``), such a graph gets the
+MultiHeadAttention ran slower than the graph as written, where the standard Attention-23 of
+``--target onnx --opset 23`` ran faster (``benchmarks/decoders.py``; the ratios:
+docs/results/measurements.md), so it is never written there. Untimed (``--no-tune``), such a graph gets the
 standard Attention with the opset raised to 23, its KV cache taken in as past_key/past_value
-(:mod:`opfuse.passes.patterns.kv_cache`, then its 3-D form, :mod:`~opfuse.passes.patterns.heads_3d`):
-on the Llama decode export, every family on with it measured 0.54x (IQR 0.47-0.63) of the
-export's time in the tuner's run and 0.74x in ``benchmarks/decoders.py``'s (Attention-23
-without the cache: 0.74-0.81 in earlier runs), and the log says so; the exception's own
+(:mod:`opfuse.passes.patterns.kv_cache`, then its 3-D form, :mod:`~opfuse.passes.patterns.heads_3d`),
+faster than the export on the Llama decode step, and the log says so; the exception's own
 policy (kept written out, one refusal per site) is what a configuration without that form
 follows. A decode step is recognised from the graph: a float rank-4 graph input (the
 past keys or values, [batch, heads, past, head_dim]; or a sliding window of it, a Slice,
@@ -82,9 +79,8 @@ layout exactly when its Conv does (checked on this machine for every activation 
 fuses). :func:`takes_residual` says whether a model can get a fusion with Z at all; when
 it cannot, no runtime session is built. That matters beyond the seconds: the runtime
 names every node its layout pass creates by scanning all nodes
-(``Graph::GenerateNodeName``), so a session at ENABLE_ALL costs O(convs x nodes): the two
-sessions of the check took 44 s for a 16000-block Conv+BN+Relu chain and 3.8 s for 4000
-(onnxruntime 1.32, 2 shared cores).
+(``Graph::GenerateNodeName``), so a session at ENABLE_ALL costs O(convs x nodes): tens of
+seconds on a long chain (docs/results/measurements.md).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ Attention-23 at ONNX Runtime): the measured choice's reference, which stands whe
 clock cannot tell.
 
 ONNX Runtime's contrib GroupQueryAttention is not a form here: its kernel ran the Llama decode
-step's four attentions slower than the standard op with its cache (ORT profile, one thread, past
-256: 151 us against 118 us), and its implicit causal mask equals the graph's only for masks of
+step's four attentions slower than the standard op with its cache (ONNX Runtime's profile:
+docs/results/measurements.md), and its implicit causal mask equals the graph's only for masks of
 ones then zeros per row (no left padding), a condition on the input data; the rest of the
 builder's gain (rotary inside, packed QKV read directly) the standard forms get from
 ``heads_3d`` and ``pack-projections``.

@@ -6,8 +6,8 @@ benchmarks (:mod:`opfuse.bench.measure`, which re-exports it) run:
 - Every variant gets its own session, at its own runtime level; an **A/A control** is a
   second, separate session of the same model, whose ratio to the first is the noise floor.
   ``copies`` gives each variant several sessions, its round time their mean: two sessions of one
-  model can differ by 5-15% for as long as they live (a Mistral decode step, 0.4 ms, at one
-  thread: ``experiments/decode_timing``), which one session per variant reads as the variants'.
+  model can differ for as long as they live (by how much: docs/results/measurements.md), which
+  one session per variant reads as the variants'.
 - ``intra_op_num_threads`` is configurable, one inter-op thread, sequential execution, and
   thread spinning off (``session.intra_op.allow_spinning = 0``) so idle sessions do not
   steal the cores the measured one needs.

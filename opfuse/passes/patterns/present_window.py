@@ -17,12 +17,8 @@ Algebra: ``Slice(x, -W, E)`` along an axis of length L keeps positions max(0, L 
 min(E, L): all of x when L <= W (E >= W >= L). The op's present is P + S long, so where
 P + S <= W the Slice is the identity and the then-branch writes the same tensors; elsewhere
 the else-branch is the graph's own nodes. Exact at every length; what changes is that a cache
-which fits the window is no longer copied once more after the op wrote it. Measured on the
-4-layer Mistral decode steps of ``benchmarks/decoders.py`` (past 256, ORT all, one thread, three
-sessions of each graph, 101 rounds: ``experiments/decode_timing``): run back to back (the fastest
-of 3 runs), 0.414 ms with the Ifs against 0.432 ms with the Slices (dynamo; TorchScript 0.418
-and 0.438), onnxruntime-genai's builder 0.394; run once after the other graphs (cold), the two
-are alike (0.911 and 0.897 ms).
+which fits the window is no longer copied once more after the op wrote it (its times on the
+Mistral decode steps: docs/results/measurements.md).
 
 Legality (each failure a refusal with its reason):
 

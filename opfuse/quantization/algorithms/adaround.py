@@ -16,11 +16,11 @@ otherwise: an error a Relu cuts off costs nothing). h is relaxed to the rectifie
 h(V) = clip(sigmoid(V) (zeta - gamma) + gamma, 0, 1) (zeta 1.1, gamma -0.1), V initialised
 so that Wq = W, and V is optimised with Adam on mini-batches of :data:`BATCH` positions for
 :data:`ITERATIONS` steps, on E / E(round to nearest) + lambda * mean(1 - |2h - 1|^beta): no
-regulariser for the first :data:`WARMUP` of the steps, then beta annealed from 20 to 2 (the
+regulariser for the first :data:`.rounding.WARMUP` of the steps, then beta annealed from 20 to 2 (the
 paper's schedule); then h is set to 0 or 1 (h >= 0.5 rounds up). The learning rate bounds
 how far a weight can travel from its float value; with a few thousand positions per layer
 and K up to thousands of inputs, the problem is underdetermined, and a rate that lets V
-roam (0.05) flipped 40% of ResNet-18's weights and lost a dB against the rate used here.
+roam flips many weights the data cannot decide (docs/results/measurements.md).
 
 Before the rounding, each layer's weight scale is chosen by the same error, the rounding
 to nearest in place (:mod:`.weight_ranges`): a range clipped inside the weight's extremes
@@ -68,17 +68,22 @@ from onnx import numpy_helper
 from opfuse.core.activations import clamp_of, read_activation
 from opfuse.core.analysis import opset_of
 from opfuse.quantization.qdq.layers import QdqLayers, exposed
+from opfuse.quantization.algorithms.rounding import (
+    FRACTION_CLIP,
+    GAMMA,
+    REGULARISER,
+    ZETA,
+    beta_at,
+    initial_v,
+    warmup_steps,
+)
 from opfuse.quantization.algorithms.weight_ranges import choose_factors, layer_error
 from opfuse.runtime import create_session
 from opfuse.core.ops import ONNX_DOMAINS, proto_attr, weight_spec
 
 ITERATIONS = 1000
 BATCH = 1024  # output positions per step
-WARMUP = 0.2  # share of the iterations without the rounding regulariser
 LEARNING_RATE = 0.003
-REGULARISER = 100.0  # lambda, against the loss normalised to round-to-nearest's
-BETA = (20.0, 2.0)
-ZETA, GAMMA = 1.1, -0.1
 SAMPLES = 48  # calibration samples whose positions are used
 POSITIONS = 16384  # output positions per layer at most
 CHECK_SHARE = 0.25  # the last quarter of the samples: the acceptance test's positions
@@ -333,13 +338,13 @@ def _optimise(site: _Site, scale: np.ndarray, data: _Data, nearest: np.ndarray, 
     lo_int, hi_int = site.levels[0] - site.zero, site.levels[1] - site.zero
     base = np.floor(w / scale)
     free = (base >= lo_int) & (base + 1 <= hi_int)  # both roundings representable
-    rest = np.clip(w / scale - base, 1e-4, 1 - 1e-4)
+    rest = np.clip(w / scale - base, *FRACTION_CLIP)
     norm = max(float(layer_error(scale * nearest, x, t, b, site.clamp).mean()), 1e-30)
     s32, base32, near32 = scale.astype(np.float32), base.astype(np.float32), nearest.astype(np.float32)
-    v = (-np.log((ZETA - GAMMA) / (rest - GAMMA) - 1)).astype(np.float32)  # h(V) = rest: Wq = W
+    v = initial_v(rest, np.log).astype(np.float32)  # h(V) = rest: Wq = W
     m, u = np.zeros_like(v), np.zeros_like(v)
     positions = x.shape[-1]
-    warm = int(ITERATIONS * WARMUP)
+    warm = warmup_steps(ITERATIONS)
     for step in range(1, ITERATIONS + 1):
         pick = rng.integers(0, positions, min(BATCH, positions))
         xb, tb = x[..., pick], t[..., pick]
@@ -351,7 +356,7 @@ def _optimise(site: _Site, scale: np.ndarray, data: _Data, nearest: np.ndarray, 
             d = np.where((y > site.clamp[0]) & (y < site.clamp[1]), d, 0.0)
         grad_h = (2 / (norm * d.size)) * (d @ xb.transpose(0, 2, 1)) * s32
         if step > warm:
-            beta = BETA[1] + (BETA[0] - BETA[1]) * (1 - (step - warm) / (ITERATIONS - warm))
+            beta = beta_at(step - warm, ITERATIONS - warm)
             tt = 2 * h - 1
             grad_h = grad_h + REGULARISER / h.size * (-beta * np.abs(tt) ** (beta - 1) * np.sign(tt) * 2)
         inside = (h > 0) & (h < 1) & free

@@ -17,7 +17,7 @@ The correction subtracts e from the quantised bias: ``bq_int -= round(e / bias_s
 Each layer's error is measured alone, against the float model's input; upstream errors and
 the activations the quantiser folds into a conv's output range make the shift the
 network really sees differ, and on PP-OCRv4 rec some single corrections lower the output
-SQNR by up to 3.8 dB while others raise it by 2.8 dB. So :func:`select_corrections`
+SQNR as much as others raise it (docs/results/measurements.md). So :func:`select_corrections`
 keeps a layer's correction only if it raises the output SQNR on the calibration samples,
 layer by layer in graph order (greedy, each one measured with those kept before it).
 

@@ -26,7 +26,7 @@ Legality: an LSTM whose ``W`` and ``R`` are initializers of the float model; any
 is, with the reason in the returned records. A gate matrix of at most 255 distinct values is int8
 already (a dynamic int8 LSTM dequantised, as ddddocr's common_old, one scale per direction): it is
 left as the model has it, whose few levels Vela's weight compression keeps small (re-rounded, they
-cost common_old 3% more U55 cycles for no SQNR).
+cost cycles for no SQNR: docs/results/measurements.md).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ from opfuse.core.ops import proto_attr
 # The Hessian's damping, times the mean of its diagonal: GPTQ's 0.01 with at least DENSE input vectors per
 # column, DAMP_FEW with fewer. An LSTM's calibration may give fewer vectors than columns (ddddocr common: 6 tuning
 # samples x 40 steps = 240 for 512): the estimate is rank deficient and 0.01 fits the rounding to the
-# calibration's subspace. Measured there (the LSTM's Y against the float one, 4 held-out inputs): 0.01 29.9 dB,
-# 0.1 33.0, 0.3 34.1, 1.0 34.2; from 2 tuning samples 31.7 (0.01), 32.9 (0.3), 32.2 (1.0); from 8, 34.2 (0.3),
-# 33.4 (1.0). Rounded to nearest: 19.8 dB. With many vectors (the tests' tail: 256 for 24 columns) 0.01 does best.
+# calibration's subspace; a stronger damping holds the rounding nearer the grid's own (the measurements that chose
+# 0.3: docs/results/measurements.md). With many vectors (the tests' tail: 256 for 24 columns) 0.01 does best.
 DAMP, DAMP_FEW, DENSE = 0.01, 0.3, 2
 MAX_VECTORS = 4096  # input vectors per matrix the Hessian is estimated from
 

@@ -32,7 +32,8 @@ estimate of diag(J^T J) of the graph outputs with respect to t (two probes per s
 normalised to mean 1), so that the error a channel makes counts as much as it reaches the
 outputs. V (and log(s), when learned) are fitted with Adam on :data:`PER_STEP` samples per
 step for :data:`ITERATIONS` steps, lambda and beta as in AdaRound (no regulariser for the first
-:data:`WARMUP` of the steps, then beta from 20 to 2), and h is then set to 0 or 1.
+:data:`.rounding.WARMUP` of the steps, then beta from 20 to 2: :mod:`.rounding`, the relaxation both
+fits share), and h is then set to 0 or 1.
 
 The scales are searched for the ``qnn`` presets (:attr:`.presets.Preset.scale_fit`), which
 quantise the residual stream too: there LSQ's straight-through gradient of the block error
@@ -93,6 +94,15 @@ import torch
 from onnx import numpy_helper
 
 from opfuse.quantization.options import RECONSTRUCTION_ITERATIONS
+from opfuse.quantization.algorithms.rounding import (
+    FRACTION_CLIP,
+    GAMMA,
+    REGULARISER,
+    ZETA,
+    beta_at,
+    initial_v,
+    warmup_steps,
+)
 from opfuse.quantization.interpreter.program import Block, FloatProgram, QdqProgram
 
 ITERATIONS = RECONSTRUCTION_ITERATIONS  # the default of QuantizeOptions.reconstruction_iterations
@@ -104,10 +114,6 @@ SCALE_LEARNING_RATE = 1e-3  # log(s), when learned
 SCALE_FITS = ("learned", "search")
 SCALE_STEPS = (0.7, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5)  # the factors the search tries on each scale
 SEARCH_SAMPLES = 16  # samples the search measures each trial on
-REGULARISER = 100.0
-BETA = (20.0, 2.0)
-WARMUP = 0.2
-ZETA, GAMMA = 1.1, -0.1
 MACS_PER_SECOND = 2.0e9  # the fits' pace on one thread here, fitted to three models (estimated_seconds)
 SECONDS_PER_NODE = 5e-4  # and the per-node cost of one sample's pass
 
@@ -231,8 +237,8 @@ def _soft_weights(sites) -> tuple[dict, dict, dict, dict]:
     for site in sites:
         w, s = torch.tensor(site.float_weight), torch.tensor(site.scale)
         floors[site.name], steps[site.name], zeros[site.name] = torch.floor(w / s), s, torch.tensor(site.zero)
-        rest = torch.clamp(w / s - floors[site.name], 1e-4, 1 - 1e-4)
-        variables[site.name] = (-torch.log((ZETA - GAMMA) / (rest - GAMMA) - 1)).requires_grad_(True)
+        rest = torch.clamp(w / s - floors[site.name], *FRACTION_CLIP)
+        variables[site.name] = initial_v(rest, torch.log).requires_grad_(True)
     return variables, floors, steps, zeros
 
 
@@ -277,7 +283,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
     if scale_fit == "search" and keys:
         _search_scales(log_scales, _BlockError(program, block, quant[:SEARCH_SAMPLES], state, error))
     optimiser = torch.optim.Adam(groups)
-    warm = int(iterations * WARMUP)
+    warm = warmup_steps(iterations)
     total_weights = max(1, sum(v.numel() for v in variables.values()))
     for step in range(iterations):
         picks = torch.randint(0, count, (min(PER_STEP, count),), generator=generator).tolist()
@@ -285,7 +291,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
         loss = sum(error(program.run(dict(quant[i]), block.nodes, weights, scales), i)
                    for i in picks) / (len(picks) * e_near)
         if step >= warm and variables:
-            beta = BETA[1] + (BETA[0] - BETA[1]) * (1 - (step - warm) / max(1, iterations - warm))
+            beta = beta_at(step - warm, max(1, iterations - warm))
             regular = sum((1 - (2 * _rectified(v) - 1).abs() ** beta).sum() for v in variables.values())
             loss = loss + REGULARISER * regular / total_weights
         optimiser.zero_grad()

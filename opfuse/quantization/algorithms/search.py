@@ -2,11 +2,11 @@
 
 The pieces, each replaceable:
 
-- a **runner** (:data:`Runner`): ``runner(model, samples) -> outputs per sample``, what
-  evaluates a candidate model. The default runs ONNX Runtime's CPU provider
-  (:func:`ort_runner`); a backend whose numerics differ (an NPU's) plugs its own in, and
-  every measurement of the search (ranking, acceptance, stopping) goes through it, judged
-  against the float model's outputs from the ``reference`` runner (CPU by default);
+- a **scorer** (:class:`~opfuse.quantization.qdq.sqnr.OutputReference`, the one every step
+  judges by): the output SQNR of a candidate model against the float model's outputs on one
+  sample set, the candidate run by its runner (ONNX Runtime's CPU by default; a backend whose
+  numerics differ, an NPU's, plugs its own in, and every measurement of the search, ranking,
+  acceptance and stopping, goes through it);
 - a **keep action** (:class:`KeepAction`): what keeping a layer out of int8 means: in
   float (``nodes_to_exclude``) or with 16-bit activations (tensor overrides), applied by
   re-quantising: ``make(keep) -> model`` (:class:`~opfuse.quantization.algorithms.trials.TrialMaker`);
@@ -37,50 +37,18 @@ the tuning and check SQNR, accepted or not) and, for each kept layer, why.
 
 from __future__ import annotations
 
-__all__ = ["Runner", "ort_runner", "Judge", "KeepAction", "KEEP_ACTIONS", "Candidate", "candidates",
+__all__ = ["KeepAction", "KEEP_ACTIONS", "Candidate", "candidates",
            "monotone_search", "SearchOutcome"]
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import numpy as np
 import onnx
 
-from opfuse.quantization.calibration import Sample, run_sample
 from opfuse.quantization.qdq.layers import qdq_layers
 from opfuse.quantization.qdq.quantizer import WEIGHTED_OPS
 from opfuse.quantization.report import QuantReport, RankedCandidate, SearchStep
-from opfuse.quantization.qdq.sqnr import outputs_db
-from opfuse.runtime import create_session
-
-Runner = Callable[[onnx.ModelProto, Sequence[Sample]], list[list[np.ndarray]]]
-
-
-def ort_runner(level: str = "disabled") -> Runner:
-    """ONNX Runtime's CPU provider at ``level``: every graph output of every sample."""
-
-    def run(model: onnx.ModelProto, samples: Sequence[Sample]) -> list[list[np.ndarray]]:
-        session = create_session(model, level)
-        names = [o.name for o in session.get_outputs()]
-        return [run_sample(session, names, s, i) for i, s in enumerate(samples)]
-
-    return run
-
-
-class Judge:
-    """Output SQNR of candidate models against the float model on one set of samples,
-    each candidate run by ``runner`` (the float outputs computed once by ``reference``)."""
-
-    def __init__(self, float_model: onnx.ModelProto, samples: Sequence[Sample], runner: Runner | None = None,
-                 reference: Runner | None = None):
-        self.samples = list(samples)
-        self.names = [o.name for o in float_model.graph.output]
-        self.runner = runner or ort_runner()
-        self.values = (reference or ort_runner())(float_model, self.samples)
-
-    def sqnr(self, model: onnx.ModelProto) -> float:
-        return outputs_db(self.names, self.values, self.runner(model, self.samples))
-
+from opfuse.quantization.qdq.sqnr import OutputReference
 
 @dataclasses.dataclass(frozen=True)
 class KeepAction:
@@ -129,7 +97,7 @@ class SearchOutcome:
 
 
 def monotone_search(make: Callable[[list[str]], onnx.ModelProto], float_model: onnx.ModelProto,
-                    tune: Judge, check: Judge, report: QuantReport, *, keep_as: KeepAction,
+                    tune: OutputReference, check: OutputReference, report: QuantReport, *, keep_as: KeepAction,
                     min_sqnr: float | None, metric: Callable[[onnx.ModelProto], float] | None = None,
                     min_metric: float | None = None, max_steps: int = 64) -> SearchOutcome:
     """The module docstring's search; ``make(keep)`` builds a candidate, ``metric(model)``

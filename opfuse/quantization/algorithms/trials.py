@@ -20,8 +20,8 @@ The samples are the tuning samples only: whatever judges a trial from outside (t
 search's stopping test, the held-out verification) runs on others. The two whole-model
 guards (AdaRound's and bias correction's "did the output SQNR rise") run the candidate on
 ``runner`` when one is given: the ``qnn`` preset passes the HTP's, since a rounding fitted
-to ONNX Runtime's CPU QDQ can raise the CPU's SQNR and lower the NPU's (silero_vad
-16k_op15: CPU 19.1 -> 22.0 dB, HTP 17.5 -> 8.4 dB).
+to ONNX Runtime's CPU QDQ can raise the CPU's SQNR and lower the NPU's (silero_vad:
+docs/results/measurements.md).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from opfuse.quantization.algorithms.bias_correction import (
     select_corrections,
 )
 from opfuse.quantization.qdq.quantizer import Quantizer
-from opfuse.quantization.qdq.sqnr import OutputReference, outputs_db
+from opfuse.quantization.qdq.sqnr import OutputReference
 
 CHOICE_SAMPLES = 16  # tuning samples on which each bias correction is kept or not
 
@@ -67,25 +67,38 @@ class TrialMaker:
         self.quantizer = quantizer
         self.float_model = float_model
         self.samples = list(samples)
-        self.reference = OutputReference(float_model, self.samples)
-        self.use_adaround = adaround
-        self.use_bias_correction = bias_correction
+        self.reference = OutputReference(float_model, self.samples)  # on the CPU
+        self.guard = self.reference.on(runner)  # the whole-model guards' scorer (module docstring)
         self.facts: dict[str, MethodFacts] = {}
         self._rounding_cache: dict = {}
         self.runner = runner  # (model, samples) -> outputs per sample, for the guards; None: the CPU
         self.runner_name = runner_name  # where the runner runs, as the notes say it ("HTP")
         self.steps: list[CandidateStep] = [*[AdaRoundTrial()] * adaround, *[BiasCorrectionTrial()] * bias_correction]
+        self.first: Trial | None = None  # the first candidate, as :meth:`start` made it and the steps refined it
 
-    def judge(self, model: onnx.ModelProto) -> float:
-        """The tuning output SQNR of ``model`` as the guards measure it (module docstring)."""
-        if self.runner is None:
-            return self.reference.sqnr(model)
-        return outputs_db(self.reference.names, self.reference.values, self.runner(model, self.samples))
+    @property
+    def use_adaround(self) -> bool:
+        return any(isinstance(s, AdaRoundTrial) for s in self.steps)
+
+    @property
+    def use_bias_correction(self) -> bool:
+        return any(isinstance(s, BiasCorrectionTrial) for s in self.steps)
+
+    def start(self, keep_as: str | None = None) -> Trial:
+        """The first candidate (nothing kept out of int8), not refined yet: each quantisation step
+        refines it in turn, deciding whether it stays (:class:`CandidateStep`), and then joins
+        :attr:`steps`, which refine every later candidate as it decided; :meth:`make` with
+        nothing kept gives (a copy of) this one."""
+        qdq = self.quantizer.quantize([], keep_as=keep_as)
+        self.first = Trial(qdq, True, self.facts.setdefault(self.quantizer.method, MethodFacts()))
+        return self.first
 
     def make(self, keep=(), keep_as: str | None = None) -> onnx.ModelProto:
         """The QDQ model with ``keep`` out of int8 (``keep_as``: "float" or "int16"), refined by
         each candidate step in order (AdaRound, then bias correction)."""
         method = self.quantizer.method
+        if not keep and self.first is not None:
+            return _copy(self.first.qdq)
         qdq = self.quantizer.quantize(list(keep), keep_as=keep_as)
         if not any(n.op_type == "QuantizeLinear" for n in qdq.graph.node):
             return qdq  # nothing was quantised: no rounding to choose, no bias to correct, nothing to judge
@@ -154,10 +167,10 @@ class AdaRoundTrial:
             return
         rounding = adaround_layers(maker.float_model, trial.qdq, maker.samples, maker._rounding_cache)
         if trial.first:
-            without_db = maker.judge(trial.qdq)
+            without_db = maker.guard.sqnr(trial.qdq)
             rounded = _copy(trial.qdq)
             apply_rounding(rounded, rounding)
-            with_db = maker.judge(rounded)
+            with_db = maker.guard.sqnr(rounded)
             facts.adaround, facts.adaround_sqnr_db = with_db > without_db, (without_db, with_db)
             facts.rounding = rounding
             trial.judged = with_db if facts.adaround else without_db
@@ -171,11 +184,11 @@ class BiasCorrectionTrial:
     def refine(self, maker: TrialMaker, trial: Trial) -> None:
         facts = trial.facts
         if trial.first:
-            without_db = trial.judged if trial.judged is not None else maker.judge(trial.qdq)
+            without_db = trial.judged if trial.judged is not None else maker.guard.sqnr(trial.qdq)
             subset = maker.reference.head(CHOICE_SAMPLES)
             corrected, correction = select_corrections(
                 trial.qdq, compute_corrections(maker.float_model, trial.qdq, maker.samples), subset.sqnr)
-            with_db = maker.judge(corrected)
+            with_db = maker.guard.sqnr(corrected)
             facts.bias_sqnr_db = (without_db, with_db)
             facts.bias_skipped = dict(correction.skipped)
             if with_db > without_db:

@@ -12,8 +12,14 @@ the float model's nodes by name) and answers the questions the steps ask of a QD
 - :meth:`QdqLayers.removed_activations`: the Relu/Clip ONNX Runtime's quantiser folded into a
   layer's output range (the interpreter computes them again).
 
+- :meth:`QdqLayers.quantisation`: a QuantizeLinear's or DequantizeLinear's scale, zero point and
+  axis, the one place a Q/DQ pair's parameters are read.
+
 AdaRound's weight sites (:func:`.adaround.weight_sites`, which the block reconstruction's
-program reads too) and bias correction's sites are views built from it. :func:`exposed`
+program reads too) and bias correction's sites are views built from it. Without a float model
+(``QdqLayers(None, qdq)``) it reads a QDQ model alone (the Ethos-U lowering,
+:func:`opfuse.targets.ethos_u.tflite_graph.read_qdq`): everything but :meth:`QdqLayers.layers`
+and :meth:`QdqLayers.removed_activations`, which compare with the float model. :func:`exposed`
 makes a copy of a model with intermediate tensors as outputs, for the steps that read them.
 This module imports nothing else of :mod:`opfuse.quantization`.
 """
@@ -46,14 +52,16 @@ class QdqLayer:
 
 
 class QdqLayers:
-    """A float model and the QDQ model made from it, indexed once (module docstring)."""
+    """A float model and the QDQ model made from it, indexed once (module docstring); with
+    ``float_model`` None, the QDQ model alone."""
 
-    def __init__(self, float_model: onnx.ModelProto, qdq: onnx.ModelProto):
+    def __init__(self, float_model: onnx.ModelProto | None, qdq: onnx.ModelProto):
         self.float_model, self.qdq = float_model, qdq
         self.inits = {i.name: i for i in qdq.graph.initializer}
-        self.float_inits = {i.name: i for i in float_model.graph.initializer}
+        self.constant_nodes = {n.output[0]: n for n in qdq.graph.node if n.op_type == "Constant" and n.output}
+        self.float_inits = {i.name: i for i in float_model.graph.initializer} if float_model is not None else {}
         self.producer = {o: n for n in qdq.graph.node for o in n.output}
-        self.float_nodes = {n.name: n for n in float_model.graph.node if n.name}
+        self.float_nodes = {n.name: n for n in float_model.graph.node if n.name} if float_model is not None else {}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for n in qdq.graph.node:
             for i in n.input:
@@ -64,19 +72,36 @@ class QdqLayers:
         return len(self.consumers.get(name, ()))
 
     def const(self, name: str) -> np.ndarray | None:
-        """The QDQ model's initializer ``name`` as an array (None: not an initializer)."""
-        return numpy_helper.to_array(self.inits[name]) if name in self.inits else None
+        """The QDQ model's constant ``name`` (an initializer, or a Constant node's value) as an
+        array (None: neither)."""
+        if name in self.inits:
+            return numpy_helper.to_array(self.inits[name])
+        node = self.constant_nodes.get(name)
+        return None if node is None else numpy_helper.to_array(proto_attr(node, "value"))
+
+    def is_const(self, name: str) -> bool:
+        return name in self.inits or name in self.constant_nodes
+
+    def quantisation(self, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """(scale as float64, zero point as stored, axis) of a QuantizeLinear or DequantizeLinear;
+        a zero point left out reads as int8 zeros, the axis as 1; None where the scale is not a
+        constant."""
+        if len(node.input) < 2 or not self.is_const(node.input[1]):
+            return None
+        scale = self.const(node.input[1]).astype(np.float64)
+        has_zero = len(node.input) > 2 and node.input[2]
+        zero = self.const(node.input[2]) if has_zero else np.zeros_like(scale, np.int8)
+        return scale, zero, proto_attr(node, "axis", 1)
 
     def dequantised(self, name: str) -> tuple[np.ndarray, onnx.NodeProto] | None:
         """(float64 values, the DequantizeLinear) of a constant's DequantizeLinear output ``name``,
         per-channel scales broadcast on their axis; None where ``name`` is no such output."""
         dq = self.producer.get(name)
-        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in self.inits:
+        if dq is None or dq.op_type != "DequantizeLinear" or not self.is_const(dq.input[0]):
             return None
         q = self.const(dq.input[0]).astype(np.float64)
-        scale = self.const(dq.input[1]).astype(np.float64)
-        zero = self.const(dq.input[2]).astype(np.float64) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale)
-        axis = proto_attr(dq, "axis", 1)
+        scale, zero, axis = self.quantisation(dq)
+        zero = zero.astype(np.float64)
         if scale.ndim == 1 and scale.size > 1:
             shape = [1] * q.ndim
             shape[axis] = -1
@@ -94,7 +119,7 @@ class QdqLayers:
         removed after the layer computing it. The layer's output takes the activation's name, or,
         when that is a graph output (which a DequantizeLinear then writes), a name of the
         quantiser's own; either way it is the output of the node named as the layer was."""
-        return removed_activations(self.qdq, self.float_model)
+        return removed_activations(self.qdq, self._float())
 
     def layers(self, also: Iterable[str] = ()) -> list[QdqLayer]:
         """Every non-Q/DQ node of the QDQ model that reads or writes a quantised tensor (and the
@@ -105,7 +130,7 @@ class QdqLayers:
         values (the producers' op types differ), so only its DequantizeLinear output counts.
         """
         also = set(also)
-        float_producer = {o: n.op_type for n in self.float_model.graph.node for o in n.output}
+        float_producer = {o: n.op_type for n in self._float().graph.node for o in n.output}
         float_values = _value_names(self.float_model)
 
         def same_values(name: str) -> bool:
@@ -121,6 +146,11 @@ class QdqLayers:
             if in_quantised or out_quantised or node.name in also:
                 layers.append(QdqLayer(node.name, node.op_type, ins, outs))
         return layers
+
+    def _float(self) -> onnx.ModelProto:
+        if self.float_model is None:
+            raise ValueError("this QDQ index has no float model to compare with")
+        return self.float_model
 
     def _layer_inputs(self, node, float_values, same_values) -> tuple[list[tuple[str, str]], bool]:
         ins, quantised = [], False

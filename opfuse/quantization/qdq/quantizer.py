@@ -402,7 +402,7 @@ def _restore_removed_activations(model: onnx.ModelProto, float_model: onnx.Model
     QuantizeLinear's range clips instead) and gives the layer's output the activation's
     name; it rewrites the readers it knows to the DequantizeLinear. A branch of an If or
     Loop that reads the tensor from the outer scope is not one of them: it would read the
-    values before the activation (silero_vad_half: output SQNR -1.4 dB). Those readers, and
+    values before the activation (silero_vad_half: docs/results/measurements.md). Those readers, and
     any main-graph node other than the QuantizeLinear still reading it, read a copy of the
     float model's activation instead.
     """

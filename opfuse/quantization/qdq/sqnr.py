@@ -31,11 +31,12 @@ did. :func:`below_output_step` says when that is so.
 
 from __future__ import annotations
 
-__all__ = ["three_way", "sqnr_db", "Accumulator", "measure", "output_sqnr", "OutputReference", "outputs_db",
+__all__ = ["three_way", "sqnr_db", "Accumulator", "measure", "output_sqnr", "Runner", "OutputReference",
+           "outputs_db",
            "layer_costs", "layer_pairs", "below_output_step", "output_steps"]
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -47,6 +48,9 @@ from opfuse.quantization.qdq.layers import QdqLayer, exposed
 from opfuse.runtime import create_session
 
 INFINITE = 200.0  # dB shown for an exact match
+
+# what runs a candidate model: ``runner(model, samples) -> every graph output per sample``
+Runner = Callable[[onnx.ModelProto, Sequence[Mapping[str, np.ndarray]]], list[list[np.ndarray]]]
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -159,25 +163,47 @@ def outputs_db(names: Sequence[str], references, outputs) -> float:
 
 
 class OutputReference:
-    """The float model's graph outputs on a set of samples, computed once, to judge many
-    candidate QDQ models against (the mixed-precision search's trials)."""
+    """The one scorer of candidate QDQ models: the float model's graph outputs on a set of
+    samples, computed once (by ONNX Runtime's CPU at ``level``), and :meth:`sqnr`, the output
+    SQNR of a candidate against them over every output and sample.
 
-    def __init__(self, float_model: onnx.ModelProto, samples, level: str = "disabled"):
+    A candidate runs on ``runner`` (:data:`Runner`), ONNX Runtime's CPU when None; a backend
+    whose numerics differ (an NPU's) passes its own, and whatever judges through this object
+    (the mixed-precision search's ranking, acceptance and stopping; AdaRound's, bias
+    correction's and block reconstruction's "did the output SQNR rise") is then judged on it.
+    :meth:`head` and :meth:`on` give the same reference on fewer samples or another runner,
+    without running the float model again."""
+
+    def __init__(self, float_model: onnx.ModelProto, samples, level: str = "disabled",
+                 runner: Runner | None = None):
         self.samples = [dict(s) for s in samples]
         self.names = [o.name for o in float_model.graph.output]
+        self.runner = runner
         session = create_session(float_model, level)
         self.values = [run_sample(session, self.names, s, i) for i, s in enumerate(self.samples)]
 
+    def _like(self, samples: list, values: list, runner: Runner | None) -> "OutputReference":
+        like = object.__new__(OutputReference)
+        like.samples, like.names, like.values, like.runner = samples, self.names, values, runner
+        return like
+
     def head(self, count: int) -> "OutputReference":
         """The same reference on its first ``count`` samples (nothing is run again)."""
-        head = object.__new__(OutputReference)
-        head.samples, head.names, head.values = self.samples[:count], self.names, self.values[:count]
-        return head
+        return self._like(self.samples[:count], self.values[:count], self.runner)
+
+    def on(self, runner: Runner | None) -> "OutputReference":
+        """The same reference with candidates run by ``runner`` (None: ONNX Runtime's CPU)."""
+        return self._like(self.samples, self.values, runner)
 
     def sqnr(self, qdq_model: onnx.ModelProto, level: str = "disabled") -> float:
-        """SQNR over all outputs and samples of ``qdq_model``, in dB."""
-        session = create_session(qdq_model, level)
-        return outputs_db(self.names, self.values, (session.run(self.names, s) for s in self.samples))
+        """SQNR over all outputs and samples of ``qdq_model``, in dB: run by the runner, or by
+        ONNX Runtime's CPU at ``level`` without one."""
+        if self.runner is not None:
+            outputs = self.runner(qdq_model, self.samples)
+        else:
+            session = create_session(qdq_model, level)
+            outputs = [run_sample(session, self.names, s, i) for i, s in enumerate(self.samples)]
+        return outputs_db(self.names, self.values, outputs)
 
 
 def output_steps(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto) -> dict[str, float]:

@@ -23,6 +23,7 @@ from ai_edge_litert import schema_py_generated as schema
 from onnx import numpy_helper
 
 from opfuse.core.ops import ACTIVATION_OPS, OPS, proto_attr
+from opfuse.quantization.qdq.layers import QDQ_OPS, QdqLayers
 from opfuse.errors import BadInputError
 from opfuse.targets.ethos_u.tflite_writer import Quant, TfliteWriter
 
@@ -70,30 +71,28 @@ class QdqGraph:
 
 
 def read_qdq(model: onnx.ModelProto) -> QdqGraph:
-    """The graph with its QuantizeLinear/DequantizeLinear pairs read off (see the module docstring)."""
+    """The graph with its QuantizeLinear/DequantizeLinear pairs read off (see the module docstring),
+    by the quantisation's own QDQ index (:class:`opfuse.quantization.qdq.layers.QdqLayers`, without
+    a float model): each Q/DQ's parameters and each dequantised constant come from it."""
     graph = model.graph
+    index = QdqLayers(None, model)
     constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-    nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if node.op_type == "Constant":
-            constants[node.output[0]] = numpy_helper.to_array(proto_attr(node, "value"))
-        else:
-            nodes.append(node)
-    quantised = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in nodes)
+    constants.update({name: index.const(name) for name in index.constant_nodes})
+    nodes = [node for node in graph.node if node.op_type != "Constant"]
+    quantised = any(n.op_type in QDQ_OPS for n in nodes)
     alias: dict[str, str] = {}
     quant: dict[str, Quant] = {}
     qconsts: dict[str, tuple[np.ndarray, Quant]] = {}
     kept: list[onnx.NodeProto] = []
     for node in nodes:
-        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+        if node.op_type not in QDQ_OPS:
             kept.append(node)
             continue
-        if len(node.input) < 2 or node.input[1] not in constants:
+        params = index.quantisation(node)
+        if params is None:
             raise LoweringError(node, "its scale is not a constant")
-        scale = constants[node.input[1]].astype(np.float64)
-        zp = constants[node.input[2]] if len(node.input) > 2 and node.input[2] else np.zeros_like(scale, np.int8)
+        scale, zp, axis = params
         source = alias.get(node.input[0], node.input[0])
-        axis = proto_attr(node, "axis", 1)
         if node.op_type == "QuantizeLinear":
             if source in constants:
                 raise LoweringError(node, "a QuantizeLinear of a constant (expected the integers in the model)")
@@ -107,17 +106,14 @@ def read_qdq(model: onnx.ModelProto) -> QdqGraph:
                 raise LoweringError(node, f"tensor '{source}' is quantised twice with different scales")
             quant[source] = q
             alias[node.output[0]] = source
-        elif source in constants:
+        elif source in constants and index.is_const(source):
             data = constants[source]
-            rank = data.ndim
-            ax = (axis + rank) % rank if scale.size > 1 else 0
-            shape = [1] * rank
-            if scale.size > 1:
-                shape[ax] = scale.size
-            real = (data.astype(np.float64) - zp.reshape(shape if scale.size > 1 else ())) * scale.reshape(
-                shape if scale.size > 1 else ())
-            constants[node.output[0]] = real.astype(np.float32)
+            real, _ = index.dequantised(node.output[0])
+            constants[node.output[0]] = real.reshape(data.shape).astype(np.float32)
+            ax = (axis + data.ndim) % data.ndim if scale.size > 1 else 0
             qconsts[node.output[0]] = (data, Quant(scale.reshape(-1), zp.reshape(-1), ax))
+        elif source in constants:
+            raise LoweringError(node, "a DequantizeLinear of a computed constant (expected an initializer)")
         else:
             alias[node.output[0]] = source
     for node in kept:

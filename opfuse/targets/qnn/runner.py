@@ -1,8 +1,8 @@
 """Accuracy on the NPU's own arithmetic: samples run on the HTP backend, SQNR three ways.
 
 What ONNX Runtime's CPU computes for a QDQ graph is not what the HTP computes (it
-requantises inside fused ops, rounds differently, runs some float ops in fp16): on
-MobileNetV2 the two agree to only ~19 dB with each other. So for the ``qnn`` preset the
+requantises inside fused ops, rounds differently, runs some float ops in fp16): the two
+differ (by how much on MobileNetV2: docs/results/measurements.md). So for the ``qnn`` preset the
 held-out SQNR is measured on the HTP's outputs (:func:`htp_accuracy`), with the CPU-QDQ
 figure beside it:
 
