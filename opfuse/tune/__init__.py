@@ -10,18 +10,16 @@ and before anything is written. The steps, each a function:
    prefix through its first repeated block (a decoder's first layer with the embedding, mask and
    rotary tables before it), whose decision every copy of the block follows; a large model with no
    repeated block is not timed.
-2. **Shapes** (:func:`tuning_feeds`): the sizes a deployment uses. ``--dim`` values where
-   given; otherwise, for a KV-cache decode step (a past cache input, :func:`opfuse.verify.
-   inputs.past_cache`), a past of 256 and one new token; for any other graph, 128 for every
-   free dimension but the batch, and batch 1. Where the input model does not run there, those
-   sizes are halved until it does, and the log says so.
+2. **Shapes** (:func:`tuning_feeds`): the sizes a deployment uses. ``--dim`` values where given;
+   else, for a KV-cache decode step (:func:`opfuse.verify.inputs.past_cache`), a past of 256 and
+   one new token; for any other graph, 128 for every free dimension but the batch, and batch 1.
+   Where the input does not run there, those sizes are halved until it does, and the log says so.
 3. **One interleaved run** (:mod:`opfuse.tune.timing`) at the runtime level the user targets,
    one intra-op thread unless asked otherwise, each session's fastest of :data:`REPEAT` runs per
-   round, :data:`COPIES` sessions per variant (a round's time their mean: two sessions of one
-   model can differ by several percent for as long as they live): the input, its A/A control (a
-   second session of it), the target's **policy** (:func:`opfuse.tune.families.policy_configuration`:
-   what it writes untimed), the policy with each family it fuses off in turn, each other form of
-   attention, and the folds alone. The number of rounds comes from the graph's work units
+   round, :data:`COPIES` sessions per variant (a round's time their mean): the input, its A/A
+   control, the target's **policy** (:func:`opfuse.tune.families.policy_configuration`: what it
+   writes untimed), the policy with each family it fuses off in turn, each other form of attention,
+   and the folds alone. The number of rounds comes from the graph's work units
    (:func:`rounds_for`), not the clock. A variant whose rewrites raise, or that fails to run or
    computes something else, is dropped with its reason; the others go on. A variant that writes
    the same graph as the policy is not timed ("not in this graph"); with nothing to time, nothing is.
@@ -37,12 +35,11 @@ and before anything is written. The steps, each a function:
    A/A). If it is slower beyond the noise, the folds alone are written when they are not, else the
    input itself (``None``), and the log says which.
 
-Decisions are data (:mod:`opfuse.tune.record`): the record of a timed run is cached by the graph's
-signature and the machine, and replayed (``--tuning FILE``, or the cache) without timing.
+Decisions are data (:mod:`opfuse.tune.record`): a timed run's record is cached by the graph's signature
+and the machine, and replayed (``--tuning FILE``, or the cache) without timing.
 
-Nothing is timed with ``--no-tune`` (or ``OPFUSE_TUNE=off`` in the environment), nor for a target
-whose runtime is not here (qnn's HTP): the target's default policy applies and the report says so
-(:func:`untimed`).
+Nothing is timed with ``--no-tune`` (or ``OPFUSE_TUNE=off``), nor for a target whose runtime is not
+here (qnn's HTP): the target's default policy applies and the report says so (:func:`untimed`).
 """
 
 from __future__ import annotations
@@ -143,9 +140,8 @@ class Tuning:
     machine: dict = dataclasses.field(default_factory=dict)
     target: str = ""
     in_file: dict = dataclasses.field(default_factory=dict)  # family -> {op: count} in the model written
-    # each refused decision as (configuration with it, configuration without it, the reason): the
-    # pipeline turns the rewrites only the first has into refusals, one per site (in the record, so
-    # that a replay explains them as the timed run did: opfuse.tune.run)
+    # each refused decision as (with it, without it, the reason): the pipeline turns the rewrites only the
+    # first has into refusals, one per site (recorded: a replay explains them too, opfuse.tune.run)
     declined: list[tuple[Configuration, Configuration, str]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -364,8 +360,8 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
     for config, (family, candidate) in candidates.items():
         if possible is not None and not _could_be_here(family, possible):
             own = next(f for f in FAMILIES if f.name == family)  # (a family of passes alone: what they need)
-            results[config] = FamilyResult(family, candidate, "not in this graph", absent if own.patterns else f"not in "
-                                           f"this graph: {', '.join(own.passes)} does not run at this target or finds none of the ops it needs here")
+            why = absent if own.patterns else f"not in this graph: {', '.join(own.passes)} does not run at this target or finds none of the ops it needs here"
+            results[config] = FamilyResult(family, candidate, "not in this graph", why)
     models: dict[Configuration, ir.Model] = {}
     try:
         models[policy] = build(policy)
