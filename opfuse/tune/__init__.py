@@ -1,8 +1,7 @@
 """Measured fusion choice: every fusion family the target fuses, timed off against its policy.
 
-A fusion that does not fit the runtime can make a model slower (ONNX Runtime's contrib
-MultiHeadAttention in a KV-cache decode step, docs/results/decoders.md), so for a target whose
-runtime is on this machine (ONNX Runtime's CPU provider: ``--target onnxruntime`` and ``onnx``)
+A fusion that does not fit the runtime can make a model slower (docs/results/decoders.md), so for a
+target whose runtime is on this machine (ONNX Runtime's CPU provider: ``--target onnxruntime``, ``onnx``)
 :func:`tune` decides each family (:mod:`opfuse.tune.families`) by timing it, after the rewrites
 and before anything is written. The steps, each a function:
 
