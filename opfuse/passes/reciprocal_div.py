@@ -1,12 +1,10 @@
 """``reciprocal-div``: ``Reciprocal(x)`` written as ``Div(1, x)`` (``--target qnn``).
 
-QNN's HTP computes a quantised ``Reciprocal`` wrongly when its input's scale is small: on
-``Sqrt`` of values in [2e-4, 5e-4] (an RMSNorm's ``1 / sqrt(mean(x^2) + eps)`` for the small hidden
-states of a randomly initialised decoder), w8a16 as ``get_qnn_qdq_config`` writes it, its output is 0.2 dB
-from the same QDQ graph on ONNX Runtime's CPU (it gives 1.12 where the CPU gives 49.9), while
-``Div(1, x)`` on the same input is 92.8 dB from it (onnxruntime-qnn 2.7.0, soc_model 57; at inputs in
-[0.05, 2] both agree to 85 dB). ``Div(1, x)`` is ``Reciprocal(x)`` by definition: IEEE division of 1 by x
-is the correctly rounded reciprocal, so the rewrite is exact in float32.
+QNN's HTP computes a quantised ``Reciprocal`` wrongly when its input's scale is small (an RMSNorm's
+``1 / sqrt(mean(x^2) + eps)`` for small hidden states, w8a16 as ``get_qnn_qdq_config`` writes it), where
+``Div(1, x)`` on the same input agrees with ONNX Runtime's CPU (docs/results/measurements.md).
+``Div(1, x)`` is ``Reciprocal(x)`` by definition: IEEE division of 1 by x is the correctly rounded
+reciprocal, so the rewrite is exact in float32.
 
 Legality: a Reciprocal in the main graph with a float input whose dtype is known; the constant 1 takes that dtype.
 """

@@ -10,8 +10,7 @@ per-channel DequantizeLinear there). The portable configuration is in
 
 A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
 as they are, their range runs from -65504 to the scores' maximum, and a 16-bit step is then 1.0, a coarse
-grid for attention scores of a few units (a 1-layer Llama's prefill: the Softmax's own noise at 22.5 dB,
-the output 0.3 dB). So where such a Where is in the model the quantiser is configured from the calibrated
+grid for attention scores of a few units (docs/results/measurements.md). So where such a Where is in the model the quantiser is configured from the calibrated
 ranges (:func:`wants_ranges`), and where calibration applied the mask (the Where's calibrated minimum
 reaches the fill) the Where's output gets the range of its scores, widened below by
 :data:`MASKED_MARGIN` (a mask calibration never applied, BERT's all-ones in ``benchmarks/qnn.py``, keeps
