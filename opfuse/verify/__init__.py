@@ -169,7 +169,7 @@ from opfuse.verify.random_ops import describe_random, random_nodes, seed_random_
 from opfuse.verify.reference import PADDED_LABEL, NoReference, Runner as _Runner, input_sets, require_finite, rerun
 from opfuse.verify.variation import VARIATION_LEVEL, runtime_rounding, runtime_variation
 from opfuse.report import FusionRecord, OutputCheck, Verification
-from opfuse.runtime import create_session, serialized
+from opfuse.runtime import create_session, drop_resident_pages, serialized
 from opfuse.core.algebra import products_per_output
 from opfuse.targets.kernels import read_kernel
 from opfuse.core.ops import OPS, OpKind, first_line, is_onnx, op_info, op_kind
@@ -182,6 +182,7 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (5e-2, 1e-2),
 }
 VARIATION_FACTOR = 4.0  # k: a check may differ from the original by k * d0 (module docstring)
+COMPARE_CHUNK = 1 << 20  # elements compared in float64 at a time (compare_tensor)
 EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 def make_inputs(
     model: ir.Model, *, dims: Mapping[str, int] | None = None, seed: int = 0
@@ -255,29 +256,35 @@ def compare_tensor(name: str, ref: np.ndarray, got: np.ndarray, *, floor: float 
         return OutputCheck(name, dtype, shape, 0.0 if same else np.inf,
                            0.0 if same else np.inf, 0.0, same, "" if same else "values differ", **tags)
     rtol, atol = TOLERANCES[dtype]
-    a, b = ref.astype(np.float64), got.astype(np.float64)
-    nan_a, nan_b = np.isnan(a), np.isnan(b)
-    if not np.array_equal(nan_a, nan_b):
+    ref, got = ref.reshape(-1), got.reshape(-1)
+    nan_a = np.isnan(ref)
+    if not np.array_equal(nan_a, np.isnan(got)):
         return OutputCheck(name, dtype, shape, np.inf, np.inf, 0.0, False,
                            "NaNs appear in different places", **tags)
-    finite = ~nan_a
-    a, b = a[finite], b[finite]
-    if a.size == 0:
+    if nan_a.any():
+        ref, got = ref[~nan_a], got[~nan_a]
+    del nan_a
+    if ref.size == 0:
         return OutputCheck(name, dtype, shape, 0.0, 0.0, 0.0, True, **tags)
-    scale = float(np.max(np.abs(a))) or 1.0
-    err = np.abs(a - b)
-    limit = np.maximum(atol * scale + rtol * np.abs(a), floor)
-    scaled = float(np.max(err / limit))
+    scale = float(np.max(np.abs(ref))) or 1.0  # (exact in the tensor's own dtype)
+    errs, scaleds = [], []
+    for start in range(0, ref.size, COMPARE_CHUNK):  # in float64, a chunk at a time: no float64 copy of the whole
+        a = ref[start:start + COMPARE_CHUNK].astype(np.float64)
+        err = np.abs(a - got[start:start + COMPARE_CHUNK].astype(np.float64))
+        limit = np.maximum(atol * scale + rtol * np.abs(a), floor)
+        errs.append(np.max(err))
+        scaleds.append(np.max(err / limit))
+    err_max, scaled = float(np.max(errs)), float(np.max(scaleds))
     ok = bool(scaled <= 1.0)
     source = "rounding: its sum of products, the runtime's own fusion" if rewrite else "the last operator's inputs"
     if variation is not None and VARIATION_FACTOR * variation >= floor:
         source = f"{VARIATION_FACTOR:g} x the original's own float32 variation {variation:.3g}"
     floor_text = f", floor {floor:.3g} from {source}" if floor > atol * scale else ""
     problem = "" if ok else (
-        f"max |diff| {float(err.max()):.3g} exceeds the {dtype} tolerance "
+        f"max |diff| {err_max:.3g} exceeds the {dtype} tolerance "
         f"(rtol {rtol:g}, atol {atol:g} x scale {scale:.3g}{floor_text}) by {scaled:.1f}x"
     )
-    return OutputCheck(name, dtype, shape, float(err.max()), scaled,
+    return OutputCheck(name, dtype, shape, err_max, scaled,
                        scale, ok, problem, floor=float(floor), **tags)
 
 
@@ -400,6 +407,7 @@ def verify_models(
         result.unverified = str(e)
         return result
     run_original = run_reference = None  # (its outputs are in ``sets``: one model's session at a time)
+    drop_resident_pages(original)  # (and the pages of its weights that it read go with it)
     try:
         run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
@@ -452,6 +460,8 @@ def verify_models(
             if not check.ok:
                 pending.append((result.outputs, len(result.outputs), floor, (name, ref, got, None, label, where, shown)))
             result.outputs.append(check)
+    run_optimised = None
+    drop_resident_pages(optimised)
     if pending:  # the original's own variation (float64, else ALL), run only when needed
         level, noise = runtime_rounding(original_x, sets, sorted({args[0] for *_, args in pending}), masks)
         result.variation_level, result.variation_factor = level, VARIATION_FACTOR

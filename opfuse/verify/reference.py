@@ -70,11 +70,12 @@ class NoReference(Exception):  # noqa: N818 - a verdict, not a failure of opfuse
 
 class Runner:
     """One ONNX Runtime session; runs return {name: array} for every output. Its kernels keep no
-    repacked copy of the weights (``prepack=False``): verification's sessions hold a model's
-    weights once, not twice."""
+    repacked copy of the weights (``prepack=False``), and a model kept with external data gives the
+    runtime its weights where they are (``share_weights``: mapped from their file, not copied):
+    verification's sessions hold a model's weights once, not twice."""
 
     def __init__(self, model):  # an ir.Model or what runtime.serialized made of one
-        self.session = create_session(model, "disabled", prepack=False)
+        self.session = create_session(model, "disabled", prepack=False, share_weights=True)
         self.names = [o.name for o in self.session.get_outputs()]
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,0 +1,95 @@
+"""Weights that stay where they are (issue 49's memory bars): a model kept with external data runs
+in verification's sessions from its mapped file, not from a copy, and the float64 reference of the
+original's own variation widens its weights as the run reads them, with the same numbers as the
+model widened whole."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+import opfuse.runtime as runtime
+from opfuse.load import load_model
+from opfuse.runtime import create_session, drop_resident_pages, serialized, shared_weights
+from opfuse.verify import verify_models
+from opfuse.verify.variation import runtime_rounding
+from test_padded_verification import D, deep_net
+
+
+def _external(tmp_path, proto: onnx.ModelProto, name: str = "m.onnx") -> ir.Model:
+    path = tmp_path / name
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=name + ".data", size_threshold=1024)  # (the weights; the scalars inline)
+    model, _ = load_model(str(path))
+    assert all(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()
+               if v.const_value.nbytes >= 1024)
+    return model
+
+
+def _feeds(seed=0):
+    return {"x": np.random.default_rng(seed).standard_normal((1, 16, D)).astype(np.float32)}
+
+
+def test_a_shared_session_reads_the_mapped_file_and_computes_what_a_copy_does(tmp_path, monkeypatch):
+    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
+    model = _external(tmp_path, deep_net())
+    copied = create_session(model, "disabled", prepack=False)  # (through a serialised copy)
+    shared = create_session(model, "disabled", prepack=False, share_weights=True)
+    values, arrays = shared._opfuse_weights
+    assert set(arrays) == {n for n, v in model.graph.initializers.items() if v.const_value.nbytes >= 1024}
+    for name, array in arrays.items():  # the runtime's weights are views of the mapped file
+        tensor = model.graph.initializers[name].const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            assert isinstance(tensor.raw, mmap.mmap) and np.shares_memory(array, tensor.numpy())
+    x = _feeds()
+    assert np.array_equal(copied.run(None, x)[0], shared.run(None, x)[0])
+    drop_resident_pages(model)  # the pages go, the mapping stays: the weights read the same
+    assert np.array_equal(copied.run(None, x)[0], create_session(model, share_weights=True).run(None, x)[0])
+    # the model is left as it was: its weights still external, the file the only copy
+    assert all(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()
+               if v.const_value.nbytes >= 1024)
+
+
+def test_small_or_input_initializers_stay_in_the_graph_with_their_bytes(tmp_path):
+    model = _external(tmp_path, deep_net())  # 64x64 float32 weights: under the default size
+    proto, arrays = shared_weights(model)
+    assert arrays == {}
+    assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    x = _feeds()
+    assert np.array_equal(create_session(model, share_weights=True).run(None, x)[0],
+                          create_session(serialized(load_model(deep_net())[0])).run(None, x)[0])
+
+
+@pytest.mark.parametrize("threshold", [1024, None])
+def test_the_float64_reference_of_an_external_model_equals_the_one_widened_whole(tmp_path, monkeypatch, threshold):
+    """The weights kept float32 and cast as the run reads them: the same d0, to the last bit, as the
+    model with every weight widened in the proto (the path of a model given as bytes)."""
+    if threshold is not None:
+        monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", threshold)
+    original, _ = load_model(deep_net())
+    whole = serialized(original)
+    assert isinstance(whole, bytes)
+    external = _external(tmp_path, deep_net())
+    sets = []
+    for seed in range(2):
+        x = _feeds(seed)
+        expected = create_session(whole).run(None, x)
+        sets.append((f"set {seed}", x, {"y": expected[0]}))
+    level_bytes, bytes_d0 = runtime_rounding(whole, sets, ["y"])
+    level_ir, ir_d0 = runtime_rounding(external, sets, ["y"])
+    assert level_bytes == level_ir == "float64"
+    assert bytes_d0 == ir_d0 and all(v > 0 for v in ir_d0.values())
+
+
+def test_verification_of_external_models_still_fails_a_wrong_rewrite(tmp_path, monkeypatch):
+    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
+    original = _external(tmp_path, deep_net(), "a.onnx")
+    good = verify_models(original, _external(tmp_path, deep_net(reorder=True), "b.onnx"))
+    assert good.ok and good.variation_level == "float64"
+    bad = verify_models(original, _external(tmp_path, deep_net(wrong="scaled", reorder=True), "c.onnx"))
+    (check,) = bad.outputs
+    assert not bad.ok and check.max_abs_error > 2 * check.floor
