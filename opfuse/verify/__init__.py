@@ -54,9 +54,10 @@ the exact ones by as much as a fused attention's stray from its), the rounding i
 measured instead of modelled: the original's own float32 variation ``d0``, per input set
 and tensor, is the distance from its float32 run to
 
-- the same model in float64 (:func:`_in_float64`: every float32 initializer, constant,
-  Cast and declared type widened), its float32 error; or, where ONNX Runtime cannot build
-  or run that (an op without a double kernel, a model kept with external data),
+- the same model in float64 (:mod:`opfuse.verify.variation`: every float32 initializer, constant,
+  Cast and declared type widened; a model kept with external data keeps its weights float32 where
+  they are, each cast to float64 as the run reads it: the same numbers), its float32 error; or,
+  where ONNX Runtime cannot build or run that (an op without a double kernel),
 - the original at ONNX Runtime's :data:`VARIATION_LEVEL` (ALL: its own fusions, the same
   Conv+BatchNormalization, Conv+activation and LayerNorm rewrites, and its reorderings;
   it reorders no attention, so it underestimates a decoder's variation).

@@ -3,7 +3,8 @@
 A rewrite of a deep float32 model moves its outputs by reordering sums, and so does the model's
 own float32 arithmetic: verification (:mod:`opfuse.verify`) lets a check differ from the original
 by :data:`opfuse.verify.VARIATION_FACTOR` times ``d0``, the distance from the original's float32
-run to the same model run in float64 (:func:`_in_float64`), or, where ONNX Runtime cannot build or
+run to the same model run in float64 (:func:`_in_float64`; a model kept with external data:
+:func:`_float64_session`, its weights cast as the run reads them), or, where ONNX Runtime cannot build or
 run that, to the original at ONNX Runtime's :data:`VARIATION_LEVEL` (its own fusions and
 reorderings). A wrong rewrite moves them by far more.
 """
