@@ -563,9 +563,21 @@ def _sum_floor(ref: np.ndarray, k: int | None) -> float:
     dtype = str(ref.dtype)
     if not k or dtype not in TOLERANCES or ref.size == 0:
         return 0.0
-    finite = ref[np.isfinite(ref)]
-    scale = float(np.max(np.abs(finite))) if finite.size else 0.0
+    scale = _finite_max_abs(ref) or 0.0
     return 8 * EPSILON[dtype] * float(np.sqrt(k)) * scale
+
+
+def _finite_max_abs(values: np.ndarray) -> float | None:
+    """The largest finite magnitude in ``values`` (None: none), a chunk at a time in their own dtype
+    (exact: no float64 copy of a large tensor, a tied head's transposed table)."""
+    values = values.reshape(-1)
+    best = None
+    for start in range(0, values.size, COMPARE_CHUNK):
+        chunk = np.abs(values[start:start + COMPARE_CHUNK])
+        chunk = chunk[np.isfinite(chunk)]
+        if chunk.size:
+            best = max(float(chunk.max()), best if best is not None else 0.0)
+    return best
 
 
 def _floor(ref: np.ndarray, sources: Iterable[str], expected: Mapping[str, np.ndarray], defined=None) -> float:
@@ -574,12 +586,11 @@ def _floor(ref: np.ndarray, sources: Iterable[str], expected: Mapping[str, np.nd
         return 0.0
     scales = []
     for s in sources:
-        values = np.abs(np.asarray(expected.get(s, ()), dtype=np.float64))
+        values = np.asarray(expected.get(s, ()))
         where = defined(values.shape) if defined is not None and values.ndim else None
-        values = values[where] if where is not None else values
-        values = values[np.isfinite(values)]
-        if values.size:
-            scales.append(float(values.max()))
+        scale = _finite_max_abs(values[where] if where is not None else values)
+        if scale is not None:
+            scales.append(scale)
     return TOLERANCES[dtype][1] * max(scales, default=0.0)
 
 
