@@ -93,3 +93,39 @@ def test_verification_of_external_models_still_fails_a_wrong_rewrite(tmp_path, m
     bad = verify_models(original, _external(tmp_path, deep_net(wrong="scaled", reorder=True), "c.onnx"))
     (check,) = bad.outputs
     assert not bad.ok and check.max_abs_error > 2 * check.floor
+
+
+def test_a_tensor_no_input_reaches_is_fetched_once_and_its_scale_still_sets_the_floor():
+    """A tied head's transposed table (Transpose of the embedding, then MatMul to the logits) enters
+    the last operator: its largest magnitude sets the output's floor as before, but it is fetched on
+    the first run only, not held in every input set."""
+    from onnx import TensorProto, helper
+
+    from opfuse.verify import TOLERANCES, _input_free, _ScaledOnce
+
+    w = np.random.default_rng(3).standard_normal((8, 16)).astype(np.float32) * 10
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4, 8])],
+                              [onnx.numpy_helper.from_array(w, "w")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model, _ = load_model(proto)
+    assert _input_free(model, {"wt", "x", "y"}) == {"wt"}
+    x = np.random.default_rng(4).standard_normal((1, 4, 16)).astype(np.float32)
+    result = verify_models(model, load_model(proto)[0], inputs={"x": x})
+    (check,) = result.outputs
+    assert result.ok and check.floor == pytest.approx(TOLERANCES["float32"][1] * float(np.abs(w).max()), rel=1e-7)
+
+    class Fake:
+        names = ["y", "wt"]
+        fetched: list = []
+
+        def __call__(self, feeds):
+            self.fetched.append(list(self.names))
+            return {"y": np.ones(2, np.float32), "wt": w.T.copy()}
+
+    runner = _ScaledOnce(Fake(), {"wt"})
+    first, second = runner({}), runner({})
+    assert Fake.fetched == [["y", "wt"], ["y"]]
+    assert first["wt"].shape == () and float(first["wt"]) == float(np.abs(w).max()) and second["wt"] is first["wt"]
