@@ -465,7 +465,9 @@ def _verify_and_write(run: _Run, options: OptimizeOptions, plan: _Plan) -> None:
                                                 constant_inputs=run.bound, approximated=run.shipped)
             _raise_if_failed(report, o.report_path)
 
-    staged = StagedModel(work, o.output, external_data=external_data) if o.output is not None or o.verify else None
+    release = o.output is not None and plan.device is None  # (the model returned reads its weights from the file written)
+    staged = (StagedModel(work, o.output, external_data=external_data, release=release)
+              if o.output is not None or o.verify else None)
     drop_resident_pages(work)  # (what the rewrites and the writing read of the input's weights: verification reads
     drop_resident_pages(run.original)  # them again, one model at a time)
     try:
@@ -473,8 +475,8 @@ def _verify_and_write(run: _Run, options: OptimizeOptions, plan: _Plan) -> None:
             verified(staged)
         compiled = _compile(run, options, plan)
         if staged is not None and fingerprint(work) != staged.fingerprint:  # changed after it was verified
-            staged.discard()
-            staged = StagedModel(work, o.output, external_data=external_data)
+            stale, staged = staged, StagedModel(work, o.output, external_data=external_data, release=release)
+            stale.discard()  # (after: the model may read weights from its files)
             verified(staged)
             report.notes.append("the model changed after verification; it was verified again as written")
         if o.output is not None:

@@ -6,6 +6,7 @@ model widened whole."""
 from __future__ import annotations
 
 import mmap
+import pathlib
 
 import numpy as np
 import onnx
@@ -129,3 +130,43 @@ def test_a_tensor_no_input_reaches_is_fetched_once_and_its_scale_still_sets_the_
     first, second = runner({}), runner({})
     assert Fake.fetched == [["y", "wt"], ["y"]]
     assert first["wt"].shape == () and float(first["wt"]) == float(np.abs(w).max()) and second["wt"] is first["wt"]
+
+
+def test_weights_the_rewrites_made_are_read_back_from_the_file_written(tmp_path):
+    """With an output, the model optimize returns holds its new weights (a folded conv's) as references
+    to the data file written, the same bytes, not a second copy in memory: verification of the staged
+    file and the rest of the run hold the weights once. The input's external weights stay external."""
+    import opfuse
+    from graphs import conv_bn_model
+
+    src = tmp_path / "in.onnx"
+    onnx.save_model(conv_bn_model(c_in=32, c_out=64), str(src), save_as_external_data=True,
+                    location="in.onnx.data", size_threshold=0)
+    out = tmp_path / "out.onnx"
+    work, report = opfuse.optimize(str(src), output=str(out), tune=False)
+    assert report.verification.ok
+    tensors = {n: v.const_value for n, v in work.graph.initializers.items()}
+    written = ir.load(out)
+    external = [n for n, v in written.graph.initializers.items() if isinstance(v.const_value, ir.ExternalTensor)]
+    assert external == ["W_folded"]  # (the folded weight; ONNX's writer keeps a small bias inline)
+    for name in external:
+        tensor = tensors[name]
+        assert isinstance(tensor, ir.ExternalTensor), name
+        assert pathlib.Path(tensor.path).resolve().parent == tmp_path.resolve()
+        assert np.array_equal(tensor.numpy(), written.graph.initializers[name].const_value.numpy())
+    again = tmp_path / "again.onnx"  # the model returned still saves (its weights read from the file)
+    ir.save(work, again, external_data="again.onnx.data")
+    assert not list(tmp_path.glob(".opfuse-*"))
+
+
+def test_without_an_output_the_new_weights_stay_in_memory(tmp_path):
+    import opfuse
+    from graphs import conv_bn_model
+
+    src = tmp_path / "in.onnx"
+    onnx.save_model(conv_bn_model(c_in=32, c_out=64), str(src), save_as_external_data=True,
+                    location="in.onnx.data", size_threshold=0)
+    work, report = opfuse.optimize(str(src), tune=False)
+    assert report.verification.ok
+    folded = [v.const_value for v in work.graph.initializers.values() if not isinstance(v.const_value, ir.ExternalTensor)]
+    assert folded and all(t.numpy() is not None for t in folded)
