@@ -465,6 +465,8 @@ def _verify_and_write(run: _Run, options: OptimizeOptions, plan: _Plan) -> None:
                                                 constant_inputs=run.bound, approximated=run.shipped)
             _raise_if_failed(report, o.report_path)
 
+    drop_resident_pages(work)  # (what the rewrites read of the input's weights: not while the new ones are written)
+    drop_resident_pages(run.original)
     release = o.output is not None and plan.device is None  # (the model returned reads its weights from the file written)
     staged = (StagedModel(work, o.output, external_data=external_data, release=release)
               if o.output is not None or o.verify else None)
