@@ -17,11 +17,14 @@ all need:
 from __future__ import annotations
 
 __all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "serialized", "optimized_graph", "shared_weights",
-           "session_with_weights", "drop_resident_pages"]
+           "session_with_weights", "drop_resident_pages", "give_back_memory"]
 
 import contextlib
+import ctypes
+import ctypes.util
 import mmap
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -218,3 +221,26 @@ def drop_resident_pages(model: ir.Model | None) -> None:
             if isinstance(value.const_value, ir.ExternalTensor) and isinstance(raw, mmap.mmap):
                 with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)
                     raw.madvise(mmap.MADV_DONTNEED)
+
+
+def _libc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # (not glibc: musl has no malloc_trim)
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def give_back_memory() -> None:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing).
+    What ONNX Runtime's sessions and numpy's arrays of a few MB free stays in the process's heap
+    otherwise, counted in its resident set: after the measured choice's sessions on Qwen2-0.5B, 1.9
+    GB of a 2.0 GB process; on a 200 MB model, 0.11 of 0.29 GB. Called where a phase's sessions and
+    arrays are gone (after the timing, the writing, each of verification's sessions)."""
+    if _TRIM is not None:
+        _TRIM(0)

@@ -23,6 +23,7 @@ from opfuse.load import ModelSource, load_model
 from opfuse.passes.pattern_gate import patterns_that_could_match
 from opfuse.prepare.constant_inputs import resolve_constant_inputs
 from opfuse.report import Refusal
+from opfuse.runtime import give_back_memory
 from opfuse.tune import replayed, tune, tuning_feeds, untimed
 from opfuse.tune.block import cut_lookups, find_block, is_small, prefix_model
 from opfuse.tune.families import policy_configuration
@@ -72,6 +73,7 @@ def tuned_run(model: ModelSource, options, plan, configured: Callable):
             tuning.signature, tuning.machine, tuning.target = sig, machine(options.tune_threads), options.target
             tuning.configuration = None if chosen is None else chosen.to_dict()
             save_record(tuning.record(), cached)
+    give_back_memory()  # (what the timed sessions and variants freed)
     run = configured(model, options, plan, chosen, verify=options.verify, loaded=(original, display))
     run.report.tuning = tuning
     if chosen is not None:

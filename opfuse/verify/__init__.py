@@ -170,7 +170,7 @@ from opfuse.verify.random_ops import RANDOM_OPS, describe_random, random_nodes, 
 from opfuse.verify.reference import PADDED_LABEL, NoReference, Runner as _Runner, input_sets, require_finite, rerun
 from opfuse.verify.variation import VARIATION_LEVEL, runtime_rounding, runtime_variation
 from opfuse.report import FusionRecord, OutputCheck, Verification
-from opfuse.runtime import create_session, drop_resident_pages, serialized
+from opfuse.runtime import create_session, drop_resident_pages, give_back_memory, serialized
 from opfuse.core.algebra import products_per_output
 from opfuse.targets.kernels import read_kernel
 from opfuse.core.ops import OPS, OpKind, first_line, is_onnx, op_info, op_kind
@@ -412,6 +412,7 @@ def verify_models(
         return result
     run_original = run_reference = None  # (its outputs are in ``sets``: one model's session at a time)
     drop_resident_pages(original)  # (and the pages of its weights that it read go with it)
+    give_back_memory()
     try:
         run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
@@ -466,6 +467,7 @@ def verify_models(
             result.outputs.append(check)
     run_optimised = None
     drop_resident_pages(optimised)
+    give_back_memory()
     if pending:  # the original's own variation (float64, else ALL), run only when needed
         level, noise = runtime_rounding(original_x, sets, sorted({args[0] for *_, args in pending}), masks)
         result.variation_level, result.variation_factor = level, VARIATION_FACTOR
