@@ -32,7 +32,7 @@ from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.report import FusionReport
-from opfuse.runtime import drop_resident_pages, give_back_memory
+from opfuse.runtime import drop_resident_pages
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.cost.accelerator import fusion_veto, load_profile
 from opfuse.targets.kernels import Target, load_target
@@ -472,7 +472,6 @@ def _verify_and_write(run: _Run, options: OptimizeOptions, plan: _Plan) -> None:
               if o.output is not None or o.verify else None)
     drop_resident_pages(work)  # (what the rewrites and the writing read of the input's weights: verification reads
     drop_resident_pages(run.original)  # them again, one model at a time)
-    give_back_memory()
     try:
         if staged is not None:
             verified(staged)

@@ -212,7 +212,9 @@ def session_with_weights(proto: onnx.ModelProto, weights: dict[str, np.ndarray],
 def drop_resident_pages(model: ir.Model | None) -> None:
     """Give back the pages of ``model``'s external tensors that reading them made resident (their
     mapped files stay mapped: a later read faults them in again from the page cache). Between one
-    model's sessions and another's, so the process holds one model's weights, not two."""
+    model's sessions and another's, so the process holds one model's weights, not two; and the C
+    heap's free pages with them (:func:`give_back_memory`)."""
+    give_back_memory()
     if model is None:
         return
     for graph in (model.graph, *(f.graph for f in model.functions.values())):

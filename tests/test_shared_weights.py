@@ -102,7 +102,8 @@ def test_a_tensor_no_input_reaches_is_fetched_once_and_its_scale_still_sets_the_
     the first run only, not held in every input set."""
     from onnx import TensorProto, helper
 
-    from opfuse.verify import TOLERANCES, _input_free, _ScaledOnce
+    from opfuse.verify import TOLERANCES
+    from opfuse.verify.reference import ScaledOnce as _ScaledOnce, input_free as _input_free
 
     w = np.random.default_rng(3).standard_normal((8, 16)).astype(np.float32) * 10
     nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),

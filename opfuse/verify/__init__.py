@@ -166,11 +166,13 @@ from opfuse.prepare.constant_inputs import bound_view, show_value
 from opfuse.errors import BadInputError
 from opfuse.core.dims import free_dims
 from opfuse.verify.inputs import branch_conditions, defined_positions, make_feeds
-from opfuse.verify.random_ops import RANDOM_OPS, describe_random, random_nodes, seed_random_nodes
-from opfuse.verify.reference import PADDED_LABEL, NoReference, Runner as _Runner, input_sets, require_finite, rerun
+from opfuse.verify.random_ops import describe_random, random_nodes, seed_random_nodes
+from opfuse.verify.reference import (PADDED_LABEL, CHUNK as COMPARE_CHUNK, NoReference, Runner as _Runner, ScaledOnce
+                                     as _ScaledOnce, finite_max_abs as _finite_max_abs, input_free as _input_free,
+                                     input_sets, require_finite, rerun)
 from opfuse.verify.variation import VARIATION_LEVEL, runtime_rounding, runtime_variation
 from opfuse.report import FusionRecord, OutputCheck, Verification
-from opfuse.runtime import create_session, drop_resident_pages, give_back_memory, serialized
+from opfuse.runtime import create_session, drop_resident_pages, serialized
 from opfuse.core.algebra import products_per_output
 from opfuse.targets.kernels import read_kernel
 from opfuse.core.ops import OPS, OpKind, first_line, is_onnx, op_info, op_kind
@@ -183,7 +185,6 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (5e-2, 1e-2),
 }
 VARIATION_FACTOR = 4.0  # k: a check may differ from the original by k * d0 (module docstring)
-COMPARE_CHUNK = 1 << 20  # elements compared in float64 at a time (compare_tensor)
 EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 def make_inputs(
     model: ir.Model, *, dims: Mapping[str, int] | None = None, seed: int = 0
@@ -208,8 +209,6 @@ def run_model(model: ir.Model, feeds: Mapping[str, np.ndarray], threads: int | N
     session = create_session(model, "disabled", threads)
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feeds))))
-
-
 
 
 # -- comparing ---------------------------------------------------------------------------
@@ -264,7 +263,6 @@ def compare_tensor(name: str, ref: np.ndarray, got: np.ndarray, *, floor: float 
                            "NaNs appear in different places", **tags)
     if nan_a.any():
         ref, got = ref[~nan_a], got[~nan_a]
-    del nan_a
     if ref.size == 0:
         return OutputCheck(name, dtype, shape, 0.0, 0.0, 0.0, True, **tags)
     scale = float(np.max(np.abs(ref))) or 1.0  # (exact in the tensor's own dtype)
@@ -404,15 +402,13 @@ def verify_models(
         sets = [(label, {**feeds, **bound}, expected) for label, feeds, expected in sets]  # the original's feeds
         if seeded:  # the draws advanced while the inputs were chosen: run again from a fresh session
             result.notes.append(describe_random(seeded, Counter(n.op_type for n in random_nodes(original))))
-            sets = [(label, feeds, {**expected, **run_original.proxies})
-                    for label, feeds, expected in rerun(original_x, sets)]
+            sets = [(lab, f, {**e, **run_original.proxies}) for lab, f, e in rerun(original_x, sets)]
             require_finite(sets[0][2], graph_outputs, "on generated inputs" if inputs is None else "on the given inputs")
     except NoReference as e:
         result.unverified = str(e)
         return result
     run_original = run_reference = None  # (its outputs are in ``sets``: one model's session at a time)
     drop_resident_pages(original)  # (and the pages of its weights that it read go with it)
-    give_back_memory()
     try:
         run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
@@ -467,7 +463,6 @@ def verify_models(
             result.outputs.append(check)
     run_optimised = None
     drop_resident_pages(optimised)
-    give_back_memory()
     if pending:  # the original's own variation (float64, else ALL), run only when needed
         level, noise = runtime_rounding(original_x, sets, sorted({args[0] for *_, args in pending}), masks)
         result.variation_level, result.variation_factor = level, VARIATION_FACTOR
@@ -570,55 +565,6 @@ def _sum_floor(ref: np.ndarray, k: int | None) -> float:
         return 0.0
     scale = _finite_max_abs(ref) or 0.0
     return 8 * EPSILON[dtype] * float(np.sqrt(k)) * scale
-
-
-def _finite_max_abs(values: np.ndarray) -> float | None:
-    """The largest finite magnitude in ``values`` (None: none), a chunk at a time in their own dtype
-    (exact: no float64 copy of a large tensor, a tied head's transposed table)."""
-    values = values.reshape(-1)
-    best = None
-    for start in range(0, values.size, COMPARE_CHUNK):
-        chunk = np.abs(values[start:start + COMPARE_CHUNK])
-        chunk = chunk[np.isfinite(chunk)]
-        if chunk.size:
-            best = max(float(chunk.max()), best if best is not None else 0.0)
-    return best
-
-
-class _ScaledOnce:
-    """The original's runner, where the tensors in ``free`` (no input reaches them: the same on every
-    input set; read only for a graph output's floor, :func:`_floor`, which takes their largest finite
-    magnitude) are fetched on the first run only, and stand in every result as that magnitude, a
-    0-d array (a tied head's transposed table: 113 MB of SmolLM2's, 545 MB of Qwen2-0.5B's, per set)."""
-
-    def __init__(self, runner, free: set[str]):
-        self.runner, self.free, self.proxies = runner, free, {}
-        self.fetched = False
-
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = self.runner(feeds)
-        if not self.fetched:
-            self.fetched = True
-            for name in self.free & set(out):
-                scale = _finite_max_abs(np.asarray(out[name]))
-                self.proxies[name] = np.array(np.nan if scale is None else scale, dtype=np.asarray(out[name]).dtype)
-            self.runner.names = [n for n in self.runner.names if n not in self.proxies]
-        out.update(self.proxies)
-        return out
-
-
-def _input_free(model: ir.Model, names: set[str]) -> set[str]:
-    """Those of ``names`` (main-graph tensors) that no graph input reaches: computed from initializers
-    and constants alone, by nodes that draw nothing random and hold no subgraph."""
-    if not names:
-        return set()
-    reached = {v.name for v in model.graph.inputs}
-    for node in model.graph:  # (in order: a node's inputs come before it)
-        if (not is_onnx(node) or node.op_type in RANDOM_OPS or not node.inputs and node.op_type != "Constant"
-                or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
-                or any(v is not None and v.name in reached for v in node.inputs)):
-            reached.update(v.name for v in node.outputs)
-    return {n for n in names if n not in reached}
 
 
 def _floor(ref: np.ndarray, sources: Iterable[str], expected: Mapping[str, np.ndarray], defined=None) -> float:
