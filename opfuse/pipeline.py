@@ -32,6 +32,7 @@ from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.passes.constant_branches import RESOLVED
 from opfuse.report import FusionReport
+from opfuse.runtime import drop_resident_pages
 from opfuse.targets import RUNTIME_LEVELS, TARGET_DEFAULT_PASSES, TARGETS
 from opfuse.cost.accelerator import fusion_veto, load_profile
 from opfuse.targets.kernels import Target, load_target
@@ -477,15 +478,20 @@ def _verify_and_write(run: _Run, options: OptimizeOptions, plan: _Plan) -> None:
     # (only verification and the device's compilation run between staging and writing: without
     # them nothing can change the model, and its fingerprint, a walk of every node, is not taken)
     checked = o.verify or plan.device is not None
-    staged = (StagedModel(work, o.output, external_data=external_data, fingerprinted=checked)
+    drop_resident_pages(work)  # (what the rewrites read of the input's weights: not while the new ones are written)
+    drop_resident_pages(run.original)
+    release = o.output is not None and plan.device is None  # (the model returned reads its weights from the file written)
+    staged = (StagedModel(work, o.output, external_data=external_data, release=release, fingerprinted=checked)
               if o.output is not None or o.verify else None)
+    drop_resident_pages(work)  # (what the rewrites and the writing read of the input's weights: verification reads
+    drop_resident_pages(run.original)  # them again, one model at a time)
     try:
         if staged is not None:
             verified(staged)
         compiled = _compile(run, options, plan)
         if checked and staged is not None and fingerprint(work) != staged.fingerprint:  # changed after it was verified
-            staged.discard()
-            staged = StagedModel(work, o.output, external_data=external_data)
+            stale, staged = staged, StagedModel(work, o.output, external_data=external_data, release=release)
+            stale.discard()  # (after: the model may read weights from its files)
             verified(staged)
             report.notes.append("the model changed after verification; it was verified again as written")
         if o.output is not None:

@@ -131,7 +131,7 @@ class StagedModel:
     """
 
     def __init__(self, model: ir.Model, path: str | os.PathLike | None, *, external_data: bool | None = None,
-                 fingerprinted: bool = True):
+                 fingerprinted: bool = True, release: bool = False):
         self.destination = None if path is None else pathlib.Path(path)
         if self.destination is not None:
             check_destinations(self.destination)
@@ -154,6 +154,35 @@ class StagedModel:
             self.discard()
             raise
         self.digest = self._digest()
+        self.released: list[ir.ExternalTensor] = []
+        if release and self.data_name is not None and self.destination is not None:
+            self._release(model)
+
+    def _release(self, model: ir.Model) -> None:
+        """The model's in-memory weights written to the staged data file become references to it
+        (the same bytes: what was written), so the process does not hold them twice while the staged
+        model is verified; :meth:`commit` points them at the file's destination. The fingerprint
+        follows (a tensor stands by identity)."""
+        import onnx  # (the staged graph's external-data entries: where each tensor was written)
+
+        entries = {}
+        for t in onnx.load(self.path, load_external_data=False).graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in t.external_data}
+                if info.get("location") == self.data_name:
+                    entries[t.name] = (int(info.get("offset", 0)), int(info["length"]))
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None or isinstance(tensor, ir.ExternalTensor) or value.name not in entries:
+                continue
+            offset, length = entries[value.name]
+            if length != tensor.nbytes:
+                continue
+            value.const_value = ir.ExternalTensor(self.data_name, offset, length, tensor.dtype, shape=tensor.shape,
+                                                  name=tensor.name or value.name, base_dir=str(self.directory))
+            self.released.append(value.const_value)
+        if self.released:
+            self.fingerprint = fingerprint(model)
 
     def _files(self) -> list[pathlib.Path]:
         data = [self.directory / self.data_name] if self.data_name else []
@@ -187,6 +216,8 @@ class StagedModel:
             raise BadInputError(f"{self.destination}: cannot write ({e.strerror or e})") from None
         finally:
             self.discard()
+        for tensor in self.released:  # (the staged data file is now the destination's)
+            tensor.base_dir = str(parent)
         return written
 
     def discard(self) -> None:

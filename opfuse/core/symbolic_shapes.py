@@ -24,6 +24,7 @@ import onnx_ir as ir
 
 from opfuse.core.analysis import _inference_proto  # (the same proto onnx's inference reads)
 from opfuse.core.dims import ANONYMOUS_PREFIX
+from opfuse.core.ort_tools import ort_tool
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def tool_quiet():
     logger's level is process-wide: another thread's use of the tool meanwhile is silenced
     too, and two calls overlapping on two threads can leave it at ERROR (the later one
     restores the level the earlier set): not reentrant across threads."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy)
+    SymbolicShapeInference = ort_tool("symbolic_shape_infer").SymbolicShapeInference  # (sympy: heavy)
 
     tool_logger = logging.getLogger(SymbolicShapeInference.__module__)  # (the tool prints nothing itself)
     level = tool_logger.level
@@ -126,7 +127,8 @@ def _tool_class():
     global _TOOL
     if _TOOL is not None:
         return _TOOL
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset, is_literal  # (sympy: heavy)
+    tool = ort_tool("symbolic_shape_infer")  # (sympy: heavy)
+    SymbolicShapeInference, get_opset, is_literal = tool.SymbolicShapeInference, tool.get_opset, tool.is_literal
 
     class Tool(SymbolicShapeInference):
         def _infer_Slice(self, node):  # noqa: N802 - the tool's own naming

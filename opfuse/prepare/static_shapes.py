@@ -37,6 +37,7 @@ import onnx_ir as ir
 
 from opfuse.errors import BadInputError
 from opfuse.core.dims import free_dims, resolve_dims
+from opfuse.core.ort_tools import ort_tool
 from opfuse.core.symbolic_shapes import tool_quiet
 
 
@@ -107,7 +108,7 @@ def _fix_output_shapes(proto: onnx.ModelProto) -> None:
     """ONNX Runtime's ``fix_output_shapes`` (inference, the checker, the outputs' shapes), run on
     a copy whose external-data weights are inputs of their declared shape: the checker would
     look for their files relative to the working directory, and shapes do not need their bytes."""
-    from onnxruntime.tools.onnx_model_utils import fix_output_shapes  # (ONNX Runtime's tools: loaded on use)
+    fix_output_shapes = ort_tool("onnx_model_utils").fix_output_shapes  # (ONNX Runtime's tools: loaded on use)
 
     external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     if not external:
@@ -128,10 +129,8 @@ def _fix_output_shapes(proto: onnx.ModelProto) -> None:
 def make_static_proto(proto: onnx.ModelProto, given: Mapping[str, int] | None, *, source: str = "--dim",
                       ir_model: ir.Model | None = None) -> tuple[onnx.ModelProto, StaticShapes]:
     """:func:`make_static` on a ModelProto (a copy; the argument is not changed)."""
-    from onnxruntime.tools.onnx_model_utils import (  # (ONNX Runtime's tools: loaded on use)
-        make_dim_param_fixed,
-        make_input_shape_fixed,
-    )
+    utils = ort_tool("onnx_model_utils")  # (ONNX Runtime's tools: loaded on use)
+    make_dim_param_fixed, make_input_shape_fixed = utils.make_dim_param_fixed, utils.make_input_shape_fixed
 
     ir_model = ir_model if ir_model is not None else ir.serde.deserialize_model(proto)
     dims = free_dims(ir_model)
@@ -182,7 +181,7 @@ def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
     inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
     if not not_static(inferred):
         return inferred
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference  # (sympy: heavy, rarely needed)
+    SymbolicShapeInference = ort_tool("symbolic_shape_infer").SymbolicShapeInference  # (sympy: heavy, rarely needed)
 
     with contextlib.suppress(Exception), tool_quiet():  # (it raises many kinds; it prints nothing, it logs)
         better = SymbolicShapeInference.infer_shapes(inferred, auto_merge=False, guess_output_rank=False)

@@ -23,6 +23,7 @@ from opfuse.load import ModelSource, load_model
 from opfuse.passes.pattern_gate import passes_that_could_run, patterns_that_could_match
 from opfuse.prepare.constant_inputs import resolve_constant_inputs
 from opfuse.report import Refusal
+from opfuse.runtime import give_back_memory
 from opfuse.tune import replayed, tune, tuning_feeds, untimed
 from opfuse.tune.block import cut_lookups, find_block, is_small, prefix_model
 from opfuse.tune.families import policy_configuration
@@ -74,6 +75,7 @@ def tuned_run(model: ModelSource, options, plan, configured: Callable):
             save_record(tuning.record(), cached)
         elif tuning.declined and chosen is not None:  # replayed: the declined fusions' sites, as timed
             _explain(model, original, block, options, plan, tuning, reports, configured)
+    give_back_memory()  # (what the timed sessions and variants freed)
     run = configured(model, options, plan, chosen, verify=options.verify, loaded=(original, display))
     run.report.tuning = tuning
     if chosen is not None:

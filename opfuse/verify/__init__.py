@@ -54,9 +54,10 @@ the exact ones by as much as a fused attention's stray from its), the rounding i
 measured instead of modelled: the original's own float32 variation ``d0``, per input set
 and tensor, is the distance from its float32 run to
 
-- the same model in float64 (:func:`_in_float64`: every float32 initializer, constant,
-  Cast and declared type widened), its float32 error; or, where ONNX Runtime cannot build
-  or run that (an op without a double kernel, a model kept with external data),
+- the same model in float64 (:mod:`opfuse.verify.variation`: every float32 initializer, constant,
+  Cast and declared type widened; a model kept with external data keeps its weights float32 where
+  they are, each cast to float64 as the run reads it: the same numbers), its float32 error; or,
+  where ONNX Runtime cannot build or run that (an op without a double kernel),
 - the original at ONNX Runtime's :data:`VARIATION_LEVEL` (ALL: its own fusions, the same
   Conv+BatchNormalization, Conv+activation and LayerNorm rewrites, and its reorderings;
   it reorders no attention, so it underestimates a decoder's variation).
@@ -166,10 +167,12 @@ from opfuse.errors import BadInputError
 from opfuse.core.dims import free_dims
 from opfuse.verify.inputs import branch_conditions, defined_positions, make_feeds
 from opfuse.verify.random_ops import describe_random, random_nodes, seed_random_nodes
-from opfuse.verify.reference import PADDED_LABEL, NoReference, Runner as _Runner, input_sets, require_finite, rerun
+from opfuse.verify.reference import (PADDED_LABEL, CHUNK as COMPARE_CHUNK, NoReference, Runner as _Runner, ScaledOnce
+                                     as _ScaledOnce, finite_max_abs as _finite_max_abs, input_free as _input_free,
+                                     input_sets, require_finite, rerun)
 from opfuse.verify.variation import VARIATION_LEVEL, runtime_rounding, runtime_variation
 from opfuse.report import FusionRecord, OutputCheck, Verification
-from opfuse.runtime import create_session, serialized
+from opfuse.runtime import create_session, drop_resident_pages, serialized
 from opfuse.core.algebra import products_per_output
 from opfuse.targets.kernels import read_kernel
 from opfuse.core.ops import OPS, OpKind, first_line, is_onnx, op_info, op_kind
@@ -206,8 +209,6 @@ def run_model(model: ir.Model, feeds: Mapping[str, np.ndarray], threads: int | N
     session = create_session(model, "disabled", threads)
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feeds))))
-
-
 
 
 # -- comparing ---------------------------------------------------------------------------
@@ -255,29 +256,34 @@ def compare_tensor(name: str, ref: np.ndarray, got: np.ndarray, *, floor: float 
         return OutputCheck(name, dtype, shape, 0.0 if same else np.inf,
                            0.0 if same else np.inf, 0.0, same, "" if same else "values differ", **tags)
     rtol, atol = TOLERANCES[dtype]
-    a, b = ref.astype(np.float64), got.astype(np.float64)
-    nan_a, nan_b = np.isnan(a), np.isnan(b)
-    if not np.array_equal(nan_a, nan_b):
+    ref, got = ref.reshape(-1), got.reshape(-1)
+    nan_a = np.isnan(ref)
+    if not np.array_equal(nan_a, np.isnan(got)):
         return OutputCheck(name, dtype, shape, np.inf, np.inf, 0.0, False,
                            "NaNs appear in different places", **tags)
-    finite = ~nan_a
-    a, b = a[finite], b[finite]
-    if a.size == 0:
+    if nan_a.any():
+        ref, got = ref[~nan_a], got[~nan_a]
+    if ref.size == 0:
         return OutputCheck(name, dtype, shape, 0.0, 0.0, 0.0, True, **tags)
-    scale = float(np.max(np.abs(a))) or 1.0
-    err = np.abs(a - b)
-    limit = np.maximum(atol * scale + rtol * np.abs(a), floor)
-    scaled = float(np.max(err / limit))
+    scale = float(np.max(np.abs(ref))) or 1.0  # (exact in the tensor's own dtype)
+    errs, scaleds = [], []
+    for start in range(0, ref.size, COMPARE_CHUNK):  # in float64, a chunk at a time: no float64 copy of the whole
+        a = ref[start:start + COMPARE_CHUNK].astype(np.float64)
+        err = np.abs(a - got[start:start + COMPARE_CHUNK].astype(np.float64))
+        limit = np.maximum(atol * scale + rtol * np.abs(a), floor)
+        errs.append(np.max(err))
+        scaleds.append(np.max(err / limit))
+    err_max, scaled = float(np.max(errs)), float(np.max(scaleds))
     ok = bool(scaled <= 1.0)
     source = "rounding: its sum of products, the runtime's own fusion" if rewrite else "the last operator's inputs"
     if variation is not None and VARIATION_FACTOR * variation >= floor:
         source = f"{VARIATION_FACTOR:g} x the original's own float32 variation {variation:.3g}"
     floor_text = f", floor {floor:.3g} from {source}" if floor > atol * scale else ""
     problem = "" if ok else (
-        f"max |diff| {float(err.max()):.3g} exceeds the {dtype} tolerance "
+        f"max |diff| {err_max:.3g} exceeds the {dtype} tolerance "
         f"(rtol {rtol:g}, atol {atol:g} x scale {scale:.3g}{floor_text}) by {scaled:.1f}x"
     )
-    return OutputCheck(name, dtype, shape, float(err.max()), scaled,
+    return OutputCheck(name, dtype, shape, err_max, scaled,
                        scale, ok, problem, floor=float(floor), **tags)
 
 
@@ -380,8 +386,10 @@ def verify_models(
     seed_random_nodes(optimised_x)
     original_x = serialized(original_x)  # once, for all of its sessions (serialising is most of their cost)
     graph_outputs = [v.name for v in original.graph.outputs]
+    scaled_once = _input_free(original, {n for names in floors_from.values() for n in names}
+                              - {t for t, _ in probes} - set(conditions.values()) - set(graph_outputs))
     try:
-        run_original = _Runner(original_x)
+        run_original = _ScaledOnce(_Runner(original_x), scaled_once)
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
         raise BadInputError(f"cannot verify: ONNX Runtime cannot load the input model ({first_line(e)}); "
                             "pass --no-verify to skip verification") from None
@@ -394,12 +402,13 @@ def verify_models(
         sets = [(label, {**feeds, **bound}, expected) for label, feeds, expected in sets]  # the original's feeds
         if seeded:  # the draws advanced while the inputs were chosen: run again from a fresh session
             result.notes.append(describe_random(seeded, Counter(n.op_type for n in random_nodes(original))))
-            sets = rerun(original_x, sets)
+            sets = [(lab, f, {**e, **run_original.proxies}) for lab, f, e in rerun(original_x, sets)]
             require_finite(sets[0][2], graph_outputs, "on generated inputs" if inputs is None else "on the given inputs")
     except NoReference as e:
         result.unverified = str(e)
         return result
     run_original = run_reference = None  # (its outputs are in ``sets``: one model's session at a time)
+    drop_resident_pages(original)  # (and the pages of its weights that it read go with it)
     try:
         run_optimised = _Runner(optimised_x)
     except Exception as e:  # noqa: BLE001
@@ -452,6 +461,8 @@ def verify_models(
             if not check.ok:
                 pending.append((result.outputs, len(result.outputs), floor, (name, ref, got, None, label, where, shown)))
             result.outputs.append(check)
+    run_optimised = None
+    drop_resident_pages(optimised)
     if pending:  # the original's own variation (float64, else ALL), run only when needed
         level, noise = runtime_rounding(original_x, sets, sorted({args[0] for *_, args in pending}), masks)
         result.variation_level, result.variation_factor = level, VARIATION_FACTOR
@@ -552,8 +563,7 @@ def _sum_floor(ref: np.ndarray, k: int | None) -> float:
     dtype = str(ref.dtype)
     if not k or dtype not in TOLERANCES or ref.size == 0:
         return 0.0
-    finite = ref[np.isfinite(ref)]
-    scale = float(np.max(np.abs(finite))) if finite.size else 0.0
+    scale = _finite_max_abs(ref) or 0.0
     return 8 * EPSILON[dtype] * float(np.sqrt(k)) * scale
 
 
@@ -563,12 +573,11 @@ def _floor(ref: np.ndarray, sources: Iterable[str], expected: Mapping[str, np.nd
         return 0.0
     scales = []
     for s in sources:
-        values = np.abs(np.asarray(expected.get(s, ()), dtype=np.float64))
+        values = np.asarray(expected.get(s, ()))
         where = defined(values.shape) if defined is not None and values.ndim else None
-        values = values[where] if where is not None else values
-        values = values[np.isfinite(values)]
-        if values.size:
-            scales.append(float(values.max()))
+        scale = _finite_max_abs(values[where] if where is not None else values)
+        if scale is not None:
+            scales.append(scale)
     return TOLERANCES[dtype][1] * max(scales, default=0.0)
 
 

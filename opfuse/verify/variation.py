@@ -3,7 +3,8 @@
 A rewrite of a deep float32 model moves its outputs by reordering sums, and so does the model's
 own float32 arithmetic: verification (:mod:`opfuse.verify`) lets a check differ from the original
 by :data:`opfuse.verify.VARIATION_FACTOR` times ``d0``, the distance from the original's float32
-run to the same model run in float64 (:func:`_in_float64`), or, where ONNX Runtime cannot build or
+run to the same model run in float64 (:func:`_in_float64`; a model kept with external data:
+:func:`_float64_session`, its weights cast as the run reads them), or, where ONNX Runtime cannot build or
 run that, to the original at ONNX Runtime's :data:`VARIATION_LEVEL` (its own fusions and
 reorderings). A wrong rewrite moves them by far more.
 """
@@ -19,10 +20,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
-from opfuse.runtime import create_session, serialized
-from opfuse.save import PROTOBUF_LIMIT
+from opfuse.runtime import create_session, serialized, session_with_weights, shared_weights
 from opfuse.verify.inputs import defined_positions
 
 VARIATION_LEVEL = "all"  # the original runs at this ONNX Runtime level for d0 where float64 cannot run
@@ -59,24 +59,67 @@ def runtime_rounding(original_x, sets, tensors: list[str], masks=None) -> tuple[
 def _distances(original_x, sets, tensors, masks, level: str) -> dict[tuple[str, str], float] | None:
     """The distances of :func:`runtime_rounding` at one ``level`` (None when the original does
     not build or run there)."""
-    with tempfile.TemporaryDirectory(prefix="opfuse-float64-") as tmp:
-        if level == "float64":  # on disk with its weights as external data: the session maps them, not copies
-            proto = _in_float64(original_x)
-            if proto is None:
-                return None
-            source = os.path.join(tmp, "float64.onnx")
-            try:
-                onnx.save_model(proto, source, save_as_external_data=True, location="float64.onnx.data")
-            except (OSError, ValueError):
-                return None
-            del proto
+    try:
+        if level != "float64":
+            session = create_session(original_x, level, prepack=False, share_weights=True)
+        elif isinstance(original_x, ir.Model):  # its weights where they are, widened as the run reads them
+            session = _float64_session(original_x)
         else:
-            source = original_x
+            session = _float64_from_bytes(original_x)
+    except Exception:  # noqa: BLE001 - onnxruntime raises its own exception types
+        return None
+    if session is None:
+        return None
+    return _measured(session, sets, tensors, masks, level)
+
+
+def _float64_from_bytes(original_x: bytes):
+    """The float64 session of a model given as bytes (:func:`_in_float64`), through a file with
+    its weights as external data (the session maps them, not copies)."""
+    proto = _in_float64(original_x)
+    if proto is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="opfuse-float64-") as tmp:
+        source = os.path.join(tmp, "float64.onnx")
         try:
-            session = create_session(source, "disabled" if level == "float64" else level, prepack=False)
-        except Exception:  # noqa: BLE001 - onnxruntime raises its own exception types
+            onnx.save_model(proto, source, save_as_external_data=True, location="float64.onnx.data")
+        except (OSError, ValueError):
             return None
-        return _measured(session, sets, tensors, masks, level)
+        del proto
+        return create_session(source, "disabled", prepack=False)
+
+
+WIDENED = "__opfuse_float32"  # suffix of a float32 weight's own name in the float64 model; a Cast gives the old name
+
+
+def _float64_session(original: ir.Model):
+    """The session of the original in float64 without a float64 copy of its weights: the large float32
+    initializers stay float32 and are given to the runtime where they are
+    (:func:`opfuse.runtime.shared_weights`), each followed by a Cast to float64 under its own name,
+    which the run computes when it reads it (exact: every float32 is a float64); the rest is widened
+    as :func:`_in_float64` does. The same numbers as the model :func:`_in_float64` writes, with one
+    weight in float64 at a time instead of all. None when the original cannot be so converted."""
+    shared = shared_weights(original)
+    if shared is None:
+        return None
+    proto, weights = shared
+    taken = {t.name for t in proto.graph.initializer} | {o for n in proto.graph.node for o in n.output}
+    casts, kept = [], {}
+    for t in proto.graph.initializer:
+        if t.name in weights and t.data_type == onnx.TensorProto.FLOAT:
+            name = t.name + WIDENED
+            while name in taken:
+                name += "_"
+            casts.append(helper.make_node("Cast", [name], [t.name], to=onnx.TensorProto.DOUBLE, name=name + "_cast"))
+            kept[name] = weights.pop(t.name)
+            t.name = name
+    weights.update(kept)
+    if not _widen(proto, keep=set(kept)):
+        return None
+    nodes = [*casts, *proto.graph.node]
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return session_with_weights(proto, weights, "disabled", prepack=False, cpu_arena=False)
 
 
 def _measured(session, sets, tensors, masks, level: str) -> dict[tuple[str, str], float] | None:
@@ -106,26 +149,19 @@ def _measured(session, sets, tensors, masks, level: str) -> dict[tuple[str, str]
 
 
 def _in_float64(original_x) -> onnx.ModelProto | None:
-    """The original with every float32 tensor in float64 (initializers, constants, Casts, declared
-    types, subgraphs): a reference without float32's rounding. ``original_x`` is bytes,
-    or an ir.Model kept with external data (its weights are read in). None when the float64
-    model would exceed protobuf's 2 GB, or cannot be converted."""
-    if isinstance(original_x, ir.Model):
-        weights = {name: v.const_value for name, v in original_x.graph.initializers.items() if v.const_value is not None}
-        if 2 * sum(t.nbytes for t in weights.values()) >= PROTOBUF_LIMIT:
-            return None
-        try:
-            proto = ir.serde.serialize_model(original_x)
-            for t in proto.graph.initializer:
-                if t.data_location == onnx.TensorProto.EXTERNAL and t.name in weights:
-                    t.CopyFrom(numpy_helper.from_array(weights[t.name].numpy(), t.name))
-        except Exception:  # noqa: BLE001 - a tensor numpy cannot read: no float64 reference
-            return None
-    elif isinstance(original_x, (bytes, bytearray)):
-        proto = onnx.ModelProto()
-        proto.ParseFromString(bytes(original_x))
-    else:
+    """The original, given as bytes, with every float32 tensor in float64 (initializers, constants,
+    Casts, declared types, subgraphs): a reference without float32's rounding. None when it cannot
+    be converted."""
+    if not isinstance(original_x, (bytes, bytearray)):
         return None
+    proto = onnx.ModelProto()
+    proto.ParseFromString(bytes(original_x))
+    return proto if _widen(proto) else None
+
+
+def _widen(proto: onnx.ModelProto, keep: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Every float32 tensor of ``proto`` in float64, in place (the main graph's initializers named
+    in ``keep`` excepted); whether that could be done."""
     float32, float64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
 
     def tensor(t):
@@ -145,18 +181,19 @@ def _in_float64(original_x) -> onnx.ModelProto | None:
                     for sub in a.graphs:
                         graph(sub)
 
-    def graph(g):
+    def graph(g, keep=frozenset()):
         for t in g.initializer:
-            tensor(t)
+            if t.name not in keep:
+                tensor(t)
         for v in [*g.input, *g.output, *g.value_info]:
             if v.type.tensor_type.elem_type == float32:
                 v.type.tensor_type.elem_type = float64
         nodes(g.node)
 
     try:
-        graph(proto.graph)
+        graph(proto.graph, keep)
         for function in proto.functions:
             nodes(function.node)
-        return proto
+        return True
     except Exception:  # noqa: BLE001 - external data, a tensor numpy cannot read: no float64 reference
-        return None
+        return False
