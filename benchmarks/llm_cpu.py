@@ -1,6 +1,6 @@
 """Decode and prefill tokens/s of a real LLM on the CPU: opfuse's folders against the GenAI builder's and llama.cpp.
 
-    flock /tmp/opfuse-heavy.lock python benchmarks/llm_cpu.py [--threads 1 2] [--rounds 7] [--decode 64]
+    python benchmarks/llm_cpu.py [--threads 1 2] [--rounds 7] [--decode 64]
         [--rebuild opfuse] [--json results.json]
     python benchmarks/llm_cpu.py --replay results.json
 
