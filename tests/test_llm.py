@@ -315,3 +315,29 @@ def test_gqa_refuses_what_is_not_its_form(exported_folder):
     done = group_query_attention(model, layers=2, heads=2, kv_heads=2, head_size=16, context=256)  # wrong heads
     assert done.layers == 0 and len(done.refused) == 2 and "split sizes" in done.refused[0]
     assert len(model.graph.node) == nodes  # nothing changed
+
+
+def test_gqa_qwen2_biases_packed_greedy_equals_transformers(tmp_path):
+    """Qwen2's q, k and v have biases (drawn non-zero here: its init leaves them 0, which would hide
+    their order): one Add of the three on the packed projection, before GroupQueryAttention."""
+    import transformers
+
+    folder, tokenizer = tmp_path / "qwen2", _tokenizer()
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out"
+    assert main(["llm", str(folder), "-o", str(out)]) == 0
+    ops = [n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("GroupQueryAttention") == 2
+    ids, genai = _genai_greedy(out, PROMPT, NEW_TOKENS)
+    assert genai == _transformers_greedy(folder, ids, NEW_TOKENS)

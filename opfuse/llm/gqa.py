@@ -6,7 +6,8 @@ What it does (:func:`group_query_attention`), on the optimised export (:mod:`opf
 - finds the attention of layer ``i`` from its cache: ``present.i.key = Concat(past_key_values.i.key,
   RotaryEmbedding(Transpose(Reshape(k))))``, ``present.i.value = Concat(past_key_values.i.value,
   Transpose(Reshape(v)))``, with ``q, k, v`` the three outputs of one ``Split`` of the packed QKV projection
-  (``opfuse``'s MatMul-siblings packing), the query through a ``RotaryEmbedding`` on the same cos/sin, and
+  (``opfuse``'s MatMul-siblings packing; with a bias each, Qwen2's, added to each output, written as one
+  Add of the three biases on the packed output), the query through a ``RotaryEmbedding`` on the same cos/sin, and
   the attention's output ``Reshape(Transpose(MatMul(probabilities, values)))`` found from the values;
 - replaces all of it (head split, rotary of Q and K, the cache Concats, the repeated KV heads, the scaled
   scores, the causal and padding mask, Softmax, the weighted sum, the head merge) by one
@@ -142,14 +143,21 @@ def _site(g: _Graph, layer: int, heads: int, kv_heads: int, head_size: int):
     k_lin, v_lin = _heads_split(g, rotary_k[0]), _heads_split(g, cv.input[1])
     if k_lin is None or v_lin is None:
         return "keys or values not Transpose(Reshape(.)) of a projection"
-    split = g.producer.get(k_lin)
-    if split is None or split.op_type != "Split" or len(split.output) != 3 or list(split.output[1:]) != [k_lin, v_lin]:
+    (k_src, k_bias), (v_src, v_bias) = _unbiased(g, k_lin), _unbiased(g, v_lin)
+    split = g.producer.get(k_src)
+    if split is None or split.op_type != "Split" or len(split.output) != 3 or list(split.output[1:]) != [k_src, v_src]:
         return "q, k, v not the three outputs of one Split (packed QKV)"
     sizes = split.input[1] if len(split.input) > 1 else ""
     if sizes not in g.inits or list(numpy_helper.to_array(g.inits[sizes])) != \
             [heads * head_size, kv_heads * head_size, kv_heads * head_size]:
         return "the packed QKV's split sizes are not the heads'"
-    q_lin = split.output[0]
+    q_lin, q_bias = split.output[0], None
+    q_adds = [n for n in g.consumers.get(q_lin, []) if n.op_type == "Add"]
+    if len(q_adds) == 1 and _unbiased(g, q_adds[0].output[0])[1] is not None:
+        q_lin, q_bias = q_adds[0].output[0], _unbiased(g, q_adds[0].output[0])[1]
+    biases = (q_bias, k_bias, v_bias)
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return "a bias on some of q, k, v but not all"
     q_rot = None
     for node in g.consumers.get(q_lin, []):
         if node.op_type == "Reshape":
@@ -175,7 +183,15 @@ def _site(g: _Graph, layer: int, heads: int, kv_heads: int, head_size: int):
     factors = [g.scalar(n.input[1]) for n in q_mul + k_mul]
     # (not found: GroupQueryAttention's default, 1 / sqrt(head_size); verification decides)
     scale = factors[0] * factors[1] if len(q_mul) == 1 and len(k_mul) == 1 and None not in factors else None
-    return split, q_rot, merge_r[0].output[0], scale
+    return split, q_rot, merge_r[0].output[0], scale, biases if q_bias is not None else None
+
+
+def _unbiased(g: _Graph, name: str) -> tuple[str, str | None]:
+    """``name`` = Add(x, b) of a 1-D initializer b (a projection's bias): (x, b); else (name, None)."""
+    node = g.made_by(name, "Add")
+    if node is not None and node.input[1] in g.inits and len(g.inits[node.input[1]].dims) == 1:
+        return node.input[0], node.input[1]
+    return name, None
 
 
 def _rotary_tables(model: onnx.ModelProto, g: _Graph, cos: str, sin: str, context: int) -> tuple[np.ndarray, np.ndarray]:
@@ -241,20 +257,27 @@ def group_query_attention(model: onnx.ModelProto, *, layers: int, heads: int, kv
     ]
     present = {f"present.{i}.{kv}" for i in sites for kv in ("key", "value")}
     out_of = {}  # attention output name -> its GroupQueryAttention
-    for layer, (split, _, out, scale) in sites.items():
+    for layer, (split, _, out, scale, biases) in sites.items():
         attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)
         if scale is not None:
             attrs["scale"] = scale
-        out_of[out] = helper.make_node(
+        qkv, before = split.input[0], []
+        if biases is not None:  # the three biases as one, added to the packed projection
+            packed = np.concatenate([numpy_helper.to_array(g.inits[b]) for b in biases])
+            graph.initializer.append(numpy_helper.from_array(packed, f"gqa_qkv_bias_{layer}"))
+            before = [helper.make_node("Add", [qkv, f"gqa_qkv_bias_{layer}"], [f"gqa_qkv_{layer}"],
+                                       name=f"gqa_qkv_bias_add_{layer}")]
+            qkv = f"gqa_qkv_{layer}"
+        out_of[out] = [*before, helper.make_node(
             "GroupQueryAttention",
-            [split.input[0], "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", "seqlens_k",
+            [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", "seqlens_k",
              "total_sequence_length", "cos_cache", "sin_cache"],
             [out, f"present.{layer}.key", f"present.{layer}.value"], domain=MS,
-            name=f"GroupQueryAttention_{layer}", **attrs)
+            name=f"GroupQueryAttention_{layer}", **attrs)]
     kept = list(mask_nodes)
     for node in graph.node:
         if any(o in out_of for o in node.output):
-            kept.append(out_of[node.output[0]])
+            kept.extend(out_of[node.output[0]])
         elif not any(o in present for o in node.output):
             kept.append(node)
     del graph.node[:]
