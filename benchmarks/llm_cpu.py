@@ -222,18 +222,18 @@ def prepare(work: pathlib.Path, rebuild: set[str], configs: list[str], flags: li
         raise SystemExit(f"not run: {why}")
     work.mkdir(parents=True, exist_ok=True)
     paths = {"gguf": gguf, "hf": work / "hf"}
-    if not paths["hf"].exists():
+    if not paths["hf"].exists() and any(c.startswith("builder") for c in configs):
         print(f"[prepare] HF folder from {gguf.name}", flush=True)
         hf_folder(gguf, paths["hf"])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for precision in ("int4", "fp32"):
         out = paths[f"builder {precision}"] = work / f"builder-{precision}"
-        if not (out / "genai_config.json").exists():
+        if f"builder {precision}" in configs and not (out / "genai_config.json").exists():
             _step(f"builder {precision}", [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
                                            str(paths["hf"]), "-o", str(out), "-p", precision, "-e", "cpu", "-c",
                                            str(work / "builder-cache")])
         out = paths[f"opfuse {precision}"] = work / f"opfuse-{precision}"
-        if "opfuse" in rebuild or not (out / "genai_config.json").exists():
+        if f"opfuse {precision}" in configs and ("opfuse" in rebuild or not (out / "genai_config.json").exists()):
             shutil.rmtree(out, ignore_errors=True)
             _step(f"opfuse {precision}", [sys.executable, "-m", "opfuse", "llm", str(gguf), "-o", str(out),
                                           "--precision", precision, *flags], env=env)
@@ -260,6 +260,8 @@ def prompts(hf: pathlib.Path) -> dict[str, list[int]]:
                                             tokenize=True, return_dict=False)
         return list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
 
+    if not hf.exists():
+        raise SystemExit(f"{hf}: missing (python benchmarks/llm_cpu.py --prepare-only with a builder configuration)")
     text = pydoc_data.topics.topics["class"]
     long = chat("Summarise this text:\n" + text)
     head = chat("")
