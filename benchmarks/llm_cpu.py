@@ -175,6 +175,8 @@ def _step(what: str, cmd: list[str], **kw) -> None:
     if proc.returncode:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    for line in proc.stdout.strip().splitlines()[-4:]:
+        print(f"[prepare]   {line[:300]}")
     print(f"[prepare] {what}: {time.perf_counter() - start:.0f} s", flush=True)
 
 
