@@ -96,10 +96,10 @@ def _attention_refused(config) -> str:
 
 def _group_query_attention(optimised: pathlib.Path, work: pathlib.Path, config) -> tuple[pathlib.Path, str, bool]:
     """(the graph to go on with, what was done, whether it has GroupQueryAttention): step 4."""
+    # (onnx, and torch through export's helpers: only when a model is converted)
     import onnx
 
-    # (torch, through export's helpers: only when a model is converted)
-    from opfuse.llm.export import _shape
+    from opfuse.llm.export import _shape  # (as above)
     from opfuse.llm.gqa import group_query_attention, verify  # (as above)
 
     why = _attention_refused(config)

@@ -45,7 +45,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-MS = "com.microsoft"
+from opfuse.core.ops import MS_DOMAIN as MS
+from opfuse.core.ops import ONNX_DOMAINS
 
 
 @dataclasses.dataclass
@@ -76,7 +77,8 @@ class _Graph:
 
     def made_by(self, name: str, op: str, domain: str = ""):
         node = self.producer.get(name)
-        return node if node is not None and node.op_type == op and node.domain in (domain, "ai.onnx" if not domain else domain) else None
+        domains = ONNX_DOMAINS if not domain else (domain,)
+        return node if node is not None and node.op_type == op and node.domain in domains else None
 
     def scalar(self, name: str):
         if name in self.inits:
