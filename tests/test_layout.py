@@ -179,6 +179,7 @@ def test_fresh_names_take_constant_time_per_name():
 OWN_RULES = {
     ("llm/__init__.py", frozenset({"Gather", "MatMul"})): "the ops int4 weight-only quantisation rewrites (its report)",
     ("llm/quantize_int4.py", frozenset({"Gather", "MatMul"})): "the ops int4 weight-only quantisation rewrites",
+    ("llm/gqa.py", "_REPEAT"): "the ops between the cache and the attention's MatMuls it looks through (repeat_kv, scale)",
     ("passes/patterns/self_attention.py", "_SCALINGS"): "the two ways an export scales the scores (its rules)",
     ("passes/reshape_dims.py", "_SHAPE_ARITHMETIC"): "the shape arithmetic a constant target leaves dead",
     ("passes/rotary_table.py", "PATH_OPS"): "the ops a position-wise path of angles may hold (the pass's legality)",

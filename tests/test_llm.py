@@ -62,10 +62,10 @@ def hf_folder(tmp_path_factory):
     return folder
 
 
-def _convert(hf_folder, precision):
-    out = hf_folder.parent / precision
+def _convert(hf_folder, precision, *flags):
+    out = hf_folder.parent / "-".join((precision, *(f.strip("-") for f in flags)))
     if not (out / "genai_config.json").exists():
-        assert main(["llm", str(hf_folder), "-o", str(out), "--precision", precision]) == 0
+        assert main(["llm", str(hf_folder), "-o", str(out), "--precision", precision, *flags]) == 0
     return out
 
 
@@ -77,6 +77,11 @@ def fp32_folder(hf_folder):
 @pytest.fixture(scope="module")
 def int4_folder(hf_folder):
     return _convert(hf_folder, "int4")
+
+
+@pytest.fixture(scope="module")
+def exported_folder(hf_folder):
+    return _convert(hf_folder, "fp32", "--attention", "exported")
 
 
 def _genai_greedy(folder, prompt: str, new: int) -> tuple[list[int], list[int]]:
@@ -109,9 +114,24 @@ def test_folder_has_what_genai_reads(fp32_folder):
     decoder = config["decoder"]
     assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (2, 2, 16)
     graph = onnx.load(str(fp32_folder / "model.onnx"), load_external_data=False).graph
-    assert [i.name for i in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
+    # GroupQueryAttention: no position_ids (its rotary counts from the mask), the cache shared
+    assert [i.name for i in graph.input][:2] == ["input_ids", "attention_mask"]
+    assert "position_ids" not in {i.name for i in graph.input} and "position_ids" not in decoder["inputs"]
+    assert [n.op_type for n in graph.node].count("GroupQueryAttention") == 2
+    assert json.loads((fp32_folder / "genai_config.json").read_text())["search"]["past_present_share_buffer"]
     assert decoder["inputs"]["past_key_names"] % 1 in {i.name for i in graph.input}
     assert decoder["outputs"]["present_value_names"] % 1 in {o.name for o in graph.output}
+
+
+def test_attention_exported_keeps_position_ids_and_concat(exported_folder, hf_folder):
+    config = json.loads((exported_folder / "genai_config.json").read_text())
+    graph = onnx.load(str(exported_folder / "model.onnx"), load_external_data=False).graph
+    assert [i.name for i in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert config["model"]["decoder"]["inputs"]["position_ids"] == "position_ids"
+    assert not config["search"]["past_present_share_buffer"]
+    assert "GroupQueryAttention" not in {n.op_type for n in graph.node}
+    ids, genai = _genai_greedy(exported_folder, PROMPT, NEW_TOKENS)
+    assert genai == _transformers_greedy(hf_folder, ids, NEW_TOKENS)
 
 
 def test_fp32_genai_greedy_equals_transformers(hf_folder, fp32_folder):
@@ -127,6 +147,7 @@ def test_int4_folder_generates_with_matmulnbits(int4_folder):
     # per layer: packed QKV, o_proj, packed gate/up, down (4 x 2); the tied head: 1
     assert ops.count("MatMulNBits") == 9
     assert ops.count("GatherBlockQuantized") == 1
+    assert ops.count("GroupQueryAttention") == 2
     for node in proto.graph.node:
         if node.op_type == "MatMulNBits":
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -259,6 +280,64 @@ def test_int4_logits_follow_fp32(fp32_folder, int4_folder):
              "position_ids": np.arange(n)[None]}
     feeds.update({f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 16), np.float32)
                   for i in range(2) for kv in ("key", "value")})
-    fp32, int4 = (ort.InferenceSession(str(f / "model.onnx")).run(["logits"], feeds)[0]
-                  for f in (fp32_folder, int4_folder))
+    sessions = [ort.InferenceSession(str(f / "model.onnx")) for f in (fp32_folder, int4_folder)]
+    fp32, int4 = (s.run(["logits"], {i.name: feeds[i.name] for i in s.get_inputs()})[0] for s in sessions)
     assert np.corrcoef(fp32.ravel(), int4.ravel())[0, 1] > 0.8
+
+
+# -- GroupQueryAttention (opfuse.llm.gqa) on the tiny model's graph as exported and optimised ---------
+
+def test_gqa_rewrite_verified_and_a_wrong_scale_caught(exported_folder, tmp_path):
+    from opfuse.llm.gqa import group_query_attention, verify
+
+    before = str(exported_folder / "model.onnx")
+    model = onnx.load(before)
+    done = group_query_attention(model, layers=2, heads=4, kv_heads=2, head_size=16, context=256)
+    assert (done.layers, done.refused, done.removed_inputs) == (2, [], ["position_ids"])
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("GroupQueryAttention") == 2
+    assert not {"Softmax", "Concat", "RotaryEmbedding", "Expand"} & set(ops)  # all of attention is inside it
+    after = tmp_path / "gqa.onnx"
+    onnx.save(model, str(after))
+    assert verify(before, str(after), layers=2, kv_heads=2, head_size=16, vocab=VOCAB) == ""
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            next(a for a in node.attribute if a.name == "scale").f *= 1.01
+    onnx.save(model, str(after))
+    assert "max |diff|" in verify(before, str(after), layers=2, kv_heads=2, head_size=16, vocab=VOCAB)
+
+
+def test_gqa_refuses_what_is_not_its_form(exported_folder):
+    from opfuse.llm.gqa import group_query_attention
+
+    model = onnx.load(str(exported_folder / "model.onnx"))
+    nodes = len(model.graph.node)
+    done = group_query_attention(model, layers=2, heads=2, kv_heads=2, head_size=16, context=256)  # wrong heads
+    assert done.layers == 0 and len(done.refused) == 2 and "split sizes" in done.refused[0]
+    assert len(model.graph.node) == nodes  # nothing changed
+
+
+def test_gqa_qwen2_biases_packed_greedy_equals_transformers(tmp_path):
+    """Qwen2's q, k and v have biases (drawn non-zero here: its init leaves them 0, which would hide
+    their order): one Add of the three on the packed projection, before GroupQueryAttention."""
+    import transformers
+
+    folder, tokenizer = tmp_path / "qwen2", _tokenizer()
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out"
+    assert main(["llm", str(folder), "-o", str(out)]) == 0
+    ops = [n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("GroupQueryAttention") == 2
+    ids, genai = _genai_greedy(out, PROMPT, NEW_TOKENS)
+    assert genai == _transformers_greedy(folder, ids, NEW_TOKENS)

@@ -8,21 +8,28 @@ The steps (:func:`convert`):
 3. :func:`opfuse.pipeline.optimize` at ``target="onnxruntime"`` with ``tune=False`` (the target's
    default policy; the tuner is being rewritten), verified on ONNX Runtime against the export at
    :data:`VERIFY_DIMS` (a prefill of 4 tokens after a past of 8).
-4. ``int4``: :func:`opfuse.llm.quantize_int4.quantize_int4` on the optimised graph (fold first,
+4. ``--attention gqa`` (the default): :func:`opfuse.llm.gqa.group_query_attention`, each layer's
+   attention as one GroupQueryAttention with rotary inside and the cache shared between past and
+   present (the graph genai runs fastest on a CPU), verified on ONNX Runtime against the optimised
+   graph on the inputs genai feeds (:func:`opfuse.llm.gqa.verify`); kept as exported when a layer
+   is not in that form or the two differ, and said.
+5. ``int4``: :func:`opfuse.llm.quantize_int4.quantize_int4` on the optimised graph (fold first,
    quantise once): MatMulNBits and GatherBlockQuantized, round-to-nearest, block 32.
-5. ``genai_config.json`` and the tokenizer files (:mod:`opfuse.llm.genai`).
+6. ``genai_config.json`` (the graph's inputs; ``past_present_share_buffer`` with GroupQueryAttention)
+   and the tokenizer files (:mod:`opfuse.llm.genai`).
 
 Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error
 DIR receives nothing. A model that is not a decoder-only LM with a KV cache transformers builds
 (an encoder-decoder, no ``num_hidden_layers``) is refused with one line (exit 2).
 
-Legality: steps 1-3 and 5 are exact up to float rounding (the export is transformers' forward; the
-optimisation is verified); step 4 is not (module :mod:`opfuse.llm.quantize_int4`).
+Legality: steps 1-4 and 6 are exact up to float rounding (the export is transformers' forward; the
+optimisation and the attention rewrite are verified; GroupQueryAttention for unpadded sequences, what
+genai feeds a batch of one: :mod:`opfuse.llm.gqa`); step 5 is not (module :mod:`opfuse.llm.quantize_int4`).
 """
 
 from __future__ import annotations
 
-__all__ = ["PRECISIONS", "VERIFY_DIMS", "Converted", "convert"]
+__all__ = ["ATTENTIONS", "PRECISIONS", "VERIFY_DIMS", "Converted", "convert"]
 
 import dataclasses
 import os
@@ -33,6 +40,7 @@ import tempfile
 from opfuse.errors import BadInputError
 
 PRECISIONS = ("fp32", "int4")
+ATTENTIONS = ("gqa", "exported")
 VERIFY_DIMS = {"batch_size": 1, "sequence_length": 4, "past_sequence_length": 8, "total_sequence_length": 12}
 
 
@@ -46,6 +54,7 @@ class Converted:
     ops: dict[str, int]  # op type -> count in the written graph
     optimize_summary: str
     not_quantized: list[str] = dataclasses.field(default_factory=list)  # MatMul/Gather left in float, why
+    attention: str = ""  # what became of attention (GroupQueryAttention, or why it was kept as exported)
 
     def summary(self) -> str:
         nbits, gbq = self.ops.get("MatMulNBits", 0), self.ops.get("GatherBlockQuantized", 0)
@@ -76,6 +85,53 @@ def _not_quantized(model) -> list[str]:
     return left
 
 
+def _attention_refused(config) -> str:
+    """Why GroupQueryAttention cannot compute ``config``'s attention whatever its graph ("": it can)."""
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"a sliding window of {config.sliding_window} (not written as local_window_size yet)"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "soft-capped attention logits"
+    return ""
+
+
+def _group_query_attention(optimised: pathlib.Path, work: pathlib.Path, config) -> tuple[pathlib.Path, str, bool]:
+    """(the graph to go on with, what was done, whether it has GroupQueryAttention): step 4."""
+    # (onnx, and torch through export's helpers: only when a model is converted)
+    import onnx
+
+    from opfuse.llm.export import _shape  # (as above)
+    from opfuse.llm.gqa import group_query_attention, verify  # (as above)
+
+    why = _attention_refused(config)
+    if why:
+        return optimised, f"kept as exported: {why}", False
+    layers, kv_heads, head_size = _shape(config)
+    model = onnx.load(str(optimised))
+    context = getattr(config, "max_position_embeddings", None) or 2048
+    try:
+        done = group_query_attention(model, layers=layers, heads=config.num_attention_heads, kv_heads=kv_heads,
+                                     head_size=head_size, context=context)
+    except ValueError as e:  # the rotary tables read more than the positions
+        return optimised, f"kept as exported: {e}", False
+    if done.layers != layers:
+        return optimised, f"kept as exported: {(done.refused or ['?'])[0]}", False
+    work.mkdir()
+    path = work / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
+    del model
+    try:
+        why = verify(str(optimised), str(path), layers=layers, kv_heads=kv_heads, head_size=head_size,
+                     vocab=config.vocab_size)
+    except Exception as e:  # ONNX Runtime refuses the rewritten graph: keep the graph that runs  # noqa: BLE001
+        why = f"ONNX Runtime: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    if why:
+        shutil.rmtree(work)
+        return optimised, f"kept as exported: GroupQueryAttention differs: {why}", False
+    shutil.rmtree(optimised.parent)
+    return path, f"{layers} GroupQueryAttention (rotary inside, past and present sharing a buffer)", True
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -83,7 +139,8 @@ def _umask() -> int:
 
 
 def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str = "fp32", *,
-            verify: bool = True, block_size: int = 32, symmetric: bool = False) -> Converted:
+            verify: bool = True, block_size: int = 32, symmetric: bool = False,
+            attention: str = "gqa") -> Converted:
     """Write the genai folder of ``source`` at ``precision`` into ``out`` (module docstring)."""
     # (the steps import torch, transformers and the pipeline: only when a model is converted)
     import onnx
@@ -96,6 +153,8 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
 
     if precision not in PRECISIONS:
         raise BadInputError(f"--precision {precision}: expected one of {', '.join(PRECISIONS)}")
+    if attention not in ATTENTIONS:
+        raise BadInputError(f"--attention {attention}: expected one of {', '.join(ATTENTIONS)}")
     out = pathlib.Path(out)
     if out.exists() and not out.is_dir():
         raise BadInputError(f"{out}: exists and is not a folder")
@@ -114,6 +173,9 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         _, report = optimize(str(exported), target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
                              output=str(optimised), external_data=True)
         shutil.rmtree(exported.parent)
+        shared, did = False, "kept as exported (--attention exported)"
+        if attention == "gqa":
+            optimised, did, shared = _group_query_attention(optimised, tmp / "gqa", config)
         not_quantized = []
         if precision == "int4":
             stage.mkdir()
@@ -126,8 +188,9 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
             optimised.parent.rename(stage)
             model = onnx.load(str(stage / "model.onnx"), load_external_data=False)
         ops = counts(model)
+        inputs = [i.name for i in model.graph.input]
         del model
-        genai.write_config(config, tokenizer, stage)
+        genai.write_config(config, tokenizer, stage, inputs=inputs, share_buffer=shared)
         genai.write_tokenizer(tokenizer, stage)
         out.mkdir(exist_ok=True)
         files = sorted(p.name for p in stage.iterdir())
@@ -135,4 +198,4 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         for name in files:
             (stage / name).chmod(mode)
             (stage / name).replace(out / name)
-    return Converted(out, files, precision, ops, report.summary(), not_quantized)
+    return Converted(out, files, precision, ops, report.summary(), not_quantized, did)

@@ -1,6 +1,7 @@
 """The ``opfuse llm`` subcommand's flags and what it prints (the work is :func:`opfuse.llm.convert`).
 
     opfuse llm SOURCE -o DIR [--precision fp32|int4] [--block-size 32] [--symmetric] [--no-verify]
+                             [--attention gqa|exported]
 
 Exit 0 with one summary line per step; bad input (no such SOURCE, not a GGUF or a folder with
 config.json, an encoder-decoder) is one line on stderr and exit 2 (``opfuse.cli.main`` maps the
@@ -28,6 +29,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=32, choices=(16, 32, 64, 128, 256),
                    help="int4: weights per scale along K (default: %(default)s)")
     p.add_argument("--symmetric", action="store_true", help="int4: no zero points (default: a zero point per block)")
+    p.add_argument("--attention", choices=("gqa", "exported"), default="gqa",
+                   help="gqa: each layer's attention as com.microsoft.GroupQueryAttention (rotary inside, the cache "
+                        "shared between past and present), verified against the graph as exported on unpadded "
+                        "inputs, kept as exported where it is not that form; exported: as exported "
+                        "(default: %(default)s)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip running the export and the optimised graph on ONNX Runtime side by side")
     return p
@@ -39,8 +45,9 @@ def run(args) -> int:
 
     start = time.perf_counter()
     done = convert(args.source, args.output, args.precision, verify=not args.no_verify,
-                   block_size=args.block_size, symmetric=args.symmetric)
+                   block_size=args.block_size, symmetric=args.symmetric, attention=args.attention)
     print(f"optimised: {done.optimize_summary}")
+    print(f"attention: {done.attention}")
     if done.precision == "int4":
         print(f"left in float: {len(done.not_quantized)} MatMul/Gather nodes (activations on both sides: "
               "attention scores and values, index gathers)")

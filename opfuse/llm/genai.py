@@ -6,10 +6,11 @@ What it does:
   writes (``model``: the token ids, ``context_length``, ``vocab_size``, ``type``; ``model.decoder``:
   the file name, the head and layer counts, the input and output names with ``%d`` for the layer;
   ``search``: greedy decoding defaults), read from the transformers config of the model exported.
-  Two differences from the builder's: ``position_ids`` is among the inputs (the exported graph takes
-  it; genai fills it from the attention mask), and ``past_present_share_buffer`` is false: the
-  exported graph concatenates its past and the new keys (``present`` is past + seq long), where the
-  builder's GroupQueryAttention writes into one buffer of ``max_length``.
+  ``position_ids`` is among the inputs when the graph takes it (attention as exported; genai fills
+  it from the attention mask). ``past_present_share_buffer`` is true when the graph's attention is
+  GroupQueryAttention (:mod:`opfuse.llm.gqa`), which writes the new keys and values into the past's
+  own buffer of ``max_length``, as the builder's graph does; false when the graph concatenates its
+  past and the new keys (``present`` past + seq long).
 - :func:`write_tokenizer` saves the tokenizer with ``save_pretrained`` (``tokenizer.json``,
   ``tokenizer_config.json``: what genai's tokenizer loads); from a GGUF, transformers has built it
   from the file's own vocabulary and merges.
@@ -35,8 +36,9 @@ def _token_id(value):
     return value
 
 
-def genai_config(config, tokenizer, filename: str = "model.onnx") -> dict:
-    """The genai_config.json of a decoder whose transformers config is ``config`` (module docstring)."""
+def genai_config(config, tokenizer, filename: str = "model.onnx", *, inputs=None, share_buffer: bool = False) -> dict:
+    """The genai_config.json of a decoder whose transformers config is ``config`` (module docstring);
+    ``inputs``: the graph's input names (None: the export's, position_ids among them)."""
     # (export imports torch: only when a config is written)
     from opfuse.llm.export import _shape
 
@@ -48,6 +50,10 @@ def genai_config(config, tokenizer, filename: str = "model.onnx") -> dict:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _token_id(eos)
         pad = pad[0] if isinstance(pad, list) else pad
     context = getattr(config, "max_position_embeddings", None) or 2048
+    names = {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+             "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
+    if inputs is not None:
+        names = {k: v for k, v in names.items() if "%d" in v or v in inputs}
     return {
         "model": {
             "bos_token_id": _token_id(bos),
@@ -57,13 +63,7 @@ def genai_config(config, tokenizer, filename: str = "model.onnx") -> dict:
                 "filename": filename,
                 "head_size": head_size,
                 "hidden_size": config.hidden_size,
-                "inputs": {
-                    "input_ids": "input_ids",
-                    "attention_mask": "attention_mask",
-                    "position_ids": "position_ids",
-                    "past_key_names": "past_key_values.%d.key",
-                    "past_value_names": "past_key_values.%d.value",
-                },
+                "inputs": names,
                 "outputs": {
                     "logits": "logits",
                     "present_key_names": "present.%d.key",
@@ -88,7 +88,7 @@ def genai_config(config, tokenizer, filename: str = "model.onnx") -> dict:
             "no_repeat_ngram_size": 0,
             "num_beams": 1,
             "num_return_sequences": 1,
-            "past_present_share_buffer": False,
+            "past_present_share_buffer": share_buffer,
             "repetition_penalty": 1.0,
             "temperature": 1.0,
             "top_k": 1,
@@ -97,9 +97,10 @@ def genai_config(config, tokenizer, filename: str = "model.onnx") -> dict:
     }
 
 
-def write_config(config, tokenizer, folder: str | pathlib.Path) -> pathlib.Path:
+def write_config(config, tokenizer, folder: str | pathlib.Path, *, inputs=None, share_buffer: bool = False) -> pathlib.Path:
     path = pathlib.Path(folder) / "genai_config.json"
-    write_text_atomic(path, json.dumps(genai_config(config, tokenizer), indent=4) + "\n")
+    body = genai_config(config, tokenizer, inputs=inputs, share_buffer=share_buffer)
+    write_text_atomic(path, json.dumps(body, indent=4) + "\n")
     return path
 
 
