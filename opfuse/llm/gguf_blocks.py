@@ -38,7 +38,7 @@ not found among the file's quantised rows is left as it is, for the requantiser.
 
 from __future__ import annotations
 
-__all__ = ["FORMS", "GGUF_KINDS", "GgufRows", "import_blocks"]
+__all__ = ["FORMS", "GGUF_KINDS", "GgufRows", "import_blocks", "write_min_blocks"]
 
 import dataclasses
 import pathlib
@@ -171,10 +171,10 @@ class _Writer:
         return name
 
     def matmul(self, node, kind, codes, d, m, form) -> list[onnx.NodeProto]:
-        n, blocks, _ = codes.shape
-        k = blocks * BLOCK
+        n, blocks, block = codes.shape
+        k = blocks * block
         name, x, y = node.name or node.output[0], node.input[0], node.output[0]
-        attrs = {"K": k, "N": n, "bits": 8 if kind == "Q8_0" else 4, "block_size": BLOCK}
+        attrs = {"K": k, "N": n, "bits": 8 if kind == "Q8_0" else 4, "block_size": block}
         if self.accuracy_level is not None:
             attrs["accuracy_level"] = self.accuracy_level
         before, after, zero_points = [], [], None
@@ -193,7 +193,7 @@ class _Writer:
             if sums is None:
                 sums = self.block_sums[(x, k)] = f"{name}_gguf_block_sums"
                 selector = np.zeros((k, blocks), np.float32)
-                selector[np.arange(k), np.arange(k) // BLOCK] = 1.0
+                selector[np.arange(k), np.arange(k) // block] = 1.0
                 before.append(helper.make_node("MatMul", [x, self.init(selector, f"{name}_gguf_block_selector")],
                                                [sums], name=f"{name}_gguf_block_sums"))
             part = f"{name}_gguf_nbits"
@@ -228,6 +228,42 @@ class _Writer:
                       self.init(np.full((rows, blocks), 128, np.uint8), f"{name}_gguf_zero_points")]
         return [helper.make_node("GatherBlockQuantized", inputs, list(node.output), name=f"{name}_gguf",
                                  domain="com.microsoft", **attrs)]
+
+
+def _finish(model: onnx.ModelProto, graph, out_nodes, used_up, writer) -> None:
+    graph.ClearField("node")
+    graph.node.extend(out_nodes)
+    still_read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    keep = [t for t in graph.initializer if t.name not in used_up or t.name in still_read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(keep + writer.new_inits)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and o.version < 21:
+            o.version = 21
+    model.ir_version = max(model.ir_version, 10)
+
+
+def write_min_blocks(model: onnx.ModelProto, blocks: dict[str, tuple], block_size: int,
+                     accuracy_level: int | None = 4, form: str = "residual") -> None:
+    """Replace each MatMul named in ``blocks`` by the Q4_1-style blocks given for it, ``(codes [N, blocks,
+    block_size] 0-15, d [N, blocks], m [N, blocks])`` meaning ``w = d * code + m`` (a float minimum),
+    written as :func:`import_blocks` writes a GGUF's Q4_1 (``form``). ``model`` is changed in place."""
+    if not blocks:
+        return
+    graph = model.graph
+    writer = _Writer(accuracy_level)
+    out_nodes, used_up = [], set()
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.name in blocks:
+            codes, d, m = blocks[node.name]
+            assert codes.shape[2] == block_size
+            out_nodes.extend(writer.matmul(node, "Q4_1", codes, d, m, form))
+            used_up.add(node.input[1])
+        else:
+            out_nodes.append(node)
+    _finish(model, graph, out_nodes, used_up, writer)
 
 
 def import_blocks(model: onnx.ModelProto, gguf_path: str | pathlib.Path, *, form: str = "residual",
@@ -270,17 +306,6 @@ def import_blocks(model: onnx.ModelProto, gguf_path: str | pathlib.Path, *, form
             out_nodes.extend(replaced)
             kind = rows.tensors[where[0][0]].kind
             done[kind] = done.get(kind, 0) + 1
-    graph.ClearField("node")
-    graph.node.extend(out_nodes)
-    still_read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
-    keep = [t for t in graph.initializer if t.name not in used_up or t.name in still_read]
-    graph.ClearField("initializer")
-    graph.initializer.extend(keep + writer.new_inits)
     if done:
-        if not any(o.domain == "com.microsoft" for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-        for o in model.opset_import:
-            if o.domain in ("", "ai.onnx") and o.version < 21:
-                o.version = 21
-        model.ir_version = max(model.ir_version, 10)
+        _finish(model, graph, out_nodes, used_up, writer)
     return done

@@ -30,56 +30,208 @@ outputs change. The tests check that the rewrite equals the dequantised weights'
 
 from __future__ import annotations
 
-__all__ = ["ACCURACY_LEVEL", "BLOCK_SIZE", "counts", "quantize_int4"]
+__all__ = ["ACCURACY_LEVEL", "ALGORITHMS", "BLOCK_SIZE", "DEFAULT_ALGORITHM", "counts", "hessians", "quantize_int4"]
 
 import collections
+import contextlib
+import io
 import logging
+import warnings
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
+
+from opfuse.errors import BadInputError
 
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
+ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
+DEFAULT_ALGORITHM = "rtn"
 
 
-def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symmetric: bool = False,
-                  accuracy_level: int | None = ACCURACY_LEVEL, embedding: bool = True) -> onnx.ModelProto:
-    """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
+def _quiet_quantizer(config, model: onnx.ModelProto, **kw) -> onnx.ModelProto:
+    """ONNX Runtime's MatMulNBitsQuantizer on ``model`` with ``config``, its info lines silenced."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    ``model`` is changed in place and returned."""
-    # (ONNX Runtime's quantizer pulls its own dependencies: only when int4 is asked for)
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        MatMulNBitsQuantizer,
-    )
-
-    untie_head(model)
-    ops = ("MatMul", "Gather") if embedding else ("MatMul",)
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
-                                          accuracy_level=accuracy_level, op_types_to_quantize=ops,
-                                          quant_axes=(("MatMul", 0), ("Gather", 1)), bits=4)
-    quiet = logging.getLogger("onnxruntime.quantization")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its per-node info lines and the opset-21 warning (module docstring)
-    with np.errstate(invalid="ignore", divide="ignore"):  # an all-zero block (a padding row): scale 0, handled
+    loggers = [logging.getLogger(n) for n in ("onnxruntime.quantization", "neural_compressor")]
+    levels = [q.level for q in loggers]
+    for q in loggers:
+        q.setLevel(logging.ERROR)  # per-node info lines, the opset-21 warning, k-quant's "install cupy"
+    # an all-zero block (a padding row): scale 0, handled; k-quant prints a progress bar on stdout
+    with np.errstate(invalid="ignore", divide="ignore"), contextlib.redirect_stdout(io.StringIO()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HQQ: torch's "non-writable NumPy array"
         try:
-            quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+            quantizer = MatMulNBitsQuantizer(model, algo_config=config, **kw)
             quantizer.process()
         finally:
-            quiet.setLevel(level)
+            for q, level in zip(loggers, levels):
+                q.setLevel(level)
     return quantizer.model.model
 
 
-def untie_head(model: onnx.ModelProto) -> int:
-    """Give each ``MatMul(x, Transpose(W, perm=[1, 0]))`` of a 2-D initializer ``W`` a transposed
-    initializer of its own (the Transpose is removed when nothing else reads it); how many."""
-    # (ONNX Runtime's quantizer pulls its own dependencies: only when int4 is asked for)
-    from onnx import numpy_helper
+def _rtn(model, ops, block_size, symmetric, accuracy_level, bits=4, nodes=None):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig
 
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
+                                          accuracy_level=accuracy_level, op_types_to_quantize=ops,
+                                          quant_axes=(("MatMul", 0), ("Gather", 1)), bits=bits)
+    if nodes is not None:
+        config.op_types_to_quantize = ()
+    return _quiet_quantizer(config, model, nodes_to_include=nodes)
+
+
+def _matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, np.ndarray]]:
+    """The MatMul nodes with a 2-D float32 initializer weight whose K is a whole number of blocks."""
+    inits = {t.name: t for t in model.graph.initializer}
+    found = []
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits:
+            w = numpy_helper.to_array(inits[node.input[1]])
+            if w.ndim == 2 and w.dtype == np.float32:
+                found.append((node, w))
+    return found
+
+
+def _minmax_blocks(w: np.ndarray, block_size: int):
+    """Per block of ``block_size`` along K of ``w`` [K, N]: (codes [N, blocks, block], d, m [N, blocks]),
+    w ~ d * code + m, d = (max - min) / 15, m = min (llama.cpp's Q4_1 rule, the minimum a float)."""
+    k, n = w.shape
+    blocks = w.T.reshape(n, k // block_size, block_size)
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)
+    d = ((hi - lo) / 15).astype(np.float32)
+    safe = np.where(d == 0, 1, d)
+    codes = np.clip(np.rint((blocks - lo[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    return codes, d, lo.astype(np.float32)
+
+
+def _gptq_blocks(w: np.ndarray, h: np.ndarray, block_size: int, damp: float = 0.01):
+    """GPTQ (Frantar et al. 2022) on ``w`` [K, N] with the Hessian ``h`` = E[x x^T] [K, K] of its input:
+    rows quantised in order, each one's error spread over the rows not yet quantised through the
+    inverse Hessian's Cholesky factor; the grid of each block (d, m as :func:`_minmax_blocks`) is taken
+    from the block's weights as updated when the block starts. Returns what ``_minmax_blocks`` does."""
+    k, n = w.shape
+    w = w.astype(np.float64).copy()
+    h = h.astype(np.float64).copy()
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1
+    w[dead, :] = 0
+    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+    hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper triangular
+    nb = k // block_size
+    codes = np.zeros((k, n), np.uint8)
+    d_all, m_all = np.zeros((nb, n), np.float64), np.zeros((nb, n), np.float64)
+    for b in range(nb):
+        i1, i2 = b * block_size, (b + 1) * block_size
+        lo, hi = w[i1:i2].min(axis=0), w[i1:i2].max(axis=0)
+        d = (hi - lo) / 15
+        safe = np.where(d == 0, 1, d)
+        err = np.zeros((block_size, n))
+        for i in range(block_size):
+            row = i1 + i
+            q = np.clip(np.rint((w[row] - lo) / safe), 0, 15)
+            e = (w[row] - (q * d + lo)) / hinv[row, row]
+            w[row:i2] -= np.outer(hinv[row, row:i2], e)
+            err[i] = e
+            codes[row] = q
+        w[i2:] -= hinv[i1:i2, i2:].T @ err
+        d_all[b], m_all[b] = d, lo
+    codes = codes.T.reshape(n, nb, block_size)
+    return codes, d_all.T.astype(np.float32), m_all.T.astype(np.float32)
+
+
+def hessians(model: onnx.ModelProto, feeds: list[dict], names: set[str] | None = None) -> dict[str, np.ndarray]:
+    """E[x x^T] over every row of every calibration feed, for each MatMul input ``x`` (or those in
+    ``names``) of ``model``, from one ONNX Runtime run per feed with the inputs added as outputs."""
+    import onnxruntime as ort
+
+    wanted = sorted({node.input[0] for node, _ in _matmuls(model)} if names is None else names)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in wanted)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    del probe
+    sums: dict[str, np.ndarray] = {}
+    rows = 0
+    for feed in feeds:
+        outs = session.run(wanted, feed)
+        for x, v in zip(wanted, outs):
+            v = v.reshape(-1, v.shape[-1]).astype(np.float64)
+            sums[x] = sums.get(x, 0) + v.T @ v
+        rows += int(np.prod(outs[0].shape[:-1]))
+    return {x: s / rows for x, s in sums.items()}
+
+
+def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symmetric: bool = False,
+                  accuracy_level: int | None = ACCURACY_LEVEL, embedding: bool = True,
+                  algorithm: str = DEFAULT_ALGORITHM, head_bits: int = 4, calibration: list[dict] | None = None,
+                  gguf=None, gguf_form: str = "residual") -> onnx.ModelProto:
+    """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
+
+    ``algorithm``: one of :data:`ALGORITHMS`; ``gptq`` needs ``calibration`` (feeds of ``model``).
+    ``head_bits`` 8: the tied LM head at 8 bits (RTN, symmetric). ``gguf``: a GGUF file (or a
+    :class:`opfuse.llm.gguf_blocks.GgufRows`) whose quantised blocks are imported as they are first,
+    wherever a weight is that file's rows; the rest goes to ``algorithm``.
+    ``model`` is changed in place and returned (or a new proto, from ONNX Runtime's quantiser)."""
+    if algorithm not in ALGORITHMS:
+        raise BadInputError(f"int4 algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
+    if algorithm == "gptq" and not calibration:
+        raise BadInputError("int4 algorithm gptq: needs calibration feeds")
+    heads = untie_head(model)
+    if gguf is not None:
+        from opfuse.llm.gguf_blocks import GgufRows, import_blocks
+
+        rows = gguf if isinstance(gguf, GgufRows) else GgufRows(gguf)
+        import_blocks(model, None, form=gguf_form, accuracy_level=accuracy_level, rows=rows)
+    live = {n.name for n in model.graph.node}
+    heads = [h for h in heads if h in live]
+    if head_bits == 8 and heads:
+        model = _rtn(model, ("MatMul",), block_size, True, accuracy_level, bits=8, nodes=heads)
+    elif head_bits not in (4, 8):
+        raise BadInputError(f"head bits {head_bits}: expected 4 or 8")
+    if algorithm == "rtn":
+        return _rtn(model, ("MatMul", "Gather") if embedding else ("MatMul",), block_size, symmetric,
+                    accuracy_level)
+    if algorithm == "hqq":
+        from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig
+
+        model = _quiet_quantizer(HQQWeightOnlyQuantConfig(block_size=block_size, op_types_to_quantize=("MatMul",)),
+                                 model)
+        if accuracy_level is not None:
+            for node in model.graph.node:
+                if node.op_type == "MatMulNBits":
+                    node.attribute.append(helper.make_attribute("accuracy_level", accuracy_level))
+    elif algorithm == "k_quant":
+        from onnxruntime.quantization.matmul_nbits_quantizer import KQuantWeightOnlyQuantConfig
+
+        model = _quiet_quantizer(KQuantWeightOnlyQuantConfig(op_types_to_quantize=("MatMul",)), model,
+                                 block_size=block_size, accuracy_level=accuracy_level)
+    else:  # q4_1, gptq: a float minimum per block, written as the GGUF Q4_1 import writes it
+        from opfuse.llm.gguf_blocks import write_min_blocks
+
+        found = _matmuls(model)
+        found = [(n, w) for n, w in found if w.shape[0] % block_size == 0]
+        h = hessians(model, calibration, {n.input[0] for n, _ in found}) if algorithm == "gptq" else {}
+        replaced = {}
+        for node, w in found:
+            replaced[node.name] = (_gptq_blocks(w, h[node.input[0]], block_size) if algorithm == "gptq"
+                                   else _minmax_blocks(w, block_size))
+        write_min_blocks(model, replaced, block_size, accuracy_level)
+    if embedding:
+        model = _rtn(model, ("Gather",), block_size, symmetric, accuracy_level)
+    return model
+
+
+def untie_head(model: onnx.ModelProto) -> list[str]:
+    """Give each ``MatMul(x, Transpose(W, perm=[1, 0]))`` of a 2-D initializer ``W`` a transposed
+    initializer of its own (the Transpose is removed when nothing else reads it); those MatMuls' names."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
-    done, made = 0, {}
+    done, made = [], {}
     for node in graph.node:
         if node.op_type != "MatMul" or len(node.input) < 2 or node.input[1] in inits:
             continue
@@ -95,7 +247,7 @@ def untie_head(model: onnx.ModelProto) -> int:
             name = made[weight.name] = f"{weight.name}_transposed"
             graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(weight).T.copy(), name))
         node.input[1] = name
-        done += 1
+        done.append(node.name)
     read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     unused = [n for n in graph.node if n.op_type == "Transpose" and all(o not in read for o in n.output)]
     for n in unused:
