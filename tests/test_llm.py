@@ -237,7 +237,7 @@ def test_tied_head_and_embedding_equal_dequantised_reference():
          helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", vocab])],
         [numpy_helper.from_array(table, "E")])
     model = quantize_int4(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
-                          accuracy_level=None)
+                          accuracy_level=None, embedding_bits=4)
     ops = {n.op_type: n for n in model.graph.node}
     assert set(ops) == {"GatherBlockQuantized", "MatMulNBits"}  # the Transpose is gone
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}

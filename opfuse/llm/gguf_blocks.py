@@ -209,12 +209,12 @@ class _Writer:
         return [*before, main, *after]
 
     def gather(self, node, kind, codes, d) -> list[onnx.NodeProto]:
-        rows, blocks, _ = codes.shape
+        rows, blocks, block = codes.shape
         name = node.name or node.output[0]
-        attrs = {"bits": 8, "block_size": BLOCK, "gather_axis": 0, "quantize_axis": 1}
+        attrs = {"bits": 8, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
         if kind == "Q4_0":
             # uint4 data with zero point 8: GatherBlockQuantized's 4-bit form
-            data = helper.make_tensor(f"{name}_gguf_{kind}", onnx.TensorProto.UINT4, [rows, blocks * BLOCK],
+            data = helper.make_tensor(f"{name}_gguf_{kind}", onnx.TensorProto.UINT4, [rows, blocks * block],
                                       _pack4(codes).tobytes(), raw=True)
             eights = np.full((rows * blocks + 1) // 2, 0x88, np.uint8)  # uint4 tensors pack the flat array
             zp = helper.make_tensor(f"{name}_gguf_zero_points", onnx.TensorProto.UINT4, [rows, blocks],

@@ -166,7 +166,7 @@ def hessians(model: onnx.ModelProto, feeds: list[dict], names: set[str] | None =
 
 
 def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symmetric: bool = False,
-                  accuracy_level: int | None = ACCURACY_LEVEL, embedding: bool = True,
+                  accuracy_level: int | None = ACCURACY_LEVEL, embedding: bool = True, embedding_bits: int = 8,
                   algorithm: str = DEFAULT_ALGORITHM, head_bits: int = 4, calibration: list[dict] | None = None,
                   gguf=None, gguf_form: str = "residual") -> onnx.ModelProto:
     """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
@@ -192,10 +192,13 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
         model = _rtn(model, ("MatMul",), block_size, True, accuracy_level, bits=8, nodes=heads)
     elif head_bits not in (4, 8):
         raise BadInputError(f"head bits {head_bits}: expected 4 or 8")
+    if embedding_bits not in (4, 8):
+        raise BadInputError(f"embedding bits {embedding_bits}: expected 4 or 8")
+    if algorithm == "rtn" and embedding and embedding_bits == 4:
+        return _rtn(model, ("MatMul", "Gather"), block_size, symmetric, accuracy_level)
     if algorithm == "rtn":
-        return _rtn(model, ("MatMul", "Gather") if embedding else ("MatMul",), block_size, symmetric,
-                    accuracy_level)
-    if algorithm == "hqq":
+        model = _rtn(model, ("MatMul",), block_size, symmetric, accuracy_level)
+    elif algorithm == "hqq":
         from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig
 
         model = _quiet_quantizer(HQQWeightOnlyQuantConfig(block_size=block_size, op_types_to_quantize=("MatMul",)),
@@ -220,9 +223,35 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
             replaced[node.name] = (_gptq_blocks(w, h[node.input[0]], block_size) if algorithm == "gptq"
                                    else _minmax_blocks(w, block_size))
         write_min_blocks(model, replaced, block_size, accuracy_level)
-    if embedding:
+    if embedding and embedding_bits == 4:
         model = _rtn(model, ("Gather",), block_size, symmetric, accuracy_level)
+    elif embedding:  # a Gather reads a few rows per token: 8 bits cost file size, not time
+        _gather8(model, block_size)
     return model
+
+
+def _gather8(model: onnx.ModelProto, block_size: int) -> None:
+    """Each Gather (axis 0) of a 2-D float32 initializer as GatherBlockQuantized with 8 bits: per block of
+    ``block_size`` along the row, ``d = max |w| / 127``, codes ``round(w / d) + 128``, zero point 128
+    (GGUF's Q8_0 rule; ONNX Runtime's quantiser writes 4-bit tables only)."""
+    from opfuse.llm.gguf_blocks import _finish, _Writer
+
+    inits = {t.name: t for t in model.graph.initializer}
+    writer, out_nodes, used_up = _Writer(None), [], set()
+    for node in model.graph.node:
+        table = numpy_helper.to_array(inits[node.input[0]]) if (
+            node.op_type == "Gather" and node.input[0] in inits) else None
+        if (table is None or table.ndim != 2 or table.dtype != np.float32 or table.shape[1] % block_size
+                or any(a.name == "axis" and a.i != 0 for a in node.attribute)):
+            out_nodes.append(node)
+            continue
+        blocks = table.reshape(table.shape[0], -1, block_size)
+        d = (np.abs(blocks).max(axis=2) / 127).astype(np.float32)
+        codes = (np.clip(np.rint(blocks / np.where(d == 0, 1, d)[..., None]), -127, 127) + 128).astype(np.uint8)
+        out_nodes.extend(writer.gather(node, "Q8_0", codes, d))
+        used_up.add(node.input[0])
+    if used_up:
+        _finish(model, model.graph, out_nodes, used_up, writer)
 
 
 def untie_head(model: onnx.ModelProto) -> list[str]:
