@@ -17,6 +17,7 @@ extras.require("onnxruntime")
 import onnxruntime as ort
 
 from opfuse.llm import command
+from test_llm import hf_folder  # noqa: F401  (the fixture: a tiny random Llama folder)
 from opfuse.llm.quantize_int4 import ALGORITHMS, DEFAULT_ALGORITHM, quantize_int4
 
 
@@ -152,3 +153,22 @@ def test_head_at_8_bits():
 def test_command_lists_the_modules_algorithms_and_default():
     assert command.ALGORITHMS == ALGORITHMS
     assert command.DEFAULT_ALGORITHM == DEFAULT_ALGORITHM
+
+
+def test_command_int4_gptq_folder_generates(hf_folder):  # noqa: F811  (the fixture imported above)
+    """``opfuse llm HF -o DIR --precision int4 --int4-algorithm gptq --head-bits 8``: the tiny model of
+    test_llm.py, calibrated on the standard-library docstrings, generates in onnxruntime-genai."""
+    from test_llm import NEW_TOKENS, PROMPT, VOCAB, _genai_greedy
+
+    from opfuse.cli import main
+
+    out = hf_folder.parent / "int4-gptq"
+    assert main(["llm", str(hf_folder), "-o", str(out), "--precision", "int4", "--int4-algorithm", "gptq",
+                 "--head-bits", "8"]) == 0
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    bits = sorted({helper.get_attribute_value(a) for n in proto.graph.node if n.op_type == "MatMulNBits"
+                   for a in n.attribute if a.name == "bits"})
+    assert bits == [4, 8]  # the layers at 4, the head at 8
+    assert [n.op_type for n in proto.graph.node].count("MatMulNBits") == 9
+    _, tokens = _genai_greedy(out, PROMPT, NEW_TOKENS)
+    assert len(tokens) == NEW_TOKENS and all(0 <= t < VOCAB for t in tokens)

@@ -20,6 +20,7 @@ __all__ = ["MODULES", "feeds", "text", "windows"]
 
 import importlib
 import inspect
+import warnings
 
 import numpy as np
 
@@ -29,6 +30,12 @@ MODULES = ("argparse", "collections", "csv", "datetime", "decimal", "email.messa
 
 
 def text() -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # typing.io and typing.re are deprecated attributes
+        return _text()
+
+
+def _text() -> str:
     parts = []
     for name in MODULES:
         module = importlib.import_module(name)

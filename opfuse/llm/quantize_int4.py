@@ -1,18 +1,37 @@
-"""int4 weight-only quantisation of an exported LLM by ONNX Runtime's own ``matmul_nbits_quantizer``.
+"""int4 weight-only quantisation of an exported LLM: MatMulNBits and GatherBlockQuantized.
 
 What it does (:func:`quantize_int4`):
 
 - Every ``MatMul`` whose second input is a 2-D initializer becomes ``com.microsoft.MatMulNBits``:
-  4 bits, blocks of ``block_size`` (32) along K, a float scale per block and, by default, a 4-bit zero
-  point per block (``symmetric=True``: none, the zero point is 8); ``accuracy_level`` 4 (the CPU kernel
-  quantises the activations to int8 per block and uses int8 dot products).
+  4 bits, blocks of ``block_size`` (32) along K, a float scale per block; ``accuracy_level`` 4 (the CPU
+  kernel quantises the activations to int8 per block and uses int8 dot products).
 - Every ``Gather`` of an initializer (the token embedding) becomes ``com.microsoft.GatherBlockQuantized``
-  with the same blocks along the hidden axis. The quantizer then declares opset 21 and IR version 10
-  (int4 tensors need them); the exported graph's ops mean the same at 21 for what it contains, and
-  ONNX Runtime loads the result (the tests run it).
-- The algorithm is round-to-nearest: ``DefaultWeightOnlyQuantConfig``, the quantizer's block-wise
-  min/max RTN, which writes MatMulNBits and GatherBlockQuantized itself. Its ``RTNWeightOnlyQuantConfig``
-  (the Intel Neural Compressor port) takes no Gather and no block size of its own, so it is not used.
+  with the same blocks along the hidden axis, at ``embedding_bits`` (8 by default: GGUF's Q8_0 rule,
+  ``d = max |w| / 127`` per block, written here since ONNX Runtime's quantiser writes 4-bit tables only;
+  a Gather reads a few rows per token, so the bits cost file size, not time). The graph then declares
+  opset 21 and IR version 10 (int4 tensors need them); the exported graph's ops mean the same at 21 for
+  what it contains, and ONNX Runtime loads the result (the tests run it).
+- ``algorithm`` (:data:`ALGORITHMS`) says how each weight is put on its grid:
+
+  - ``rtn``: ONNX Runtime's ``DefaultWeightOnlyQuantConfig``, block-wise min/max round-to-nearest with a
+    4-bit integer zero point per block (``symmetric=True``: none, the zero point is 8).
+  - ``k_quant``: ONNX Runtime's port of llama.cpp's k-quant search for each block's scale and minimum
+    (the minimum then rounded to an integer zero point).
+  - ``hqq``: ONNX Runtime's Half-Quadratic Quantization; it writes float zero points, which ONNX Runtime
+    1.32's CPU kernel runs by dequantising the whole weight on every call (about 90x slower than uint8
+    zero points on a 576 x 1536 weight, one token): measured for accuracy, not a default.
+  - ``q4_1``: min-max per block with a *float* minimum (GGUF's Q4_1 rule, ``w = d * code + m``), written as
+    :func:`opfuse.llm.gguf_blocks.write_min_blocks` writes it: a uint8 zero point in the MatMulNBits and
+    the rest of ``m`` as one float per block added through ``(x @ S) @ E`` (exact for that grid; the
+    fast kernel).
+  - ``gptq``: GPTQ (Frantar et al.) on the ``q4_1`` grid: rows quantised in order, each one's error
+    spread over the rows not yet quantised through the inverse Hessian of the layer's input, which
+    :func:`hessians` measures on ``calibration`` feeds (one ONNX Runtime run per feed, every MatMul input
+    an output).
+
+- ``gguf``: before the algorithm, every weight that is a GGUF's own Q4_0 / Q4_1 / Q8_0 rows is
+  written from the file's blocks as they are (:mod:`opfuse.llm.gguf_blocks`: exact).
+- ``head_bits`` 8: the tied LM head as an 8-bit MatMulNBits (round-to-nearest, symmetric).
 
 What it does not quantise: a MatMul whose weight is not a 2-D initializer (attention's Q.K^T and
 P.V, whose both sides are activations), a weight reached through another node (a Transpose or a
@@ -20,12 +39,15 @@ Cast left in front of it), and every op that is not MatMul or Gather (norm weigh
 One exception to the first: a tied LM head is ``MatMul(x, Transpose(E))`` of the embedding's matrix
 ``E``, which the clean-up leaves unfolded (folding would store a second float copy);
 :func:`untie_head` gives that MatMul a transposed copy of ``E`` of its own first, so the head becomes
-a MatMulNBits beside the embedding's GatherBlockQuantized (two int4 copies of one matrix, each an
-eighth of the float one; one shared copy would need a MatMulNBits-layout Gather, not written).
+a MatMulNBits beside the embedding's GatherBlockQuantized (two quantised copies of one matrix; one
+shared copy would need a MatMulNBits-layout Gather, not written). RMSNorm scales are not folded into
+the next projection: on a GGUF's weights that would move them off the file's grid, and nothing
+measured here asked for it (docs/results/llm.md).
 
-Legality: not exact: each weight is replaced by its nearest point on a 4-bit grid per block, so the
-outputs change. The tests check that the rewrite equals the dequantised weights' MatMul/Gather
-(the quantiser's own arithmetic), not the float model.
+Legality: not exact (but the GGUF import): each weight is replaced by a point on a 4-bit grid per
+block, so the outputs change. The tests check that each rewrite computes with the blocks it wrote
+(dequantised in numpy), not the float model, and the accuracy is measured in
+``benchmarks/llm_accuracy.py``.
 """
 
 from __future__ import annotations
