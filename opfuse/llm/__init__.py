@@ -9,7 +9,9 @@ The steps (:func:`convert`):
    default policy; the tuner is being rewritten), verified on ONNX Runtime against the export at
    :data:`VERIFY_DIMS` (a prefill of 4 tokens after a past of 8).
 4. ``int4``: :func:`opfuse.llm.quantize_int4.quantize_int4` on the optimised graph (fold first,
-   quantise once): MatMulNBits and GatherBlockQuantized, round-to-nearest, block 32.
+   quantise once): MatMulNBits (block 32) and GatherBlockQuantized (8 bits); from a GGUF, the file's
+   own Q4_0/Q4_1/Q8_0 blocks as they are (:mod:`opfuse.llm.gguf_blocks`), the rest by GPTQ calibrated
+   on standard-library docstrings (:mod:`opfuse.llm.calibration`); ``algorithm`` chooses another.
 5. ``genai_config.json`` and the tokenizer files (:mod:`opfuse.llm.genai`).
 
 Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error

@@ -18,7 +18,7 @@ import time
 
 # (no numpy, onnx or ONNX Runtime: quantize_int4 imports them at module level; the names are plain data)
 ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
-DEFAULT_ALGORITHM = "rtn"
+DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -30,10 +30,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "tokenizer.json, tokenizer_config.json)")
     p.add_argument("--precision", choices=("fp32", "int4"), default="fp32",
                    help="fp32, or int4 weight-only: MatMul weights as com.microsoft.MatMulNBits, the embedding "
-                        "as GatherBlockQuantized, round-to-nearest (default: %(default)s)")
+                        "as GatherBlockQuantized (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=32, choices=(16, 32, 64, 128, 256),
                    help="int4: weights per scale along K (default: %(default)s)")
-    p.add_argument("--symmetric", action="store_true", help="int4: no zero points (default: a zero point per block)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="int4, --int4-algorithm rtn: no zero points (default: a zero point per block)")
     p.add_argument("--int4-algorithm", choices=ALGORITHMS, default=None,
                    help="int4: how weights are rounded (default: %s): rtn (ONNX Runtime's min-max, integer zero "
                         "points), k_quant and hqq (ONNX Runtime's; hqq writes float zero points, which its CPU "

@@ -69,7 +69,7 @@ from opfuse.errors import BadInputError
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
-DEFAULT_ALGORITHM = "rtn"
+DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
 
 
 def _quiet_quantizer(config, model: onnx.ModelProto, **kw) -> onnx.ModelProto:
