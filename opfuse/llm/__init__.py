@@ -14,6 +14,10 @@ The steps (:func:`convert`):
    on standard-library docstrings (:mod:`opfuse.llm.calibration`); ``algorithm`` chooses another.
 5. ``genai_config.json`` and the tokenizer files (:mod:`opfuse.llm.genai`).
 
+Steps 1, 2 and 5 run in a process of their own (spawned, :func:`_export_in_a_process`): torch,
+transformers and the model's float weights are gone before the optimisation loads the export (peak
+memory: docs/results/llm.md).
+
 Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error
 DIR receives nothing. A model that is not a decoder-only LM with a KV cache transformers builds
 (an encoder-decoder, no ``num_hidden_layers``) is refused with one line (exit 2).
@@ -70,12 +74,39 @@ def _not_quantized(model) -> list[str]:
     inits = {t.name: t for t in model.graph.initializer}
     left = []
     for node in model.graph.node:
-        if node.op_type not in ("MatMul", "Gather"):
-            continue
+        if node.op_type not in ("MatMul", "Gather") or node.name.endswith(("_gguf_residual", "_gguf_block_sums")):
+            continue  # (the float minimum's per-block part of the q4_1 form: opfuse.llm.gguf_blocks)
         weight = inits.get(node.input[1] if node.op_type == "MatMul" else node.input[0])
         why = "both inputs are activations" if weight is None else f"weight of shape {list(weight.dims)}"
         left.append(f"{node.op_type} {node.name}: {why}")
     return left
+
+
+def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
+    """Load ``source``, refuse what is not a decoder, export it to ``exported``, write genai_config.json
+    and the tokenizer into ``files_dir``; ``windows`` calibration windows of tokens (opfuse.llm.calibration)."""
+    from opfuse.llm import calibration, genai
+    from opfuse.llm.export import _shape, export, load
+
+    loaded = load(source)
+    config, tokenizer = loaded.model.config, loaded.tokenizer
+    _check_decoder(config)
+    files_dir.mkdir(parents=True, exist_ok=True)
+    genai.write_config(config, tokenizer, files_dir)
+    genai.write_tokenizer(tokenizer, files_dir)
+    export(loaded.model, exported)
+    return {"gguf": loaded.gguf, "shape": _shape(config),
+            "windows": calibration.windows(tokenizer, windows) if windows else []}
+
+
+def _export_in_a_process(source, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
+    """:func:`_export_step` in a process of its own (spawned): torch, transformers and the model's float
+    weights are gone when it ends, so the optimisation that follows does not carry them (peak memory)."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_export_step, str(source), exported, files_dir, windows).result()
 
 
 def _umask() -> int:
@@ -92,10 +123,8 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
     # (the steps import torch, transformers and the pipeline: only when a model is converted)
     import onnx
 
-    # (the steps import torch, transformers and the pipeline: only when a model is converted)
-    from opfuse.llm import genai
-    from opfuse.llm.export import export, load  # (as above)
-    from opfuse.llm.quantize_int4 import DEFAULT_ALGORITHM, counts, quantize_int4  # (as above)
+    # (the pipeline and the quantiser: only when a model is converted; torch only in the export's process)
+    from opfuse.llm.quantize_int4 import DEFAULT_ALGORITHM, counts, quantize_int4
     from opfuse.pipeline import optimize  # (as above)
 
     if precision not in PRECISIONS:
@@ -106,27 +135,24 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
     if not pathlib.Path(source).exists():
         raise BadInputError(f"{source}: no such file or folder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    loaded = load(source)
-    config, tokenizer = loaded.model.config, loaded.tokenizer
-    _check_decoder(config)
     algorithm = algorithm or DEFAULT_ALGORITHM
-    gguf = pathlib.Path(source) if (precision == "int4" and loaded.gguf and gguf_blocks) else None
-    calibration = None
-    if precision == "int4" and algorithm == "gptq":
-        from opfuse.llm import calibration as calibration_text
-
-        calibration = calibration_text.feeds(config, calibration_text.windows(tokenizer, calibration_windows))
+    windows = calibration_windows if precision == "int4" and algorithm == "gptq" else 0
     with tempfile.TemporaryDirectory(prefix=".opfuse-llm-", dir=out.parent) as tmp:
         tmp = pathlib.Path(tmp)
         exported, optimised, stage = tmp / "export" / "model.onnx", tmp / "opt" / "model.onnx", tmp / "out"
-        export(loaded.model, exported)
-        del loaded  # the torch weights: the optimiser needs the memory
+        files_dir = tmp / "genai"
+        exported_info = _export_in_a_process(source, exported, files_dir, windows)
         optimised.parent.mkdir()
         _, report = optimize(str(exported), target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
                              output=str(optimised), external_data=True)
         shutil.rmtree(exported.parent)
         not_quantized = []
         if precision == "int4":
+            from opfuse.llm import calibration as calibration_text
+
+            gguf = pathlib.Path(source) if exported_info["gguf"] and gguf_blocks else None
+            calibration = (calibration_text.feeds(exported_info["shape"], exported_info["windows"])
+                           if windows else None)
             stage.mkdir()
             model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric,
                                   algorithm=algorithm, head_bits=head_bits, embedding_bits=embedding_bits,
@@ -139,10 +165,10 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         else:
             optimised.parent.rename(stage)
             model = onnx.load(str(stage / "model.onnx"), load_external_data=False)
+        for f in files_dir.iterdir():  # genai_config.json and the tokenizer's files
+            f.replace(stage / f.name)
         ops = counts(model)
         del model
-        genai.write_config(config, tokenizer, stage)
-        genai.write_tokenizer(tokenizer, stage)
         out.mkdir(exist_ok=True)
         files = sorted(p.name for p in stage.iterdir())
         mode = 0o666 & ~_umask()  # the staging files are private (mkstemp); the folder's are for whoever runs it

@@ -57,10 +57,11 @@ def windows(tokenizer, count: int = 8, length: int = 256) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(min(count, len(ids) // length))]
 
 
-def feeds(config, token_windows: list[list[int]]) -> list[dict]:
-    from opfuse.llm.export import _shape, io_names
+def feeds(shape: tuple[int, int, int], token_windows: list[list[int]]) -> list[dict]:
+    """``shape``: (layers, kv heads, head size) of the decoder (:func:`opfuse.llm.export._shape`)."""
+    from opfuse.llm.export import io_names
 
-    layers, kv_heads, head_size = _shape(config)
+    layers, kv_heads, head_size = shape
     past = io_names(layers)[0][3:]
     out = []
     for ids in token_windows:
