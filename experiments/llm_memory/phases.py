@@ -2,24 +2,44 @@
 
     python experiments/llm_memory/phases.py SOURCE OUT [--precision int4] [other opfuse llm flags]
 
-Each step of :func:`opfuse.llm.convert` (load, export, optimize, quantize_int4, the genai files) is
-wrapped to mark where it starts; printed: the peak RSS (``/proc/self/status`` VmRSS, and VmHWM at the
-end) inside each phase and the RSS when it ends. Measurements only.
+Each step of :func:`opfuse.llm.convert` (the export's process, optimize, quantize_int4) is wrapped to mark
+where it starts; printed: the peak RSS of this process and its children (``/proc/PID/status`` VmRSS,
+summed; the export runs in a spawned child) inside each phase and the RSS when it ends, and this
+process's own VmHWM. Measurements only.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 
 
+def _rss_kb(pid) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    """RSS of this process plus its children's (the export runs in a spawned process)."""
+    me = os.getpid()
+    children = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        children.append(d)
+            except (OSError, ValueError, IndexError):
+                pass
+    return (_rss_kb("self") + sum(_rss_kb(c) for c in children)) / 1024
 
 
 def hwm_mb() -> float:
@@ -59,17 +79,14 @@ def main() -> int:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    import opfuse.llm.export as export
-    import opfuse.llm.genai as genai
+    import opfuse.llm as llm
     import opfuse.llm.quantize_int4 as q
     import opfuse.pipeline as pipeline
 
     mark("imports done")
-    wrap(export, "load", "load")
-    wrap(export, "export", "export")
+    wrap(llm, "_export_in_a_process", "load + export (child process)")
     wrap(pipeline, "optimize", "optimize")
     wrap(q, "quantize_int4", "quantize_int4")
-    wrap(genai, "write_config", "genai files")
     from opfuse.cli import main as cli
 
     start = time.perf_counter()
