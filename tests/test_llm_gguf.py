@@ -129,3 +129,21 @@ def test_rows_not_in_the_file_are_left_alone(tiny_gguf):
     done = import_blocks(model, path, rows=GgufRows(path))
     assert done == {"Q8_0": 1, "Q4_1": 1}  # the embedding and up; the head is not untied here
     assert {n.name: n.op_type for n in model.graph.node}["down"] == "MatMul"
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+def test_quantize_int4_with_gguf_leaves_the_residual_matmuls_float(tiny_gguf, algorithm):
+    """quantize_int4(gguf=...): every weight of the file imported, and the algorithm that runs after it
+    does not requantise the Q4_1 form's float block-sum and residual MatMuls."""
+    from opfuse.llm.quantize_int4 import quantize_int4
+
+    path, dq = tiny_gguf
+    model = _graph(dq)
+    ids = np.array([[3, 1, 4, 1, 5]])
+    reference = _run(model, ids)
+    calibration = [{"ids": ids}]
+    model = quantize_int4(model, gguf=path, algorithm=algorithm, accuracy_level=None, calibration=calibration)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulNBits") == 3 and ops.count("MatMul") == 2  # the block sums and the residual
+    for g, r in zip(_run(model, ids), reference):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())

@@ -72,9 +72,21 @@ ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
 DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
 
 
+# the float MatMuls of the q4_1 form (opfuse.llm.gguf_blocks): its block sums and residuals, never quantised
+_FORM_SUFFIXES = ("_gguf_residual", "_gguf_block_sums")
+
+
+def _form_nodes(model: onnx.ModelProto) -> list[str]:
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name.endswith(_FORM_SUFFIXES)]
+
+
 def _quiet_quantizer(config, model: onnx.ModelProto, **kw) -> onnx.ModelProto:
-    """ONNX Runtime's MatMulNBitsQuantizer on ``model`` with ``config``, its info lines silenced."""
+    """ONNX Runtime's MatMulNBitsQuantizer on ``model`` with ``config``, its info lines silenced; the q4_1
+    form's float MatMuls excluded."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if kw.get("nodes_to_include") is None:
+        kw["nodes_to_exclude"] = _form_nodes(model)
 
     loggers = [logging.getLogger(n) for n in ("onnxruntime.quantization", "neural_compressor")]
     levels = [q.level for q in loggers]
@@ -109,7 +121,8 @@ def _matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, np.ndarray]]:
     inits = {t.name: t for t in model.graph.initializer}
     found = []
     for node in model.graph.node:
-        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits:
+        if (node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits
+                and not node.name.endswith(_FORM_SUFFIXES)):
             w = numpy_helper.to_array(inits[node.input[1]])
             if w.ndim == 2 and w.dtype == np.float32:
                 found.append((node, w))
