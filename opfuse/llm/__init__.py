@@ -14,9 +14,11 @@ The steps (:func:`convert`):
    on standard-library docstrings (:mod:`opfuse.llm.calibration`); ``algorithm`` chooses another.
 5. ``genai_config.json`` and the tokenizer files (:mod:`opfuse.llm.genai`).
 
-Steps 1, 2 and 5 run in a process of their own (spawned, :func:`_export_in_a_process`): torch,
-transformers and the model's float weights are gone before the optimisation loads the export (peak
-memory: docs/results/llm.md).
+Steps 1, 2 and 5 run in a process of their own (spawned, :func:`_in_a_process`), and so does step 3:
+torch, transformers and the model's float weights are gone before the optimisation loads the export,
+and the optimiser's copies before the quantiser loads its output; GPTQ's calibration run reads the
+weights through ONNX Runtime from the file, before this process loads them (peak memory:
+docs/results/llm.md).
 
 Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error
 DIR receives nothing. A model that is not a decoder-only LM with a KV cache transformers builds
@@ -99,14 +101,46 @@ def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, w
             "windows": calibration.windows(tokenizer, windows) if windows else []}
 
 
-def _export_in_a_process(source, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
-    """:func:`_export_step` in a process of its own (spawned): torch, transformers and the model's float
-    weights are gone when it ends, so the optimisation that follows does not carry them (peak memory)."""
+def _in_a_process(fn, *args):
+    """``fn(*args)`` in a process of its own (spawned): what it allocates (torch, transformers, the float
+    weights, the optimiser's copies) is gone when it returns, so the next step does not carry it (peak
+    memory: docs/results/llm.md). Its exceptions are raised here."""
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_export_step, str(source), exported, files_dir, windows).result()
+        return pool.submit(fn, *args).result()
+
+
+def _export_in_a_process(source, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
+    return _in_a_process(_export_step, str(source), exported, files_dir, windows)
+
+
+def _optimize_step(exported: str, optimised: str, verify: bool) -> str:
+    from opfuse.pipeline import optimize
+
+    _, report = optimize(exported, target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
+                         output=optimised, external_data=True)
+    return report.summary()
+
+
+def _all_from(rows, path: pathlib.Path) -> bool:
+    """Whether every MatMul weight of the graph at ``path`` is among the GGUF's quantised rows (then
+    GPTQ has nothing to do and no calibration run is needed)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits:
+            tensor = inits[node.input[1]]
+            if len(tensor.dims) != 2:
+                continue
+            w = numpy_helper.to_array(tensor, str(path.parent))
+            if rows.find(w.T.copy()) is None:
+                return False
+    return True
 
 
 def _umask() -> int:
@@ -124,8 +158,7 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
     import onnx
 
     # (the pipeline and the quantiser: only when a model is converted; torch only in the export's process)
-    from opfuse.llm.quantize_int4 import DEFAULT_ALGORITHM, counts, quantize_int4
-    from opfuse.pipeline import optimize  # (as above)
+    from opfuse.llm.quantize_int4 import DEFAULT_ALGORITHM, counts, hessians, quantize_int4
 
     if precision not in PRECISIONS:
         raise BadInputError(f"--precision {precision}: expected one of {', '.join(PRECISIONS)}")
@@ -143,21 +176,24 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         files_dir = tmp / "genai"
         exported_info = _export_in_a_process(source, exported, files_dir, windows)
         optimised.parent.mkdir()
-        _, report = optimize(str(exported), target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
-                             output=str(optimised), external_data=True)
+        summary = _in_a_process(_optimize_step, str(exported), str(optimised), verify)
         shutil.rmtree(exported.parent)
         not_quantized = []
         if precision == "int4":
             from opfuse.llm import calibration as calibration_text
+            from opfuse.llm.gguf_blocks import GgufRows
 
-            gguf = pathlib.Path(source) if exported_info["gguf"] and gguf_blocks else None
-            calibration = (calibration_text.feeds(exported_info["shape"], exported_info["windows"])
-                           if windows else None)
+            gguf = GgufRows(source) if exported_info["gguf"] and gguf_blocks else None
+            input_hessians = None
+            if windows and not (gguf is not None and _all_from(gguf, optimised)):
+                # measured on the file (ONNX Runtime reads its weights), before this process loads them
+                input_hessians = hessians(str(optimised), calibration_text.feeds(exported_info["shape"],
+                                                                                  exported_info["windows"]))
             stage.mkdir()
             model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric,
                                   algorithm=algorithm, head_bits=head_bits, embedding_bits=embedding_bits,
-                                  calibration=calibration, gguf=gguf)
-            del calibration
+                                  input_hessians=input_hessians, gguf=gguf)
+            del input_hessians
             shutil.rmtree(optimised.parent)
             not_quantized = _not_quantized(model)
             onnx.save(model, str(stage / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -175,4 +211,4 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         for name in files:
             (stage / name).chmod(mode)
             (stage / name).replace(out / name)
-    return Converted(out, files, precision, ops, report.summary(), not_quantized)
+    return Converted(out, files, precision, ops, summary, not_quantized)

@@ -176,19 +176,52 @@ def _gptq_blocks(w: np.ndarray, h: np.ndarray, block_size: int, damp: float = 0.
     return codes, d_all.T.astype(np.float32), m_all.T.astype(np.float32)
 
 
-def hessians(model: onnx.ModelProto, feeds: list[dict], names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """E[x x^T] over every row of every calibration feed, for each MatMul input ``x`` (or those in
-    ``names``) of ``model``, from one ONNX Runtime run per feed with the inputs added as outputs."""
+def _probe_session(model: onnx.ModelProto, wanted: list[str], folder=None):
+    """An ONNX Runtime session of ``model`` with ``wanted`` added as outputs (``model`` left as it was).
+    ``folder``: the model's weights stay in its external data file there, read by ONNX Runtime alone."""
+    import os
+    import tempfile
+
     import onnxruntime as ort
 
-    wanted = sorted({node.input[0] for node, _ in _matmuls(model)} if names is None else names)
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    probe.graph.output.extend(helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in wanted)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    del probe
+    added = [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in wanted]
+    model.graph.output.extend(added)
+    try:
+        if folder is None:
+            return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        fd, probe = tempfile.mkstemp(suffix=".onnx", dir=folder)
+        os.close(fd)
+        try:
+            onnx.save(model, probe)  # (its tensors still name the external data file beside it)
+            return ort.InferenceSession(probe, options, providers=["CPUExecutionProvider"])
+        finally:
+            os.unlink(probe)
+    finally:
+        for _ in added:
+            model.graph.output.pop()
+
+
+def hessians(model: onnx.ModelProto | str, feeds: list[dict], names: set[str] | None = None) -> dict[str, np.ndarray]:
+    """E[x x^T] over every row of every calibration feed, for each MatMul input ``x`` (or those in
+    ``names``) of ``model``, from one ONNX Runtime run per feed with the inputs added as outputs.
+    ``model`` a path: its weights are read by ONNX Runtime from its external data, not loaded here."""
+    import pathlib
+
+    folder = None
+    if not isinstance(model, onnx.ModelProto):
+        folder = pathlib.Path(model).parent
+        model = onnx.load(str(model), load_external_data=False)
+    if names is None:
+        inits = {t.name for t in model.graph.initializer}
+        transposed = {o for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits
+                      for o in n.output}  # a tied head: MatMul(x, Transpose(E)), untied later
+        names = {n.input[0] for n in model.graph.node
+                 if n.op_type == "MatMul" and len(n.input) == 2 and (n.input[1] in inits or n.input[1] in transposed)
+                 and not n.name.endswith(_FORM_SUFFIXES)}
+    wanted = sorted(names)
+    session = _probe_session(model, wanted, folder)
     sums: dict[str, np.ndarray] = {}
     rows = 0
     for feed in feeds:
@@ -203,17 +236,19 @@ def hessians(model: onnx.ModelProto, feeds: list[dict], names: set[str] | None =
 def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symmetric: bool = False,
                   accuracy_level: int | None = ACCURACY_LEVEL, embedding: bool = True, embedding_bits: int = 8,
                   algorithm: str = DEFAULT_ALGORITHM, head_bits: int = 4, calibration: list[dict] | None = None,
-                  gguf=None, gguf_form: str = "residual") -> onnx.ModelProto:
+                  gguf=None, gguf_form: str = "residual",
+                  input_hessians: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
 
-    ``algorithm``: one of :data:`ALGORITHMS`; ``gptq`` needs ``calibration`` (feeds of ``model``).
+    ``algorithm``: one of :data:`ALGORITHMS`; ``gptq`` needs ``calibration`` (feeds of ``model``), or
+    ``input_hessians`` measured before (:func:`hessians`, e.g. from the model's file without loading it).
     ``head_bits`` 8: the tied LM head at 8 bits (RTN, symmetric). ``gguf``: a GGUF file (or a
     :class:`opfuse.llm.gguf_blocks.GgufRows`) whose quantised blocks are imported as they are first,
     wherever a weight is that file's rows; the rest goes to ``algorithm``.
     ``model`` is changed in place and returned (or a new proto, from ONNX Runtime's quantiser)."""
     if algorithm not in ALGORITHMS:
         raise BadInputError(f"int4 algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
-    if algorithm == "gptq" and not calibration:
+    if algorithm == "gptq" and not calibration and input_hessians is None:
         raise BadInputError("int4 algorithm gptq: needs calibration feeds")
     heads = untie_head(model)
     if gguf is not None:
@@ -252,10 +287,14 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
 
         found = _matmuls(model)
         found = [(n, w) for n, w in found if w.shape[0] % block_size == 0]
-        h = hessians(model, calibration, {n.input[0] for n, _ in found}) if algorithm == "gptq" else {}
+        h = {}
+        if algorithm == "gptq":
+            h = input_hessians if input_hessians is not None else hessians(
+                model, calibration, {n.input[0] for n, _ in found})
         replaced = {}
         for node, w in found:
-            replaced[node.name] = (_gptq_blocks(w, h[node.input[0]], block_size) if algorithm == "gptq"
+            hessian = h.get(node.input[0])  # (none measured for it: min-max)
+            replaced[node.name] = (_gptq_blocks(w, hessian, block_size) if hessian is not None
                                    else _minmax_blocks(w, block_size))
         write_min_blocks(model, replaced, block_size, accuracy_level)
     if embedding and embedding_bits == 4:
