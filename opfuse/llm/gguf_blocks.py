@@ -134,10 +134,10 @@ class GgufRows:
         where = [self.index.get((length, h)) for h in _row_hash(rows, 1).tolist()]
         if any(w is None for w in where) or len({self.tensors[t].kind for t, _ in where}) != 1:
             return None
-        for (t, r), row in zip(where, rows):
-            tensor = self.tensors[t]
-            if not np.array_equal(_dequantize(tensor.kind, tensor.data[r:r + 1]).ravel(), row):
-                return None
+        kind = self.tensors[where[0][0]].kind
+        raw = np.stack([self.tensors[t].data[r] for t, r in where])
+        if not np.array_equal(_dequantize(kind, raw).reshape(rows.shape), rows):  # (a hash is not proof)
+            return None
         return where
 
     def blocks(self, where: list[tuple[int, int]]):
