@@ -157,7 +157,12 @@ def prefill_feeds(session, ids: list[int]) -> dict:
             feeds[i.name] = np.arange(n, dtype=np.int64)[None]
         elif i.name.startswith("past_key_values"):
             dtype = np.float16 if "float16" in i.type else np.float32
-            feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), dtype)
+            kv, head = i.shape[1], i.shape[3]
+            if not isinstance(kv, int) or not isinstance(head, int):  # the builder names them: its config
+                decoder = json.loads((pathlib.Path(session._model_path).parent / "genai_config.json")
+                                     .read_text())["model"]["decoder"]
+                kv, head = decoder["num_key_value_heads"], decoder["head_size"]
+            feeds[i.name] = np.zeros((1, kv, 0, head), dtype)
         else:
             raise RuntimeError(f"{i.name}: an input this benchmark does not feed")
     return feeds
