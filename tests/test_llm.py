@@ -219,7 +219,8 @@ def test_matmulnbits_equals_dequantised_reference(block, symmetric, k):
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((k, 48)) + rng.standard_normal((1, 48))).astype(np.float32)  # off-centre columns
     x = rng.standard_normal((5, k)).astype(np.float32)
-    model = quantize_int4(_matmul_model(w), block_size=block, symmetric=symmetric, accuracy_level=None)
+    model = quantize_int4(_matmul_model(w), block_size=block, symmetric=symmetric, accuracy_level=None,
+                          algorithm="rtn")
     (node,) = model.graph.node
     assert node.op_type == "MatMulNBits" and node.domain == "com.microsoft"
     assert (len(node.input) > 3 and bool(node.input[3])) is not symmetric
@@ -235,7 +236,7 @@ def test_matmulnbits_accuracy_level_4_near_dequantised_reference():
     """accuracy_level 4 quantises the activations to int8 per block: near, not equal."""
     rng = np.random.default_rng(1)
     w, x = rng.standard_normal((128, 64)).astype(np.float32), rng.standard_normal((3, 128)).astype(np.float32)
-    model = quantize_int4(_matmul_model(w))
+    model = quantize_int4(_matmul_model(w), algorithm="rtn")
     (node,) = model.graph.node
     assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["accuracy_level"] == 4
     reference = x @ _dequantised_matmulnbits(node, {t.name: numpy_helper.to_array(t) for t in model.graph.initializer})
@@ -258,7 +259,7 @@ def test_tied_head_and_embedding_equal_dequantised_reference():
          helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", vocab])],
         [numpy_helper.from_array(table, "E")])
     model = quantize_int4(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
-                          accuracy_level=None)
+                          accuracy_level=None, embedding_bits=4, algorithm="rtn")
     ops = {n.op_type: n for n in model.graph.node}
     assert set(ops) == {"GatherBlockQuantized", "MatMulNBits"}  # the Transpose is gone
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}

@@ -14,9 +14,17 @@ The steps (:func:`convert`):
    graph on the inputs genai feeds (:func:`opfuse.llm.gqa.verify`); kept as exported when a layer
    is not in that form or the two differ, and said.
 5. ``int4``: :func:`opfuse.llm.quantize_int4.quantize_int4` on the optimised graph (fold first,
-   quantise once): MatMulNBits and GatherBlockQuantized, round-to-nearest, block 32.
-6. ``genai_config.json`` (the graph's inputs; ``past_present_share_buffer`` with GroupQueryAttention)
-   and the tokenizer files (:mod:`opfuse.llm.genai`).
+   quantise once): MatMulNBits (block 32) and GatherBlockQuantized (8 bits); from a GGUF, the file's
+   own Q4_0/Q4_1/Q8_0 blocks as they are (:mod:`opfuse.llm.gguf_blocks`), the rest by GPTQ calibrated
+   on standard-library docstrings (:mod:`opfuse.llm.calibration`); ``algorithm`` chooses another.
+6. ``genai_config.json`` and the tokenizer files (:mod:`opfuse.llm.genai`), the config then told the
+   graph's inputs and whether past and present share a buffer (step 4).
+
+Steps 1, 2 and 6 (the files) run in a process of their own (spawned, :func:`_in_a_process`), and so does step 3:
+torch, transformers and the model's float weights are gone before the optimisation loads the export,
+and the optimiser's copies before the quantiser loads its output; GPTQ's calibration run reads the
+weights through ONNX Runtime from the file, before this process loads them (peak memory:
+docs/results/llm.md).
 
 Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error
 DIR receives nothing. A model that is not a decoder-only LM with a KV cache transformers builds
@@ -77,8 +85,8 @@ def _not_quantized(model) -> list[str]:
     inits = {t.name: t for t in model.graph.initializer}
     left = []
     for node in model.graph.node:
-        if node.op_type not in ("MatMul", "Gather"):
-            continue
+        if node.op_type not in ("MatMul", "Gather") or node.name.endswith(("_gguf_residual", "_gguf_block_sums")):
+            continue  # (the float minimum's per-block part of the q4_1 form: opfuse.llm.gguf_blocks)
         weight = inits.get(node.input[1] if node.op_type == "MatMul" else node.input[0])
         why = "both inputs are activations" if weight is None else f"weight of shape {list(weight.dims)}"
         left.append(f"{node.op_type} {node.name}: {why}")
@@ -132,6 +140,65 @@ def _group_query_attention(optimised: pathlib.Path, work: pathlib.Path, config) 
     return path, f"{layers} GroupQueryAttention (rotary inside, past and present sharing a buffer)", True
 
 
+def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
+    """Load ``source``, refuse what is not a decoder, export it to ``exported``, write genai_config.json
+    and the tokenizer into ``files_dir``; ``windows`` calibration windows of tokens (opfuse.llm.calibration)."""
+    from opfuse.llm import calibration, genai
+    from opfuse.llm.export import _shape, export, load
+
+    loaded = load(source)
+    config, tokenizer = loaded.model.config, loaded.tokenizer
+    _check_decoder(config)
+    files_dir.mkdir(parents=True, exist_ok=True)
+    genai.write_config(config, tokenizer, files_dir)
+    genai.write_tokenizer(tokenizer, files_dir)
+    export(loaded.model, exported)
+    return {"gguf": loaded.gguf, "shape": _shape(config), "config": config,
+            "windows": calibration.windows(tokenizer, windows) if windows else []}
+
+
+def _in_a_process(fn, *args):
+    """``fn(*args)`` in a process of its own (spawned): what it allocates (torch, transformers, the float
+    weights, the optimiser's copies) is gone when it returns, so the next step does not carry it (peak
+    memory: docs/results/llm.md). Its exceptions are raised here."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _export_in_a_process(source, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
+    return _in_a_process(_export_step, str(source), exported, files_dir, windows)
+
+
+def _optimize_step(exported: str, optimised: str, verify: bool) -> str:
+    from opfuse.pipeline import optimize
+
+    _, report = optimize(exported, target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
+                         output=optimised, external_data=True)
+    return report.summary()
+
+
+def _all_from(rows, path: pathlib.Path) -> bool:
+    """Whether every MatMul weight of the graph at ``path`` is among the GGUF's quantised rows (then
+    GPTQ has nothing to do and no calibration run is needed)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits:
+            tensor = inits[node.input[1]]
+            if len(tensor.dims) != 2:
+                continue
+            w = numpy_helper.to_array(tensor, str(path.parent))
+            if rows.find(w.T.copy()) is None:
+                return False
+    return True
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -139,17 +206,16 @@ def _umask() -> int:
 
 
 def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str = "fp32", *,
-            verify: bool = True, block_size: int = 32, symmetric: bool = False,
-            attention: str = "gqa") -> Converted:
+            verify: bool = True, block_size: int = 32, symmetric: bool = False, algorithm: str | None = None,
+            head_bits: int = 4, embedding_bits: int = 8, gguf_blocks: bool = True,
+            calibration_windows: int = 8, attention: str = "gqa") -> Converted:
     """Write the genai folder of ``source`` at ``precision`` into ``out`` (module docstring)."""
     # (the steps import torch, transformers and the pipeline: only when a model is converted)
     import onnx
 
-    # (the steps import torch, transformers and the pipeline: only when a model is converted)
+    # (the pipeline and the quantiser: only when a model is converted; torch only in the export's process)
     from opfuse.llm import genai
-    from opfuse.llm.export import export, load  # (as above)
-    from opfuse.llm.quantize_int4 import counts, quantize_int4  # (as above)
-    from opfuse.pipeline import optimize  # (as above)
+    from opfuse.llm.quantize_int4 import DEFAULT_ALGORITHM, counts, hessians, quantize_int4
 
     if precision not in PRECISIONS:
         raise BadInputError(f"--precision {precision}: expected one of {', '.join(PRECISIONS)}")
@@ -161,25 +227,35 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
     if not pathlib.Path(source).exists():
         raise BadInputError(f"{source}: no such file or folder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    loaded = load(source)
-    config, tokenizer = loaded.model.config, loaded.tokenizer
-    _check_decoder(config)
+    algorithm = algorithm or DEFAULT_ALGORITHM
+    windows = calibration_windows if precision == "int4" and algorithm == "gptq" else 0
     with tempfile.TemporaryDirectory(prefix=".opfuse-llm-", dir=out.parent) as tmp:
         tmp = pathlib.Path(tmp)
         exported, optimised, stage = tmp / "export" / "model.onnx", tmp / "opt" / "model.onnx", tmp / "out"
-        export(loaded.model, exported)
-        del loaded  # the torch weights: the optimiser needs the memory
+        files_dir = tmp / "genai"
+        exported_info = _export_in_a_process(source, exported, files_dir, windows)
         optimised.parent.mkdir()
-        _, report = optimize(str(exported), target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
-                             output=str(optimised), external_data=True)
+        summary = _in_a_process(_optimize_step, str(exported), str(optimised), verify)
         shutil.rmtree(exported.parent)
         shared, did = False, "kept as exported (--attention exported)"
         if attention == "gqa":
-            optimised, did, shared = _group_query_attention(optimised, tmp / "gqa", config)
+            optimised, did, shared = _group_query_attention(optimised, tmp / "gqa", exported_info["config"])
         not_quantized = []
         if precision == "int4":
+            from opfuse.llm import calibration as calibration_text
+            from opfuse.llm.gguf_blocks import GgufRows
+
+            gguf = GgufRows(source) if exported_info["gguf"] and gguf_blocks else None
+            input_hessians = None
+            if windows and not (gguf is not None and _all_from(gguf, optimised)):
+                # measured on the file (ONNX Runtime reads its weights), before this process loads them
+                input_hessians = hessians(str(optimised), calibration_text.feeds(exported_info["shape"],
+                                                                                  exported_info["windows"]))
             stage.mkdir()
-            model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric)
+            model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric,
+                                  algorithm=algorithm, head_bits=head_bits, embedding_bits=embedding_bits,
+                                  input_hessians=input_hessians, gguf=gguf)
+            del input_hessians
             shutil.rmtree(optimised.parent)
             not_quantized = _not_quantized(model)
             onnx.save(model, str(stage / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -187,15 +263,16 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         else:
             optimised.parent.rename(stage)
             model = onnx.load(str(stage / "model.onnx"), load_external_data=False)
+        for f in files_dir.iterdir():  # genai_config.json and the tokenizer's files
+            f.replace(stage / f.name)
         ops = counts(model)
         inputs = [i.name for i in model.graph.input]
         del model
-        genai.write_config(config, tokenizer, stage, inputs=inputs, share_buffer=shared)
-        genai.write_tokenizer(tokenizer, stage)
+        genai.restate_config(stage, inputs=inputs, share_buffer=shared)
         out.mkdir(exist_ok=True)
         files = sorted(p.name for p in stage.iterdir())
         mode = 0o666 & ~_umask()  # the staging files are private (mkstemp); the folder's are for whoever runs it
         for name in files:
             (stage / name).chmod(mode)
             (stage / name).replace(out / name)
-    return Converted(out, files, precision, ops, report.summary(), not_quantized, did)
+    return Converted(out, files, precision, ops, summary, not_quantized, did)

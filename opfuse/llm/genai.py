@@ -107,3 +107,15 @@ def write_config(config, tokenizer, folder: str | pathlib.Path, *, inputs=None, 
 def write_tokenizer(tokenizer, folder: str | pathlib.Path) -> list[str]:
     """Save the tokenizer's files in ``folder``; their names."""
     return sorted(pathlib.Path(p).name for p in tokenizer.save_pretrained(str(folder)))
+
+
+def restate_config(folder: str | pathlib.Path, *, inputs, share_buffer: bool) -> pathlib.Path:
+    """Tell the genai_config.json in ``folder`` (written with the export) the graph's input names and
+    whether past and present share a buffer: what the attention step decided after it was written."""
+    path = pathlib.Path(folder) / "genai_config.json"
+    body = json.loads(path.read_text())
+    names = body["model"]["decoder"]["inputs"]
+    body["model"]["decoder"]["inputs"] = {k: v for k, v in names.items() if "%d" in v or v in inputs}
+    body["search"]["past_present_share_buffer"] = share_buffer
+    write_text_atomic(path, json.dumps(body, indent=4) + "\n")
+    return path
