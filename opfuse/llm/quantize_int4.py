@@ -248,8 +248,6 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     ``model`` is changed in place and returned (or a new proto, from ONNX Runtime's quantiser)."""
     if algorithm not in ALGORITHMS:
         raise BadInputError(f"int4 algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
-    if algorithm == "gptq" and not calibration and input_hessians is None:
-        raise BadInputError("int4 algorithm gptq: needs calibration feeds")
     heads = untie_head(model)
     if gguf is not None:
         from opfuse.llm.gguf_blocks import GgufRows, import_blocks
@@ -288,7 +286,9 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
         found = _matmuls(model)
         found = [(n, w) for n, w in found if w.shape[0] % block_size == 0]
         h = {}
-        if algorithm == "gptq":
+        if algorithm == "gptq" and found and not calibration and input_hessians is None:
+            raise BadInputError("int4 algorithm gptq: needs calibration feeds")
+        if algorithm == "gptq" and found:
             h = input_hessians if input_hessians is not None else hessians(
                 model, calibration, {n.input[0] for n, _ in found})
         replaced = {}
