@@ -147,3 +147,13 @@ def test_quantize_int4_with_gguf_leaves_the_residual_matmuls_float(tiny_gguf, al
     assert ops.count("MatMulNBits") == 3 and ops.count("MatMul") == 2  # the block sums and the residual
     for g, r in zip(_run(model, ids), reference):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+
+
+def test_gptq_without_calibration_when_the_gguf_covers_every_weight(tiny_gguf):
+    """What `opfuse llm GGUF --precision int4` does when the file's blocks cover every weight: GPTQ is
+    left nothing, so no calibration is needed (the SmolLM2 conversion stopped with exit 2 without this)."""
+    from opfuse.llm.quantize_int4 import quantize_int4
+
+    path, dq = tiny_gguf
+    model = quantize_int4(_graph(dq), gguf=path, algorithm="gptq", accuracy_level=None)
+    assert [n.op_type for n in model.graph.node].count("MatMulNBits") == 3

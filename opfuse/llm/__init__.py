@@ -39,7 +39,9 @@ from __future__ import annotations
 
 __all__ = ["ATTENTIONS", "PRECISIONS", "VERIFY_DIMS", "Converted", "convert"]
 
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import os
 import pathlib
 import shutil
@@ -143,8 +145,8 @@ def _group_query_attention(optimised: pathlib.Path, work: pathlib.Path, config) 
 def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
     """Load ``source``, refuse what is not a decoder, export it to ``exported``, write genai_config.json
     and the tokenizer into ``files_dir``; ``windows`` calibration windows of tokens (opfuse.llm.calibration)."""
-    from opfuse.llm import calibration, genai
-    from opfuse.llm.export import _shape, export, load
+    from opfuse.llm import calibration, genai  # (its heavy imports: only in the export's process)
+    from opfuse.llm.export import _shape, export, load  # (its heavy imports (torch, the pipeline): only when used)
 
     loaded = load(source)
     config, tokenizer = loaded.model.config, loaded.tokenizer
@@ -161,8 +163,6 @@ def _in_a_process(fn, *args):
     """``fn(*args)`` in a process of its own (spawned): what it allocates (torch, transformers, the float
     weights, the optimiser's copies) is gone when it returns, so the next step does not carry it (peak
     memory: docs/results/llm.md). Its exceptions are raised here."""
-    import concurrent.futures
-    import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
@@ -173,7 +173,7 @@ def _export_in_a_process(source, exported: pathlib.Path, files_dir: pathlib.Path
 
 
 def _optimize_step(exported: str, optimised: str, verify: bool) -> str:
-    from opfuse.pipeline import optimize
+    from opfuse.pipeline import optimize  # (its heavy imports (torch, the pipeline): only when used)
 
     _, report = optimize(exported, target="onnxruntime", tune=False, verify=verify, dims=VERIFY_DIMS,
                          output=optimised, external_data=True)
@@ -183,8 +183,8 @@ def _optimize_step(exported: str, optimised: str, verify: bool) -> str:
 def _all_from(rows, path: pathlib.Path) -> bool:
     """Whether every MatMul weight of the graph at ``path`` is among the GGUF's quantised rows (then
     GPTQ has nothing to do and no calibration run is needed)."""
-    import onnx
-    from onnx import numpy_helper
+    import onnx  # (onnx: only when a model is converted)
+    from onnx import numpy_helper  # (onnx: only when a model is converted)
 
     model = onnx.load(str(path), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
@@ -215,7 +215,12 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
 
     # (the pipeline and the quantiser: only when a model is converted; torch only in the export's process)
     from opfuse.llm import genai
-    from opfuse.llm.quantize_int4 import DEFAULT_ALGORITHM, counts, hessians, quantize_int4
+    from opfuse.llm.quantize_int4 import (  # (its heavy imports (torch, the pipeline): only when used)
+        DEFAULT_ALGORITHM,
+        counts,
+        hessians,
+        quantize_int4,
+    )
 
     if precision not in PRECISIONS:
         raise BadInputError(f"--precision {precision}: expected one of {', '.join(PRECISIONS)}")
@@ -242,8 +247,11 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
             optimised, did, shared = _group_query_attention(optimised, tmp / "gqa", exported_info["config"])
         not_quantized = []
         if precision == "int4":
-            from opfuse.llm import calibration as calibration_text
-            from opfuse.llm.gguf_blocks import GgufRows
+            # (imported where used: they import the heavier modules)
+            from opfuse.llm import (
+                calibration as calibration_text,  # (its heavy imports (torch, the pipeline): only when used)
+            )
+            from opfuse.llm.gguf_blocks import GgufRows  # (gguf (the llm extra): imported when a GGUF is read)
 
             gguf = GgufRows(source) if exported_info["gguf"] and gguf_blocks else None
             input_hessians = None

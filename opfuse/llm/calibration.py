@@ -59,7 +59,7 @@ def windows(tokenizer, count: int = 8, length: int = 256) -> list[list[int]]:
 
 def feeds(shape: tuple[int, int, int], token_windows: list[list[int]]) -> list[dict]:
     """``shape``: (layers, kv heads, head size) of the decoder (:func:`opfuse.llm.export._shape`)."""
-    from opfuse.llm.export import io_names
+    from opfuse.llm.export import io_names  # (its heavy imports (torch, the pipeline): only when used)
 
     layers, kv_heads, head_size = shape
     past = io_names(layers)[0][3:]

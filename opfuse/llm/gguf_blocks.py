@@ -16,8 +16,7 @@ float bits, then an exact comparison), and its blocks are written as they are in
 
   - ``form="float-zp"``: a float zero point ``-m / d`` (the op's schema allows float zero points). Exact to
     float rounding, but ONNX Runtime 1.32's CPU kernel then dequantises the whole weight on every call
-    (measured: 1.96 ms against 22.5 us with uint8 zero points, a 576 x 1536 weight, one token, one thread),
-    so it is not the default.
+    (docs/results/llm.md), so it is not the default.
   - ``form="residual"`` (default): an integer zero point ``z = round(-m / d)`` clipped to [0, 15] in the
     MatMulNBits, and what it leaves out, ``e = m + d * z`` per block and column, added by two small float
     MatMuls: ``y = MatMulNBits(x) + (x @ S) @ E`` where ``S`` [K, K/32] sums each block of ``x`` (0/1) and
@@ -47,6 +46,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS
 from opfuse.errors import BadInputError
 
 BLOCK = 32
@@ -79,8 +79,8 @@ def _split(kind: str, raw: np.ndarray):
 
 def _dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
     """The float32 rows transformers sees: the gguf package's own dequantisation."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType  # (gguf (the llm extra): imported when a GGUF is read)
+    from gguf.quants import dequantize  # (gguf (the llm extra): imported when a GGUF is read)
 
     return dequantize(raw, GGMLQuantizationType[kind])
 
@@ -111,7 +111,7 @@ class GgufRows:
 
     def __init__(self, path: str | pathlib.Path):
         try:
-            from gguf import GGUFReader
+            from gguf import GGUFReader  # (gguf (the llm extra): imported when a GGUF is read)
         except ImportError as e:  # pragma: no cover - the llm extra installs it
             raise BadInputError("importing a GGUF's blocks needs the gguf package (pip install -e '.[llm]')") from e
         self.tensors: list[_Tensor] = []
@@ -205,7 +205,7 @@ class _Writer:
         inputs = [x, self.init(packed, f"{name}_gguf_{kind}"), self.init(d, f"{name}_gguf_scales")]
         if zero_points is not None:
             inputs.append(self.init(zero_points, f"{name}_gguf_zero_points"))
-        main = helper.make_node("MatMulNBits", inputs, [y], name=f"{name}_gguf", domain="com.microsoft", **attrs)
+        main = helper.make_node("MatMulNBits", inputs, [y], name=f"{name}_gguf", domain=MS_DOMAIN, **attrs)
         return [*before, main, *after]
 
     def gather(self, node, kind, codes, d) -> list[onnx.NodeProto]:
@@ -227,7 +227,7 @@ class _Writer:
                       self.init(d, f"{name}_gguf_scales"),
                       self.init(np.full((rows, blocks), 128, np.uint8), f"{name}_gguf_zero_points")]
         return [helper.make_node("GatherBlockQuantized", inputs, list(node.output), name=f"{name}_gguf",
-                                 domain="com.microsoft", **attrs)]
+                                 domain=MS_DOMAIN, **attrs)]
 
 
 def _finish(model: onnx.ModelProto, graph, out_nodes, used_up, writer) -> None:
@@ -237,10 +237,10 @@ def _finish(model: onnx.ModelProto, graph, out_nodes, used_up, writer) -> None:
     keep = [t for t in graph.initializer if t.name not in used_up or t.name in still_read]
     graph.ClearField("initializer")
     graph.initializer.extend(keep + writer.new_inits)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     for o in model.opset_import:
-        if o.domain in ("", "ai.onnx") and o.version < 21:
+        if o.domain in ONNX_DOMAINS and o.version < 21:
             o.version = 21
     model.ir_version = max(model.ir_version, 10)
 

@@ -18,8 +18,8 @@ What it does (:func:`quantize_int4`):
   - ``k_quant``: ONNX Runtime's port of llama.cpp's k-quant search for each block's scale and minimum
     (the minimum then rounded to an integer zero point).
   - ``hqq``: ONNX Runtime's Half-Quadratic Quantization; it writes float zero points, which ONNX Runtime
-    1.32's CPU kernel runs by dequantising the whole weight on every call (about 90x slower than uint8
-    zero points on a 576 x 1536 weight, one token): measured for accuracy, not a default.
+    1.32's CPU kernel runs by dequantising the whole weight on every call (docs/results/llm.md): measured
+    for accuracy, not a default.
   - ``q4_1``: min-max per block with a *float* minimum (GGUF's Q4_1 rule, ``w = d * code + m``), written as
     :func:`opfuse.llm.gguf_blocks.write_min_blocks` writes it: a uint8 zero point in the MatMulNBits and
     the rest of ``m`` as one float per block added through ``(x @ S) @ E`` (exact for that grid; the
@@ -58,6 +58,9 @@ import collections
 import contextlib
 import io
 import logging
+import os
+import pathlib
+import tempfile
 import warnings
 
 import numpy as np
@@ -83,7 +86,10 @@ def _form_nodes(model: onnx.ModelProto) -> list[str]:
 def _quiet_quantizer(config, model: onnx.ModelProto, **kw) -> onnx.ModelProto:
     """ONNX Runtime's MatMulNBitsQuantizer on ``model`` with ``config``, its info lines silenced; the q4_1
     form's float MatMuls excluded."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    # (ONNX Runtime: imported when it quantises)
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        MatMulNBitsQuantizer,  # (ONNX Runtime: imported when it quantises)
+    )
 
     if kw.get("nodes_to_include") is None:
         kw["nodes_to_exclude"] = _form_nodes(model)
@@ -106,7 +112,10 @@ def _quiet_quantizer(config, model: onnx.ModelProto, **kw) -> onnx.ModelProto:
 
 
 def _rtn(model, ops, block_size, symmetric, accuracy_level, bits=4, nodes=None):
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig
+    # (ONNX Runtime: imported when it quantises)
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,  # (ONNX Runtime: imported when it quantises)
+    )
 
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
                                           accuracy_level=accuracy_level, op_types_to_quantize=ops,
@@ -179,10 +188,8 @@ def _gptq_blocks(w: np.ndarray, h: np.ndarray, block_size: int, damp: float = 0.
 def _probe_session(model: onnx.ModelProto, wanted: list[str], folder=None):
     """An ONNX Runtime session of ``model`` with ``wanted`` added as outputs (``model`` left as it was).
     ``folder``: the model's weights stay in its external data file there, read by ONNX Runtime alone."""
-    import os
-    import tempfile
 
-    import onnxruntime as ort
+    import onnxruntime as ort  # (ONNX Runtime: imported when it quantises)
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -207,7 +214,6 @@ def hessians(model: onnx.ModelProto | str, feeds: list[dict], names: set[str] | 
     """E[x x^T] over every row of every calibration feed, for each MatMul input ``x`` (or those in
     ``names``) of ``model``, from one ONNX Runtime run per feed with the inputs added as outputs.
     ``model`` a path: its weights are read by ONNX Runtime from its external data, not loaded here."""
-    import pathlib
 
     folder = None
     if not isinstance(model, onnx.ModelProto):
@@ -248,11 +254,12 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     ``model`` is changed in place and returned (or a new proto, from ONNX Runtime's quantiser)."""
     if algorithm not in ALGORITHMS:
         raise BadInputError(f"int4 algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
-    if algorithm == "gptq" and not calibration and input_hessians is None:
-        raise BadInputError("int4 algorithm gptq: needs calibration feeds")
     heads = untie_head(model)
     if gguf is not None:
-        from opfuse.llm.gguf_blocks import GgufRows, import_blocks
+        from opfuse.llm.gguf_blocks import (  # (gguf (the llm extra): imported when a GGUF is read)
+            GgufRows,
+            import_blocks,
+        )
 
         rows = gguf if isinstance(gguf, GgufRows) else GgufRows(gguf)
         import_blocks(model, None, form=gguf_form, accuracy_level=accuracy_level, rows=rows)
@@ -269,7 +276,10 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     if algorithm == "rtn":
         model = _rtn(model, ("MatMul",), block_size, symmetric, accuracy_level)
     elif algorithm == "hqq":
-        from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig
+        # (ONNX Runtime: imported when it quantises)
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            HQQWeightOnlyQuantConfig,  # (ONNX Runtime: imported when it quantises)
+        )
 
         model = _quiet_quantizer(HQQWeightOnlyQuantConfig(block_size=block_size, op_types_to_quantize=("MatMul",)),
                                  model)
@@ -278,17 +288,22 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
                 if node.op_type == "MatMulNBits":
                     node.attribute.append(helper.make_attribute("accuracy_level", accuracy_level))
     elif algorithm == "k_quant":
-        from onnxruntime.quantization.matmul_nbits_quantizer import KQuantWeightOnlyQuantConfig
+        # (ONNX Runtime: imported when it quantises)
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            KQuantWeightOnlyQuantConfig,  # (ONNX Runtime: imported when it quantises)
+        )
 
         model = _quiet_quantizer(KQuantWeightOnlyQuantConfig(op_types_to_quantize=("MatMul",)), model,
                                  block_size=block_size, accuracy_level=accuracy_level)
     else:  # q4_1, gptq: a float minimum per block, written as the GGUF Q4_1 import writes it
-        from opfuse.llm.gguf_blocks import write_min_blocks
+        from opfuse.llm.gguf_blocks import write_min_blocks  # (gguf (the llm extra): imported when a GGUF is read)
 
         found = _matmuls(model)
         found = [(n, w) for n, w in found if w.shape[0] % block_size == 0]
         h = {}
-        if algorithm == "gptq":
+        if algorithm == "gptq" and found and not calibration and input_hessians is None:
+            raise BadInputError("int4 algorithm gptq: needs calibration feeds")
+        if algorithm == "gptq" and found:
             h = input_hessians if input_hessians is not None else hessians(
                 model, calibration, {n.input[0] for n, _ in found})
         replaced = {}
@@ -308,7 +323,7 @@ def _gather8(model: onnx.ModelProto, block_size: int) -> None:
     """Each Gather (axis 0) of a 2-D float32 initializer as GatherBlockQuantized with 8 bits: per block of
     ``block_size`` along the row, ``d = max |w| / 127``, codes ``round(w / d) + 128``, zero point 128
     (GGUF's Q8_0 rule; ONNX Runtime's quantiser writes 4-bit tables only)."""
-    from opfuse.llm.gguf_blocks import _finish, _Writer
+    from opfuse.llm.gguf_blocks import _finish, _Writer  # (gguf (the llm extra): imported when a GGUF is read)
 
     inits = {t.name: t for t in model.graph.initializer}
     writer, out_nodes, used_up = _Writer(None), [], set()
