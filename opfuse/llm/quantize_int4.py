@@ -230,8 +230,9 @@ def hessians(model: onnx.ModelProto | str, feeds: list[dict], names: set[str] | 
     session = _probe_session(model, wanted, folder)
     sums: dict[str, np.ndarray] = {}
     rows = 0
+    taken = {i.name for i in session.get_inputs()}  # (the attention step may have dropped position_ids)
     for feed in feeds:
-        outs = session.run(wanted, feed)
+        outs = session.run(wanted, {k: v for k, v in feed.items() if k in taken})
         for x, v in zip(wanted, outs):
             v = v.reshape(-1, v.shape[-1]).astype(np.float64)
             sums[x] = sums.get(x, 0) + v.T @ v
