@@ -18,8 +18,8 @@ from opfuse.bench.measure import summarise_profile
 from opfuse.cost import accelerator as costmodel
 from opfuse.cost import traffic
 from opfuse.cost.int8 import float_ops, int8_traffic
-from opfuse.cost.accelerator import HardwareProfile, Kernel, fusion_veto, load_profile, predict
-from opfuse.cost.traffic import TensorInfo, analyse_traffic
+from opfuse.cost.accelerator import HardwareProfile, fusion_veto, load_profile, predict
+from opfuse.cost.traffic import Kernel, TensorInfo, analyse_traffic
 from opfuse.cli import main
 from opfuse.errors import BadInputError
 
@@ -27,7 +27,7 @@ F32 = 4
 MS = "com.microsoft"
 
 
-def by_name(t: traffic.Traffic) -> dict[str, traffic.NodeTraffic]:
+def by_name(t: traffic.Traffic) -> dict[str, traffic.Kernel]:
     return {n.name: n for n in t.nodes}
 
 

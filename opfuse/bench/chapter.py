@@ -23,8 +23,8 @@ __all__ = ["CHAPTER", "MODELLED_CONV_RELU", "fuse_activation_into_batchnorm", "m
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from opfuse.cost.accelerator import Kernel, kernels_of
-from opfuse.cost.traffic import Traffic
+from opfuse.cost.accelerator import kernels_of
+from opfuse.cost.traffic import Kernel, Traffic
 from opfuse.core.ops import ACTIVATION_OPS
 
 MODELLED_CONV_RELU = "npu-conv-relu"

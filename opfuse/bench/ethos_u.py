@@ -57,10 +57,10 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from opfuse.cost.accelerator import Kernel, kernels_of, predict
+from opfuse.cost.accelerator import kernels_of, predict
 from opfuse.cost.int8 import int8_traffic
 from opfuse.cost.profiles import HardwareProfile
-from opfuse.cost.traffic import analyse_traffic
+from opfuse.cost.traffic import Kernel, analyse_traffic
 from opfuse.core.ops import ONNX_DOMAINS, first_line, proto_attr
 from opfuse.targets.ethos_u import FUSED_ACTIVATIONS
 from opfuse.targets.ethos_u.vela_veto import quantize_for_ethos_u

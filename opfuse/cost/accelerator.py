@@ -43,8 +43,10 @@ whose working set does not fit the buffer, and which the model therefore predict
 than the unfused sequence it replaces, is declined, with the sizes and times as the reason.
 (A fusion that spills but still wins, because the unfused conv would spill anyway, stays.)
 
-Fused kernels are read through :func:`opfuse.targets.kernels.read_kernel` (each target
-declares its kernels' encoding), and every op fact (weights, window, global reduction)
+A kernel is the traffic rule's own record (:class:`opfuse.cost.traffic.Kernel`: one record for
+what a node moves and what it launches); fused kernels are read through
+:func:`opfuse.targets.kernels.read_kernel` when the traffic is analysed (each target declares its
+kernels' encoding), and every op fact (weights, window, global reduction)
 comes from the op table (:data:`opfuse.core.ops.OPS`); the chapter's modelled "Conv+ReLU" row lives with the
 benchmark that reproduces the chapter (:mod:`opfuse.bench.chapter`).
 """
@@ -52,7 +54,6 @@ benchmark that reproduces the chapter (:mod:`opfuse.bench.chapter`).
 
 __all__ = [
     "HardwareProfile",
-    "Kernel",
     "KernelCost",
     "Prediction",
     "load_profile",
@@ -75,58 +76,23 @@ import onnx
 import onnx_ir as ir
 
 from opfuse.cost.int8 import int8_traffic, is_qdq
-from opfuse.targets.kernels import read_kernel
 from opfuse.cost.profiles import HardwareProfile, list_profiles, load_profile
-from opfuse.cost.traffic import TensorInfo, Traffic, static_shape, tensor_info
-from opfuse.core.ops import OPS, WEIGHTED_OPS, OpKind, op_label, plain_attributes
+from opfuse.cost.traffic import Kernel, TensorInfo, Traffic, static_shape, tensor_info
+from opfuse.core.ops import OPS, WEIGHTED_OPS, OpKind, plain_attributes
 MIB = 1024 * 1024
 
 
 # -- kernels -----------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One kernel launch: the main op and the epilogue steps it runs on chip."""
-
-    name: str
-    op: str  # the main op: "Conv" for a FusedConv, "BatchNormalization", ...
-    inputs: tuple[TensorInfo | None, ...]
-    outputs: tuple[TensorInfo, ...]
-    attributes: dict[str, Any]
-    epilogue: tuple[str, ...] = ()  # e.g. ("Add", "Relu")
-    layer: str = ""
-    precision: str = ""  # "int8": computes at the profile's int8 peak (opfuse.cost.int8)
-    residual_input: int | None = None  # the input index of a fused kernel's Z
-
-    @property
-    def info(self):
-        """The main op's row of the op table (None for an op it does not know)."""
-        return OPS.get(self.op)
-
-    @property
-    def label(self) -> str:
-        return "+".join((self.op, *self.epilogue))
-
-
 def kernels_of(traffic: Traffic) -> list[Kernel]:
-    """The kernels a configuration's graph launches (Constant nodes launch nothing).
+    """The kernels a configuration's graph launches: its traffic's nodes (Constant nodes launch nothing).
 
     A quantised (QDQ) graph is read as an int8 accelerator runs it
     (:func:`opfuse.cost.int8.int8_traffic`): Q/DQ folded into int8 kernels.
     """
     if is_qdq(traffic) and not any(n.precision for n in traffic.nodes):
         traffic = int8_traffic(traffic)
-    out = []
-    for n in traffic.nodes:
-        if n.no_traffic:
-            continue
-        view = read_kernel(n.domain, n.op_type, n.inputs, n.attributes)
-        if view is not None:
-            op, epilogue, z, attrs = view.anchor, view.epilogue, view.residual_input, view.anchor_attributes
-        else:
-            op, epilogue, z, attrs = op_label(n.domain, n.op_type), (), None, n.attributes
-        out.append(Kernel(n.name, op, n.inputs, n.outputs, attrs, epilogue, n.layer, n.precision, z))
-    return out
+    return traffic.kernels
 
 
 # -- the model ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ __all__ = ["INT8_OPS", "INT8_MOVEMENT_OPS", "is_qdq", "int8_traffic", "float_ops
 import dataclasses
 from collections import Counter
 
-from opfuse.cost.traffic import NodeTraffic, TensorInfo, Traffic, with_layers
+from opfuse.cost.traffic import Kernel, TensorInfo, Traffic, with_layers
 from opfuse.core.ops import FLOAT_DTYPES, MS_DOMAIN, ONNX_DOMAINS, OPS
 
 # From the op table's ``int8`` column. "move": the output keeps its input's int8 form and
@@ -50,7 +50,7 @@ QUANTIZE, DEQUANTIZE = "QuantizeLinear", "DequantizeLinear"
 _QDQ_DOMAINS = (*ONNX_DOMAINS, MS_DOMAIN)  # ONNX Runtime also writes them in its own domain
 
 
-def _is(node: NodeTraffic, op: str) -> bool:
+def _is(node: Kernel, op: str) -> bool:
     return node.op_type == op and node.domain in _QDQ_DOMAINS
 
 
@@ -69,7 +69,7 @@ def int8_traffic(traffic: Traffic) -> Traffic:
         return traffic
     nodes = traffic.nodes
     producer = {t.name: n for n in nodes for t in n.outputs}
-    consumers: dict[str, list[NodeTraffic]] = {}
+    consumers: dict[str, list[Kernel]] = {}
     for n in nodes:
         for t in n.inputs:
             if t is not None:
@@ -79,7 +79,7 @@ def int8_traffic(traffic: Traffic) -> Traffic:
     int8_form: dict[str, TensorInfo] = {}  # a float activation -> the int8 tensor that holds it
     int8_kernels: set[int] = set()
 
-    def quantizer_of(t: TensorInfo) -> NodeTraffic | None:
+    def quantizer_of(t: TensorInfo) -> Kernel | None:
         return next((c for c in consumers.get(t.name, ()) if _is(c, QUANTIZE)), None)
 
     for n in nodes:  # graph order: producers first
@@ -107,7 +107,7 @@ def int8_traffic(traffic: Traffic) -> Traffic:
             return True
         return any(id(c) not in int8_kernels for c in consumers.get(t.name, ()))
 
-    out_nodes: list[NodeTraffic] = []
+    out_nodes: list[Kernel] = []
     for n in nodes:
         if _is(n, DEQUANTIZE):
             src = n.inputs[0] if n.inputs else None
@@ -137,7 +137,7 @@ def int8_traffic(traffic: Traffic) -> Traffic:
             inputs = tuple(dataclasses.replace(t, is_weight=True) if t is not None and t.name in stored else t
                            for t in n.inputs)
             out_nodes.append(dataclasses.replace(n, inputs=inputs))
-    # fresh NodeTraffic objects: with_layers assigns their layers without touching the caller's
+    # fresh Kernel objects: with_layers assigns their layers without touching the caller's
     out_nodes = [dataclasses.replace(n) for n in out_nodes]
     return with_layers(Traffic(
         model=traffic.model,

@@ -20,6 +20,9 @@ The rule (one for every op, including ``com.microsoft`` FusedConv / FusedGemm)
    runs int8 natively would run it (Q/DQ folded into int8 kernels that move 1-byte
    activations and weights and int32 biases, conversions only around float ops) is
    :func:`opfuse.cost.int8.int8_traffic`, which rewrites this module's node list.
+6. Each node is one :class:`Kernel`, the record the accelerator model
+   (:mod:`opfuse.cost.accelerator`) costs too: a fused node's main op and epilogue are read
+   once, here, through :func:`opfuse.targets.kernels.read_kernel`.
 
 The ideal lower bound
 =====================
@@ -56,7 +59,7 @@ __all__ = [
     "TensorInfo",
     "tensor_info",
     "static_shape",
-    "NodeTraffic",
+    "Kernel",
     "Traffic",
     "analyse_traffic",
     "align_layers",
@@ -76,7 +79,7 @@ import onnx_ir as ir
 
 from opfuse.core.analysis import initializers_as_inputs
 from opfuse.targets.kernels import read_kernel
-from opfuse.core.ops import ELEMENTWISE_KINDS, OPS, dtype_name, is_onnx, is_op, op_kind, plain_attributes
+from opfuse.core.ops import ELEMENTWISE_KINDS, OPS, dtype_name, is_onnx, is_op, op_kind, op_label, plain_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +113,43 @@ class TensorInfo:
 
 
 @dataclasses.dataclass
-class NodeTraffic:
-    """The bytes one node moves, with the shapes they come from."""
+class Kernel:
+    """One node as both cost models see it: the bytes it moves (this module's rule) and the
+    kernel it launches (:mod:`opfuse.cost.accelerator`): its main op and the epilogue steps it
+    runs on chip.
+
+    A node of a graph gets its kernel from :func:`opfuse.targets.kernels.read_kernel` (a
+    FusedConv is ``op`` "Conv" with its epilogue); the accelerator model also builds kernels
+    that no graph holds (a fusion it is asked to judge, the chapter's modelled rows), where
+    ``op_type`` is the main op.
+    """
 
     name: str
-    op_type: str
-    domain: str
+    op: str  # the main op: "Conv" for a FusedConv, "com.microsoft.X" outside the default domain
     inputs: tuple[TensorInfo | None, ...]  # by position; None for an absent optional input
     outputs: tuple[TensorInfo, ...]
-    attributes: dict[str, Any]
+    attributes: dict[str, Any]  # the main op's (a fused node's epilogue encoding removed)
+    epilogue: tuple[str, ...] = ()  # e.g. ("Add", "Relu")
     layer: str = ""  # the node whose activation this node works on (itself for a layer)
+    precision: str = ""  # "int8": an int8 kernel read from a QDQ graph (opfuse.cost.int8)
+    residual_input: int | None = None  # the input index of a fused kernel's Z
+    op_type: str = ""  # the node's own op ("FusedConv"); "" = ``op``
+    domain: str = ""  # the node's domain ("" for the default one)
     metadata_only: bool = False  # Shape/Size: reads no data
     no_traffic: bool = False  # Constant
-    precision: str = ""  # "int8": an int8 kernel read from a QDQ graph (opfuse.cost.int8)
+
+    def __post_init__(self):
+        if not self.op_type:
+            self.op_type = self.op
+
+    @property
+    def info(self):
+        """The main op's row of the op table (None for an op it does not know)."""
+        return OPS.get(self.op)
+
+    @property
+    def label(self) -> str:
+        return "+".join((self.op, *self.epilogue))
 
     @property
     def is_layer(self) -> bool:
@@ -186,7 +213,7 @@ class Traffic:
     """The traffic of one model: per node, per layer, totals and the ideal lower bound."""
 
     model: str
-    nodes: list[NodeTraffic]
+    nodes: list[Kernel]
     ideal_activation_bytes: int  # every activation written once and read once
     ideal_weight_bytes: int  # every weight read once
     activations: int  # number of activations (see the module docstring)
@@ -194,7 +221,7 @@ class Traffic:
     graph_inputs: tuple[TensorInfo, ...] = ()  # the graph's (non-weight) inputs
 
     @property
-    def kernels(self) -> list[NodeTraffic]:
+    def kernels(self) -> list[Kernel]:
         """The nodes ONNX Runtime runs as kernels (Constant nodes become initializers)."""
         return [n for n in self.nodes if not n.no_traffic]
 
@@ -223,7 +250,7 @@ class Traffic:
         """node name -> tensors of unknown size (empty when every shape is known)."""
         return {n.name: n.unknown for n in self.nodes if n.unknown}
 
-    def layers(self) -> list[NodeTraffic]:
+    def layers(self) -> list[Kernel]:
         """The layer nodes, in graph order."""
         return [n for n in self.nodes if n.is_layer]
 
@@ -272,18 +299,22 @@ def analyse_traffic(
     shapes = _infer_shapes(model, batch=batch, dims=dict(dims or {}))
     graph = model.graph
     weights = _weight_values(graph)
-    nodes: list[NodeTraffic] = []
+    nodes: list[Kernel] = []
     for node in graph:
-        op_name = node.name or f"{node.op_type}_{len(nodes)}"
-        nodes.append(NodeTraffic(
-            name=op_name,
-            op_type=node.op_type,
-            domain="" if is_onnx(node) else node.domain,
-            inputs=tuple(
-                None if v is None else _info(v, shapes, v in weights) for v in node.inputs
-            ),
+        domain = "" if is_onnx(node) else node.domain
+        inputs = tuple(None if v is None else _info(v, shapes, v in weights) for v in node.inputs)
+        attributes = plain_attributes(node)
+        view = read_kernel(domain, node.op_type, inputs, attributes)
+        nodes.append(Kernel(
+            name=node.name or f"{node.op_type}_{len(nodes)}",
+            op=view.anchor if view is not None else op_label(domain, node.op_type),
+            inputs=inputs,
             outputs=tuple(_info(v, shapes, False) for v in node.outputs),
-            attributes=plain_attributes(node),
+            attributes=view.anchor_attributes if view is not None else attributes,
+            epilogue=view.epilogue if view is not None else (),
+            residual_input=view.residual_input if view is not None else None,
+            op_type=node.op_type,
+            domain=domain,
             metadata_only=is_op(node, *METADATA_ONLY_OPS),
             no_traffic=is_op(node, *NO_TRAFFIC_OPS),
         ))
