@@ -8,6 +8,7 @@ command line in this process.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -80,3 +81,27 @@ def test_every_extra_of_the_table_is_declared_in_pyproject():
 
     declared = tomllib.loads((pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     assert set(EXTRAS) <= set(declared["project"]["optional-dependencies"])
+
+
+def test_adaround_without_torch_is_refused_with_its_line_and_the_weights_rounded_to_nearest(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """AdaRound's optimiser is torch's (:mod:`opfuse.quantization.algorithms.rounding`): without torch the
+    per-tensor preset still quantises (exit 0), its output says why AdaRound did not run and what to install,
+    and the weights are ONNX Runtime's rounding to nearest."""
+    source = tmp_path / "m.onnx"
+    onnx.save(conv_relu(), source)
+    monkeypatch.chdir(tmp_path)
+    for loaded in [m for m in sys.modules if m == "torch" or m.startswith("torch.")]:
+        monkeypatch.delitem(sys.modules, loaded)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    args = ["quantize", str(source), "-o", "o.onnx", "--calibration", "random:8", "--preset", "per-tensor",
+            "--report", "r.json"]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (the console wraps long lines)
+    line = ("AdaRound did not run: torch is not installed (pip install 'opfuse[torch]'); "
+            "the weights stay rounded to nearest")
+    assert line in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert line in report["notes"]
+    assert {"step": "adaround", "ran": False, "reason": line} in report["steps"]
+    assert report["adaround"]["layers"] == 0

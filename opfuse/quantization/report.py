@@ -15,6 +15,7 @@ __all__ = ["LayerRow", "SearchStep", "RankedCandidate", "QuantVerification", "Qu
 import dataclasses
 from typing import Any
 
+from rich.markup import escape
 from rich.console import Console
 from rich.table import Table
 
@@ -279,7 +280,7 @@ def print_quant_report(report: QuantReport, console=None, *, verbose: bool = Fal
                   f"weight elements stored as 8-bit integers; file {report.size_ratio:.2f}x the float model; "
                   f"{report.quantize_linear} QuantizeLinear")
     for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")  # (a note may hold "[torch]": text, not markup)
     if report.device is not None:
         report.device.render(console)
     v = report.verification

@@ -42,6 +42,7 @@ from opfuse.quantization.presets import (
     Reconstruction,
 )
 from opfuse.quantization.algorithms.bias_correction import compute_corrections, select_corrections
+from opfuse.quantization.algorithms.rounding import torch_missing
 from opfuse.quantization.qdq.quantizer import Quantizer
 from opfuse.quantization.qdq.sqnr import OutputReference
 from opfuse.quantization.report import QuantReport, ReconstructionFacts
@@ -163,6 +164,10 @@ class AdaRoundStep:
     name = "adaround"
 
     def apply(self, state: QuantState) -> StepOutcome:
+        why = torch_missing("AdaRound")  # (its optimiser is torch's, :mod:`.algorithms.rounding`)
+        if why and state.quantised:  # the command goes on: its output says why, as a note
+            state.report.notes.append(why)
+            return StepOutcome(self.name, False, why)
         return _refine(self.name, AdaRoundTrial(), state)
 
 
@@ -229,12 +234,12 @@ class ReconstructionStep:
 
     def _why_not(self, state: QuantState) -> str:
         budget = state.options.reconstruction_budget_s
+        if importlib.util.find_spec("torch") is None:
+            return "block reconstruction did not run: torch is not installed (pip install 'opfuse[torch]')"
         if any(isinstance(s, AdaRound) for s in state.options.steps()):
             return ("block reconstruction did not run: AdaRound rounds the weights layer by layer "
                     "(--reconstruct on runs it too, from ONNX Runtime's rounding, kept only where it "
                     "raises the tuning output SQNR further)")
-        if importlib.util.find_spec("torch") is None:
-            return "block reconstruction did not run: torch is not installed (pip install 'opfuse[torch]')"
         from opfuse.quantization.algorithms.reconstruction import estimated_seconds  # (torch: only this step needs it)
 
         seconds, why = estimated_seconds(state.float_model, state.tune[0],

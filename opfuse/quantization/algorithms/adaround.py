@@ -14,7 +14,8 @@ the ones before it left) and the float model's own input x, the rounding minimis
 where ``act`` is the Relu or Clip that follows the layer in the float model (identity
 otherwise: an error a Relu cuts off costs nothing). h is relaxed to the rectified sigmoid
 h(V) = clip(sigmoid(V) (zeta - gamma) + gamma, 0, 1) (zeta 1.1, gamma -0.1), V initialised
-so that Wq = W, and V is optimised with Adam on mini-batches of :data:`BATCH` positions for
+so that Wq = W, and V is optimised with torch's Adam (:func:`.rounding.optimiser`: the gradient is
+computed here in numpy, two products a step) on mini-batches of :data:`BATCH` positions for
 :data:`ITERATIONS` steps, on E / E(round to nearest) + lambda * mean(1 - |2h - 1|^beta): no
 regulariser for the first :data:`.rounding.WARMUP` of the steps, then beta annealed from 20 to 2 (the
 paper's schedule); then h is set to 0 or 1 (h >= 0.5 rounds up). The learning rate bounds
@@ -75,6 +76,7 @@ from opfuse.quantization.algorithms.rounding import (
     ZETA,
     beta_at,
     initial_v,
+    optimiser,
     warmup_steps,
 )
 from opfuse.quantization.algorithms.weight_ranges import choose_factors, layer_error
@@ -83,7 +85,6 @@ from opfuse.core.ops import ONNX_DOMAINS, proto_attr, weight_spec
 
 ITERATIONS = 1000
 BATCH = 1024  # output positions per step
-LEARNING_RATE = 0.003
 SAMPLES = 48  # calibration samples whose positions are used
 POSITIONS = 16384  # output positions per layer at most
 CHECK_SHARE = 0.25  # the last quarter of the samples: the acceptance test's positions
@@ -341,8 +342,11 @@ def _optimise(site: _Site, scale: np.ndarray, data: _Data, nearest: np.ndarray, 
     rest = np.clip(w / scale - base, *FRACTION_CLIP)
     norm = max(float(layer_error(scale * nearest, x, t, b, site.clamp).mean()), 1e-30)
     s32, base32, near32 = scale.astype(np.float32), base.astype(np.float32), nearest.astype(np.float32)
-    v = initial_v(rest, np.log).astype(np.float32)  # h(V) = rest: Wq = W
-    m, u = np.zeros_like(v), np.zeros_like(v)
+    import torch  # (torch: the optimiser; AdaRoundStep refuses the step without it)
+
+    weights = torch.from_numpy(initial_v(rest, np.log).astype(np.float32))  # h(V) = rest: Wq = W
+    v = weights.numpy()  # (the same memory: Adam's steps are seen here)
+    adam = optimiser([weights])
     positions = x.shape[-1]
     warm = warmup_steps(ITERATIONS)
     for step in range(1, ITERATIONS + 1):
@@ -360,10 +364,9 @@ def _optimise(site: _Site, scale: np.ndarray, data: _Data, nearest: np.ndarray, 
             tt = 2 * h - 1
             grad_h = grad_h + REGULARISER / h.size * (-beta * np.abs(tt) ** (beta - 1) * np.sign(tt) * 2)
         inside = (h > 0) & (h < 1) & free
-        grad_v = np.where(inside, grad_h * sig * (1 - sig) * (ZETA - GAMMA), 0.0).astype(np.float32)
-        m = 0.9 * m + 0.1 * grad_v
-        u = 0.999 * u + 0.001 * grad_v * grad_v
-        v -= LEARNING_RATE * (m / (1 - 0.9 ** step)) / (np.sqrt(u / (1 - 0.999 ** step)) + 1e-8)
+        weights.grad = torch.from_numpy(np.where(inside, grad_h * sig * (1 - sig) * (ZETA - GAMMA), 0.0)
+                                        .astype(np.float32))
+        adam.step()
     h = np.clip(1 / (1 + np.exp(-v)) * (ZETA - GAMMA) + GAMMA, 0, 1)
     return np.where(free, base + (h >= 0.5), nearest)
 

@@ -101,6 +101,7 @@ from opfuse.quantization.algorithms.rounding import (
     ZETA,
     beta_at,
     initial_v,
+    optimiser,
     warmup_steps,
 )
 from opfuse.quantization.interpreter.program import Block, FloatProgram, QdqProgram
@@ -108,7 +109,6 @@ from opfuse.quantization.interpreter.program import Block, FloatProgram, QdqProg
 ITERATIONS = RECONSTRUCTION_ITERATIONS  # the default of QuantizeOptions.reconstruction_iterations
 PER_STEP = 4  # samples per Adam step
 SAMPLES = 48  # tuning samples used at most
-LEARNING_RATE = 3e-3  # V
 SCALE_LEARNING_RATE = 1e-3  # log(s), when learned
 # activation scales: learned in the fit (LSQ) or searched before it
 SCALE_FITS = ("learned", "search")
@@ -274,7 +274,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
         near = [program.run(dict(quant[i]), block.nodes, state.weights, scales) for i in range(count)]
         e_near = max(float(sum(error(near[i], i) for i in range(count))) / count, 1e-30)
     learned_scales = list(log_scales.values()) if scale_fit == "learned" else []
-    groups = [g for g in ({"params": list(variables.values()), "lr": LEARNING_RATE},
+    groups = [g for g in ({"params": list(variables.values())},
                           {"params": learned_scales, "lr": SCALE_LEARNING_RATE}) if g["params"]]
     before = _block_db(near, floats, block, program)
     if not groups:
@@ -282,7 +282,7 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
         return BlockResult(block.layers, before, before, 0.0, 0.0)
     if scale_fit == "search" and keys:
         _search_scales(log_scales, _BlockError(program, block, quant[:SEARCH_SAMPLES], state, error))
-    optimiser = torch.optim.Adam(groups)
+    adam = optimiser(groups)
     warm = warmup_steps(iterations)
     total_weights = max(1, sum(v.numel() for v in variables.values()))
     for step in range(iterations):
@@ -294,9 +294,9 @@ def _fit_block(state: _State, block: Block, quant, floats, sensitivities, iterat
             beta = beta_at(step - warm, max(1, iterations - warm))
             regular = sum((1 - (2 * _rectified(v) - 1).abs() ** beta).sum() for v in variables.values())
             loss = loss + REGULARISER * regular / total_weights
-        optimiser.zero_grad()
+        adam.zero_grad()
         loss.backward()
-        optimiser.step()
+        adam.step()
     with torch.no_grad():
         learned = dict(state.scales)
         learned.update({k: v.detach().clone() for k, v in log_scales.items()})
