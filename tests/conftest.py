@@ -39,6 +39,7 @@ import onnx
 import pytest
 from hypothesis import Phase, settings
 
+import decoder_nets
 import extras
 
 os.environ["OPFUSE_TUNE"] = "off"
@@ -52,8 +53,11 @@ def _own_tuning_cache(tmp_path_factory, monkeypatch):
 
 # a pytest-xdist worker inherits the TMPDIR of the run that started it, which checks it at its end
 SESSION_TMP = None if "PYTEST_XDIST_WORKER" in os.environ else pathlib.Path(tempfile.mkdtemp(prefix="opfuse-tests-"))
+# the suite's own exports, made once a session and shared by its workers (decoder_nets.shared_export)
+EXPORTS = "tests-exports"
 if SESSION_TMP is not None:
     os.environ["TMPDIR"] = str(SESSION_TMP)
+    os.environ[decoder_nets.EXPORTS_ENV] = str(SESSION_TMP / EXPORTS)
     tempfile.tempdir = None  # (tempfile caches its choice: chosen again from TMPDIR)
 
 
@@ -106,12 +110,13 @@ NOT_OPFUSES = (".ses", "torchinductor_")
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the session when opfuse left anything in the temporary directory; then remove it.
-    pytest's own folders (``pytest-of-*``) and :data:`NOT_OPFUSES` are not opfuse's. (A
+    pytest's own folders (``pytest-of-*``), the suite's exports (:data:`EXPORTS`) and :data:`NOT_OPFUSES`
+    are not opfuse's. (A
     pytest-xdist worker checks nothing: the run that started the workers checks after them.)"""
     if SESSION_TMP is None:
         return
     left = sorted(p.name for p in SESSION_TMP.iterdir()
-                  if not p.name.startswith(("pytest-of-", *NOT_OPFUSES))) if SESSION_TMP.exists() else []
+                  if not p.name.startswith(("pytest-of-", EXPORTS, *NOT_OPFUSES))) if SESSION_TMP.exists() else []
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"temporary files left by the tests in {SESSION_TMP}: {', '.join(left[:20])}"

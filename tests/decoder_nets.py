@@ -1,14 +1,22 @@
 """Tiny decoders for the tests: a random Hugging Face Llama (RMSNorm, SiLU-gated MLP,
 grouped-query attention) exported as a prefill graph by either torch exporter, and one
 attention block of a KV-cache decode step built in code (:func:`decode_step`). Nothing is
-downloaded; the larger corpus is ``benchmarks/decoders.py``."""
+downloaded; the larger corpus is ``benchmarks/decoders.py``.
+
+An export is made once per test session for its arguments and copied to each test that asks for
+it (:func:`shared_export`): a torch export takes seconds, and the same one was made by many tests.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import os
 import pathlib
+import shutil
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -20,8 +28,45 @@ LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              vocab_size=100, max_position_embeddings=64, use_cache=False)
 
 
+# the session's folder of exports, shared by its pytest-xdist workers (set by conftest.py)
+EXPORTS_ENV = "OPFUSE_TEST_EXPORTS"
+
+
+def shared_export(path: pathlib.Path, key: str, write: Callable[[pathlib.Path], object]) -> pathlib.Path:
+    """``write(path)`` (an export to that file, with any files beside it), made once per test session
+    for ``key`` (the export's arguments) and copied to ``path`` for every test that asks: the exports
+    here are seeded, so the copy is the graph a new export writes. The folder is the session's
+    (:data:`EXPORTS_ENV`), shared by its workers, one lock per key; without it, ``write(path)``."""
+    root = os.environ.get(EXPORTS_ENV)
+    if not root:
+        write(path)
+        return path
+    import filelock  # (torch's dependency: every export needs torch)
+
+    key = f"{key}|{pathlib.Path(path).name}"  # (an external data file is named after the model's)
+    folder = pathlib.Path(root) / hashlib.sha256(key.encode()).hexdigest()[:20]
+    pathlib.Path(root).mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(f"{folder}.lock"):
+        if not folder.exists():
+            part = folder.with_suffix(".part")
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir()
+            write(part / pathlib.Path(path).name)
+            part.rename(folder)
+    for f in folder.iterdir():
+        shutil.copyfile(f, pathlib.Path(path).parent / f.name)
+    return path
+
+
 def export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: int = 18,
                       mask: str = "none", positions: bool = False) -> pathlib.Path:
+    return shared_export(path, f"tiny_llama|{exporter}|{opset}|{mask}|{positions}",
+                         lambda to: _export_tiny_llama(to, exporter=exporter, opset=opset, mask=mask,
+                                                       positions=positions))
+
+
+def _export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: int = 18,
+                       mask: str = "none", positions: bool = False) -> pathlib.Path:
     """The logits of a tiny random Llama for ``input_ids`` [batch, seq]. ``mask``: "input" (an
     ``attention_mask`` input too), "ones" (a mask of ones made inside: TorchScript needs one, as
     without it transformers traces ``torch.diff``, which it cannot export) or "none".
@@ -140,5 +185,4 @@ def export_llama_step(path: pathlib.Path, graph: str = "decode") -> pathlib.Path
         sys.path.append(benchmarks)  # (decoders.py imports its neighbours genai_anchor and wild)
     decoders = importlib.import_module("decoders")
     decoder = decoders.Decoder("llama-step", "LlamaConfig", "LlamaForCausalLM", dict(decoders.SMALL, **STEP))
-    decoders.export(decoder, "dynamo", graph, path)
-    return path
+    return shared_export(path, f"llama_step|{graph}", lambda to: decoders.export(decoder, "dynamo", graph, to))

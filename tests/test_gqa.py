@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 
 import extras
 import opfuse
+from decoder_nets import shared_export
 from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 
 HEADS, DH, HIDDEN = 4, 8, 32
@@ -92,6 +93,14 @@ def _decode_block(kv_heads: int, grouping: str = "repeat_kv", rotary: bool = Fal
 
 def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: bool = False, window: int = 0,
                   dynamo: bool = True, present_windows: tuple[int, int] | None = None) -> str:
+    """The decode block's export at ``tmp_path / "block.onnx"`` (made once a session for its arguments)."""
+    return str(shared_export(tmp_path / "block.onnx",
+                             f"gqa_block|{kv_heads}|{grouping}|{rotary}|{window}|{dynamo}|{present_windows}",
+                             lambda to: _write_block(to, kv_heads, grouping, rotary, window, dynamo, present_windows)))
+
+
+def _write_block(path, kv_heads: int, grouping: str, rotary: bool, window: int, dynamo: bool,
+                 present_windows: tuple[int, int] | None) -> str:
     torch = extras.require("torch")
     past = 5
     args = (torch.randn(2, 1, HIDDEN), torch.ones(2, past + 1, dtype=torch.int64),
@@ -100,7 +109,6 @@ def _export_block(tmp_path, kv_heads: int, grouping: str = "repeat_kv", rotary: 
     if rotary:
         args, names = (*args, torch.full((2, 1), past, dtype=torch.int64)), [*names, "position_ids"]
     batch, past_len = torch.export.Dim("batch"), torch.export.Dim("past")
-    path = tmp_path / "block.onnx"
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         block = _decode_block(kv_heads, grouping, rotary, window, present_windows)

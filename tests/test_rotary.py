@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 
 import extras
 import opfuse
-from decoder_nets import export_tiny_llama
+from decoder_nets import export_tiny_llama, shared_export
 from graphs import assert_outputs_close, model, ops, ort_run, rng, tensor, vinfo
 
 H, D = 2, 8
@@ -255,7 +255,8 @@ def test_torch_rotary_blocks_from_both_exporters(tmp_path, exporter, opset, rota
         names.append("past_key")
         args = (x, pos + 4, torch.randn(2, 4, 4, 8))
         dynamic["past_key"] = {0: "batch", 2: "past"}
-    path = _export(block, args, names, dynamic, tmp_path / "block.onnx", exporter, opset)
+    path = str(shared_export(tmp_path / "block.onnx", f"rotary_block|{exporter}|{opset}|{rotary_dim}|{past}",
+                             lambda to: _export(block, args, names, dynamic, to, exporter, opset)))
     out, report = opfuse.optimize(path, target=target, opset=target_opset, runtime_level="disabled")
     rotary = [n for n in out.graph if n.op_type == "RotaryEmbedding"]
     assert len(rotary) == 2 and {n.domain for n in rotary} == {domain}, (ops(out), report.refusals)

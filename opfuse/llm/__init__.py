@@ -24,7 +24,9 @@ Steps 1, 2 and 6 (the files) run in a process of their own (spawned, :func:`_in_
 torch, transformers and the model's float weights are gone before the optimisation loads the export,
 and the optimiser's copies before the quantiser loads its output; GPTQ's calibration run reads the
 weights through ONNX Runtime from the file, before this process loads them (peak memory:
-docs/results/llm.md).
+docs/results/llm.md). A source smaller than :data:`IN_PROCESS_BYTES` is converted in this process:
+a new process imports torch, transformers and the pipeline again, which costs more than such a
+model's weights take.
 
 Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error
 DIR receives nothing. A model that is not a decoder-only LM with a KV cache transformers builds
@@ -37,7 +39,7 @@ genai feeds a batch of one: :mod:`opfuse.llm.gqa`); step 5 is not (module :mod:`
 
 from __future__ import annotations
 
-__all__ = ["ATTENTIONS", "PRECISIONS", "VERIFY_DIMS", "Converted", "convert"]
+__all__ = ["ATTENTIONS", "PRECISIONS", "VERIFY_DIMS", "IN_PROCESS_BYTES", "Converted", "convert"]
 
 import concurrent.futures
 import dataclasses
@@ -52,6 +54,8 @@ from opfuse.errors import BadInputError
 PRECISIONS = ("fp32", "int4")
 ATTENTIONS = ("gqa", "exported")
 VERIFY_DIMS = {"batch_size": 1, "sequence_length": 4, "past_sequence_length": 8, "total_sequence_length": 12}
+# a source (its files) smaller than this is converted without spawning: its peak memory is the imports'
+IN_PROCESS_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -159,17 +163,28 @@ def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, w
             "windows": calibration.windows(tokenizer, windows) if windows else []}
 
 
-def _in_a_process(fn, *args):
+def _in_a_process(fn, *args, here: bool = False):
     """``fn(*args)`` in a process of its own (spawned): what it allocates (torch, transformers, the float
     weights, the optimiser's copies) is gone when it returns, so the next step does not carry it (peak
-    memory: docs/results/llm.md). Its exceptions are raised here."""
-
+    memory: docs/results/llm.md). Its exceptions are raised here. ``here``: in this process (a source
+    under :data:`IN_PROCESS_BYTES`)."""
+    if here:
+        return fn(*args)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
 
 
-def _export_in_a_process(source, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
-    return _in_a_process(_export_step, str(source), exported, files_dir, windows)
+def _export_in_a_process(source, exported: pathlib.Path, files_dir: pathlib.Path, windows: int,
+                         here: bool = False) -> dict:
+    return _in_a_process(_export_step, str(source), exported, files_dir, windows, here=here)
+
+
+def _source_bytes(source: str | pathlib.Path) -> int:
+    """The size of the source's files (a GGUF file, or every file of a folder)."""
+    path = pathlib.Path(source)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _optimize_step(exported: str, optimised: str, verify: bool) -> str:
@@ -238,9 +253,10 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         tmp = pathlib.Path(tmp)
         exported, optimised, stage = tmp / "export" / "model.onnx", tmp / "opt" / "model.onnx", tmp / "out"
         files_dir = tmp / "genai"
-        exported_info = _export_in_a_process(source, exported, files_dir, windows)
+        here = _source_bytes(source) < IN_PROCESS_BYTES
+        exported_info = _export_in_a_process(source, exported, files_dir, windows, here=here)
         optimised.parent.mkdir()
-        summary = _in_a_process(_optimize_step, str(exported), str(optimised), verify)
+        summary = _in_a_process(_optimize_step, str(exported), str(optimised), verify, here=here)
         shutil.rmtree(exported.parent)
         shared, did = False, "kept as exported (--attention exported)"
         if attention == "gqa":
