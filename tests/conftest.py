@@ -90,11 +90,27 @@ def tmp_model(tmp_path):
 WORKER_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+# The files that cost the most, the longest first (docs/testing.md has the measured seconds). Under
+# ``--dist loadfile`` pytest-xdist hands the next file to whichever worker is free, in the order of
+# the collection; run first, the long files leave the short ones to fill in at the end and the two
+# workers finish together (longest first), where one long file collected last would run alone while
+# the other worker waits. The other files keep their order after these.
+LONGEST_FIRST = ("test_reconstruction.py", "test_torch_fuse.py", "test_rotary.py", "test_ethos_u_lower.py",
+                 "test_readme.py", "test_bench.py", "test_cli.py", "test_fold_properties.py", "test_llm.py")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_extra(*modules): the test needs these modules of an extra (tests/extras.py)")
     if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
         for name in WORKER_THREADS:
             os.environ.setdefault(name, "1")
+    if hasattr(config.option, "loadscopereorder"):  # (xdist's own order is by test count: LONGEST_FIRST's instead)
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: a file's own order kept)
 
 
 def pytest_runtest_setup(item):
