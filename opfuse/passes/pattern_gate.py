@@ -16,7 +16,7 @@ A family's own pass is gated the same way by the ops it declares it needs
 
 from __future__ import annotations
 
-__all__ = ["patterns_that_could_match", "passes_that_could_run"]
+__all__ = ["patterns_that_could_match", "passes_that_could_run", "required_ops"]
 
 import collections
 
@@ -57,16 +57,16 @@ def passes_that_could_run(model: ir.Model, names) -> set[str]:
 def _stage_could_match(found, present: collections.Counter) -> bool:
     """Whether a rule of ``found`` finds its ops in ``present`` (module docstring)."""
     def finds(rule, earlier=frozenset()) -> bool:
-        return all(n <= present[op] for op, n in _required_ops(rule).items() if op not in earlier)
+        return all(n <= present[op] for op, n in required_ops(rule).items() if op not in earlier)
 
     if found.entry_stage is None:
         return any(finds(rule) for stage in found.stages for rule in stage)
-    earlier = frozenset().union(*(_required_ops(rule) for stage in found.stages[:found.entry_stage]
+    earlier = frozenset().union(*(required_ops(rule) for stage in found.stages[:found.entry_stage]
                                   for rule in stage))
     return any(finds(rule, earlier) for rule in found.stages[found.entry_stage])
 
 
-def _required_ops(rule) -> collections.Counter:
+def required_ops(rule) -> collections.Counter:
     """How many nodes of each (domain, op) every match of the rule's pattern needs, counting the
     nodes whose op is one fixed name: those behind the pattern's outputs, where an alternative
     (onnxscript's ``OrValue``: ``Mul | Div | nothing`` for a scale) needs only what all its branches
