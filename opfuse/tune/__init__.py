@@ -17,8 +17,8 @@ and before anything is written. The steps, each a function:
    one intra-op thread unless asked otherwise, each session's fastest of :data:`REPEAT` runs per
    round, :data:`COPIES` sessions per variant (a round's time their mean): the input, its A/A
    control, the target's **policy** (:func:`opfuse.tune.families.policy_configuration`: what it
-   writes untimed), the policy with each family it fuses off in turn, each other form of attention,
-   and the folds alone. The number of rounds comes from the graph's work units
+   writes untimed), the policy with each family it fuses off in turn, and each other form of
+   attention. The number of rounds comes from the graph's work units
    (:func:`rounds_for`), not the clock. A variant whose rewrites raise, or that fails to run or
    computes something else, is dropped with its reason; the others go on. A variant that writes
    the same graph as the policy is not timed ("not in this graph"); with nothing to time, nothing is.
@@ -31,8 +31,9 @@ and before anything is written. The steps, each a function:
    timed, makes the same kernels from the graph without the family).
 5. **Never slower than the input** (:func:`fall_back`). The configuration chosen is timed against
    the input (in the same run when it was one of its variants, else in a second one with its own
-   A/A). If it is slower beyond the noise, the folds alone are written when they are not, else the
-   input itself (``None``), and the log says which.
+   A/A). If it is slower beyond the noise, the folds alone (every family off: built and timed against
+   the input only then) are written when they are not slower, else the input itself (``None``), and
+   the log says which.
 
 Decisions are data (:mod:`opfuse.tune.record`): a timed run's record is cached by the graph's signature
 and the machine, and replayed (``--tuning FILE``, or the cache) without timing.
@@ -387,11 +388,6 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         record.written = "the target's policy"
         record.seconds = time.perf_counter() - start
         return policy, record
-    if folds not in models:
-        try:
-            models[folds] = build(folds)
-        except Exception:  # noqa: BLE001 - the folds alone are only the fall-back
-            pass
     names = {policy: "policy", folds: "folds alone", **{c: c.label(policy) for c in candidates}}
     rounds = rounds if rounds is not None else rounds_for(original, fed, 3 + len(timed))
 
@@ -405,7 +401,7 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         record.rounds += found.rounds
         return found
 
-    run = timed_run([policy, *timed] + ([folds] if folds not in timed else []))
+    run = timed_run([policy, *timed])  # (the folds alone only if the fall-back needs them: fall_back)
     record.aa = Spread.of(run.paired("original (A/A)", "original"))
     record.noise = noise_of(run.paired("original (A/A)", "original"))
     final = decide(run, record, policy, candidates, timed, names, results)
@@ -479,8 +475,8 @@ def decide(run: timing.Measurement, record: Tuning, policy: Configuration, candi
 def fall_back(run: timing.Measurement, record: Tuning, final: Configuration, policy: Configuration,
               folds: Configuration, names: dict, models: dict, build: Callable, timed_run: Callable) -> Configuration | None:
     """Never slower than the input: ``final`` timed against it (in ``run`` when it was one of its
-    variants, else in a second run with its own A/A); slower beyond the noise, the folds alone are
-    written when they are not, else the input itself (None). Sets the record's ``final`` and ``written``."""
+    variants, else in a second run with its own A/A); slower beyond the noise, the folds alone (built and
+    timed, with their own A/A, only then) are written when they are not, else the input itself (None). Sets the record's ``final`` and ``written``."""
     noise = record.noise
     if names.get(final) in run.timings:
         source, name = run, names[final]
@@ -505,8 +501,20 @@ def fall_back(run: timing.Measurement, record: Tuning, final: Configuration, pol
     record.written = record.written or f"the configuration chosen ({record.chosen})"
     if record.final.median <= 1 + noise:
         return final
-    folded = Spread.of(run.paired(names[folds], "original")) if names[folds] in run.timings else None
-    if folded is not None and folded.median <= 1 + record.noise and final != folds:
+    folded, folds_noise = None, record.noise
+    if final != folds:  # the folds alone, timed against the input (in ``run`` when a variant was them)
+        if names[folds] not in run.timings and folds not in models:
+            try:
+                models[folds] = build(folds)
+            except Exception:  # noqa: BLE001 - the folds alone are only the fall-back
+                pass
+        if names[folds] in run.timings:
+            folded = Spread.of(run.paired(names[folds], "original"))
+        elif folds in models:
+            second = timed_run([folds])
+            folded = Spread.of(second.paired(names[folds], "original"))
+            folds_noise = max(folds_noise, noise_of(second.paired("original (A/A)", "original")))
+    if folded is not None and folded.median <= 1 + folds_noise:
         record.written = (f"the folds alone: the configuration chosen measured {record.final} of the "
                           "input's time, slower beyond the noise")
         record.final = folded
