@@ -21,7 +21,9 @@ and before anything is written. The steps, each a function:
    attention. The number of rounds comes from the graph's work units
    (:func:`rounds_for`), not the clock. A variant whose rewrites raise, or that fails to run or
    computes something else, is dropped with its reason; the others go on. A variant that writes
-   the same graph as the policy is not timed ("not in this graph"); with nothing to time, nothing is.
+   the same graph as the policy is not timed ("not in this graph"), nor one that the runtime, at the
+   level timed, runs as the policy's kernels node for node (the same graph once it has optimised
+   both: any ratio would be the noise; the policy stands); with nothing to time, nothing is.
 4. **Decisions** (:func:`decide`). The noise (:func:`noise_of`) is the A/A's distance from 1, or
    the half-width of a 95% interval for its median where that is wider, plus a floor
    (:data:`NOISE_FLOOR`). A family the policy fuses is turned off only where the policy measured
@@ -397,7 +399,7 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         variants += [timing.Variant(names.get(c, "chosen"), names.get(c, "chosen"), models[c], level=level,
                                     exact=exact) for c in configs if c in models]
         found = measure(variants, fed, threads=threads, rounds=rounds, baseline="original",
-                        repeat=REPEAT, copies=COPIES)
+                        repeat=REPEAT, copies=COPIES, same_as=names[policy])
         record.rounds += found.rounds
         return found
 
@@ -425,9 +427,19 @@ def decide(run: timing.Measurement, record: Tuning, policy: Configuration, candi
     aa = record.aa.median if record.aa else None
     own_form = policy.get("attention")
     same_kernels = _same_runtime_graphs(run, names[policy])
+    same = getattr(run, "same", set())
     for config in timed:
         family, candidate = candidates[config]
         problem = broken.get(names[config])
+        if names[config] in same:  # the runtime runs it as the policy's kernels: no ratio but the noise
+            itself = f"ONNX Runtime at level {record.level} runs the same kernels"
+            if family == "attention":
+                results[config] = FamilyResult(family, candidate, "refused", (
+                    f"{own_form} kept (the target's policy): {candidate} against {own_form}: {itself} (not timed)"))
+            else:
+                results[config] = FamilyResult(family, candidate, "kept", (
+                    f"kept (the target's policy): {itself} from the graph without it (not timed)"))
+            continue
         if family == "attention":  # another form over the policy's
             ratios = run.paired(names[config], names[policy])
             kept, why = (False, problem) if problem else judge(ratios, record.noise, aa)
