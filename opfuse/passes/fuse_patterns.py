@@ -61,7 +61,7 @@ from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display
 
 from opfuse.core.analysis import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
-from opfuse.passes.pattern_gate import patterns_that_could_match, required_ops  # (the first re-exported)
+from opfuse.passes.pattern_gate import patterns_that_could_match, usable_rules, written_ops  # (the first re-exported)
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
 from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord, Refusal
@@ -220,11 +220,11 @@ class PatternFusionPass(OpfusePass):
                present: collections.Counter) -> bool:
         """One stage's rules over one graph or function, as onnxscript's ``RewriteRuleSet``
         applies them, honouring what each rule declares (:func:`_declared`). A rule is tried only
-        while the model holds the nodes its pattern needs (:func:`_usable`; ``present``, the model's
+        while the model holds the nodes its pattern needs (:func:`~opfuse.passes.pattern_gate.usable_rules`; ``present``, the model's
         ops, only grows: the ops each rewrite writes are added, none taken away)."""
         container = scope.container
         rules = self._set_up(scope, found, rules)
-        usable, waiting = _usable(rules, present)
+        usable, waiting = usable_rules(rules, present)
         by_root, anywhere = _index(usable)
         changed = False
         for node in container:
@@ -271,9 +271,9 @@ class PatternFusionPass(OpfusePass):
                 for new in delta.new_nodes:
                     if new.domain and new.domain not in model.opset_imports:
                         model.opset_imports[new.domain] = 1
-                present.update(_written_ops(delta.new_nodes))
-                if waiting and any(op in waiting for op in _written_ops(delta.new_nodes)):  # a rule may find its ops now
-                    usable, waiting = _usable(rules, present)
+                present.update(written := written_ops(delta.new_nodes))
+                if waiting and any(op in waiting for op in written):  # a rule may find its ops now
+                    usable, waiting = usable_rules(rules, present)
                     by_root, anywhere = _index(usable)
                 record, main = _record(scope, found, rule, matched, removed, delta, outputs)
                 self._add_record(records, record, main, matched, found.title)
@@ -330,39 +330,6 @@ class PatternFusionPass(OpfusePass):
 def _key(node: ir.Node) -> tuple[str, str]:
     """(domain, op) of a node, the ONNX domain's aliases as ""."""
     return ("" if node.domain in ONNX_DOMAINS else node.domain), node.op_type
-
-
-def _usable(rules: tuple, present: collections.Counter) -> tuple[tuple, frozenset]:
-    """The rules whose pattern's nodes ``present`` holds (:func:`opfuse.passes.pattern_gate.required_ops`:
-    a necessary condition, so a rule left out could not match), and the ops the others wait for. A
-    tanh GELU's rules need a Tanh: on a graph without one, its commuted variants are never tried at each
-    Mul (they were most of a decoder's matcher time)."""
-    usable, waiting = [], set()
-    for rule in rules:
-        missing = [op for op, n in _required(rule).items() if present[op] < n]
-        if missing:
-            waiting.update(missing)
-        else:
-            usable.append(rule)
-    return tuple(usable), frozenset(waiting)
-
-
-def _written_ops(nodes) -> list[tuple[str, str]]:
-    """(domain, op) of ``nodes`` and of the nodes of their subgraphs (an If a rewrite wrote)."""
-    found = []
-    for node in nodes:
-        found.append(_key(node))
-        for attr in node.attributes.values():
-            graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
-                list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
-            for graph in graphs:
-                found += _written_ops(list(graph))
-    return found
-
-
-@functools.cache
-def _required(rule) -> collections.Counter:
-    return required_ops(rule)
 
 
 def _could_match(found, present: collections.Counter) -> bool:
