@@ -58,16 +58,32 @@ class _Settled(ir.passes.InPlacePass):
     """A pass, then no new value keeps a removed value's name (:class:`NameLedger`) where it
     changed the graph. A pass that changed nothing leaves the names as the last settlement
     left them, so settling again would rename nothing: on a 48k-node chain the walk of every
-    name after each of the 14 pass runs of two rounds was a quarter of the run."""
+    name after each of the 14 pass runs of two rounds was a quarter of the run.
 
-    def __init__(self, inner: ir.passes.InPlacePass, ledger: NameLedger, report: FusionReport):
+    A pass is not run again on a graph it changed nothing in: ``changes`` (shared by the passes of
+    one :func:`run_passes`) counts the runs that changed the graph, and a pass whose last run changed
+    nothing, with no change by any pass since, is skipped (its refusals, of that same graph, stand).
+    The last round of the fixpoint, which confirms that nothing changes, then runs only the passes
+    that have not yet seen the graph as it is (a decoder's pattern matcher, its dearest pass, once
+    less)."""
+
+    def __init__(self, inner: ir.passes.InPlacePass, ledger: NameLedger | None, report: FusionReport,
+                 changes: list[int]):
         super().__init__()
-        self.inner, self.ledger, self.report = inner, ledger, report
+        self.inner, self.ledger, self.report, self.changes = inner, ledger, report, changes
+        self.unchanged_at: int | None = None  # the count of changes when this pass last changed nothing
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if self.unchanged_at == self.changes[0]:
+            return ir.passes.PassResult(model, modified=False)
         result = self.inner(model)
         if result.modified:
-            settle_names(self.ledger, result.model, self.report)
+            self.changes[0] += 1
+            self.unchanged_at = None
+            if self.ledger is not None:
+                settle_names(self.ledger, result.model, self.report)
+        else:
+            self.unchanged_at = self.changes[0]
         return result
 
 
@@ -90,7 +106,8 @@ def run_passes(model: ir.Model, names: Iterable[str], report: FusionReport, *,
     """
     passes = make_passes(list(names), report, **options)
     if passes:
-        steps = [_Settled(p, ledger, report) for p in passes] if ledger else passes
+        changes = [0]
+        steps = [_Settled(p, ledger, report, changes) for p in passes]
         try:
             ir.passes.PassManager(steps, steps=MAX_ROUNDS, early_stop=True)(model)
         except ir.passes.PassError as e:  # the manager wraps what a pass raised

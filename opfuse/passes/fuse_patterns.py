@@ -48,6 +48,7 @@ from __future__ import annotations
 
 __all__ = ["PatternFusionPass", "patterns_that_could_match"]
 
+import collections
 import dataclasses
 import functools
 import os
@@ -60,7 +61,7 @@ from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display
 
 from opfuse.core.analysis import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
-from opfuse.passes.pattern_gate import patterns_that_could_match  # (re-exported)
+from opfuse.passes.pattern_gate import patterns_that_could_match, usable_rules, written_ops  # (the first re-exported)
 from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
 from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord, Refusal
@@ -119,8 +120,7 @@ class PatternFusionPass(OpfusePass):
         unfused = self._unfuse(model) if self.target.unfused_ops else False
         if not patterns:
             return ir.passes.PassResult(model, modified=unfused)
-        present = {("" if n.domain in ONNX_DOMAINS else n.domain, n.op_type)
-                   for scope in iter_scopes(model) for n in scope.graph}
+        present = collections.Counter(_key(n) for scope in iter_scopes(model) for n in scope.graph)
         if not any(_could_match(pattern_rules(p, self.target, approximate=self.approximate), present)
                    for p in patterns):  # (then no shape inference: on a 48k-node conv chain it was most of the run)
             return ir.passes.PassResult(model, modified=unfused)
@@ -136,11 +136,11 @@ class PatternFusionPass(OpfusePass):
             found = pattern_rules(name, self.target, approximate=self.approximate)
             tracer.title = found.title
             if found.transactional:
-                changed = self._transaction(model, found, tracer)
+                changed = self._transaction(model, found, tracer, present)
                 if changed:
                     names = NameTable(model)  # the graph is the trial's now
             else:
-                changed = self._stages(model, found, tracer, names, self.report.records)
+                changed = self._stages(model, found, tracer, names, self.report.records, present)
             if changed:
                 modified = True
                 infer_shapes(model)  # new intermediate values for the next pattern's checks
@@ -179,21 +179,21 @@ class PatternFusionPass(OpfusePass):
 
         return unfuse_ops(model, self.target.unfused_ops, refuse, record)
 
-    def _stages(self, model, found, tracer, names, records) -> bool:
+    def _stages(self, model, found, tracer, names, records, present) -> bool:
         changed = False
         for stage in found.stages:
             for scope in list(iter_scopes(model)):
-                if self._apply(model, scope, found, stage, tracer, names, records):
+                if self._apply(model, scope, found, stage, tracer, names, records, present):
                     changed = True
         return changed
 
-    def _transaction(self, model, found, tracer) -> bool:
+    def _transaction(self, model, found, tracer, present) -> bool:
         """Stages whose intermediate ops (``found.intermediate_domains``) must all be consumed
         by a later stage: run on a copy, kept only when none is left and the graph got
         smaller (a rewrite that adds nodes around the fused op is not the fusion asked for)."""
         trial = model.clone()
         records: list[FusionRecord] = []
-        if not self._stages(trial, found, tracer, NameTable(trial), records):
+        if not self._stages(trial, found, tracer, NameTable(trial), records, present):
             return False
         left = [n for scope in iter_scopes(trial) for n in scope.graph if n.domain in found.intermediate_domains]
         if left:
@@ -216,15 +216,19 @@ class PatternFusionPass(OpfusePass):
         self.report.records.extend(records)
         return True
 
-    def _apply(self, model, scope: Scope, found, rules, tracer, names: NameTable, records) -> bool:
+    def _apply(self, model, scope: Scope, found, rules, tracer, names: NameTable, records,
+               present: collections.Counter) -> bool:
         """One stage's rules over one graph or function, as onnxscript's ``RewriteRuleSet``
-        applies them, honouring what each rule declares (:func:`_declared`)."""
+        applies them, honouring what each rule declares (:func:`_declared`). A rule is tried only
+        while the model holds the nodes its pattern needs (:func:`~opfuse.passes.pattern_gate.usable_rules`; ``present``, the model's
+        ops, only grows: the ops each rewrite writes are added, none taken away)."""
         container = scope.container
         rules = self._set_up(scope, found, rules)
-        by_root, anywhere = _index(rules)
+        usable, waiting = usable_rules(rules, present)
+        by_root, anywhere = _index(usable)
         changed = False
         for node in container:
-            key = ("" if node.domain in ONNX_DOMAINS else node.domain, node.op_type)
+            key = _key(node)
             for rule in (*by_root.get(key, ()), *anywhere):
                 try:
                     delta = rule.try_rewrite(model, container, node, tracer=tracer)
@@ -267,6 +271,10 @@ class PatternFusionPass(OpfusePass):
                 for new in delta.new_nodes:
                     if new.domain and new.domain not in model.opset_imports:
                         model.opset_imports[new.domain] = 1
+                present.update(written := written_ops(delta.new_nodes))
+                if waiting and any(op in waiting for op in written):  # a rule may find its ops now
+                    usable, waiting = usable_rules(rules, present)
+                    by_root, anywhere = _index(usable)
                 record, main = _record(scope, found, rule, matched, removed, delta, outputs)
                 self._add_record(records, record, main, matched, found.title)
                 changed = True
@@ -319,12 +327,17 @@ class PatternFusionPass(OpfusePass):
             self._made[main] = (record, title)
 
 
-def _could_match(found, present: set[tuple[str, str]]) -> bool:
+def _key(node: ir.Node) -> tuple[str, str]:
+    """(domain, op) of a node, the ONNX domain's aliases as ""."""
+    return ("" if node.domain in ONNX_DOMAINS else node.domain), node.op_type
+
+
+def _could_match(found, present: collections.Counter) -> bool:
     """Whether some stage of ``found`` has a rule whose root op is in the model (or a rule
     that can root anywhere)."""
     for stage in found.stages:
         by_root, anywhere = _index(stage)
-        if anywhere or not present.isdisjoint(by_root):
+        if anywhere or any(present[k] for k in by_root):
             return True
     return False
 

@@ -10,15 +10,20 @@ rule may answer; except for a staged pattern that names its ``ENTRY_STAGE`` (att
 stage), whose earlier stages alone fuse nothing (attention's shape rule matches most CNNs): that
 stage's rule must find its ops, less those an earlier stage's rules name (which they may have made).
 
+The pattern pass asks the same of each rule as it runs (:func:`usable_rules`): a rule is tried at a
+node only while the model holds the nodes its pattern needs, the ops its rewrites write counted in
+(:func:`written_ops`) and none taken away, so a rule left out could not have matched.
+
 A family's own pass is gated the same way by the ops it declares it needs
 (:attr:`opfuse.passes.base.OpfusePass.requires_ops`: ``fuse-dynamic-int8`` needs a MatMulInteger).
 """
 
 from __future__ import annotations
 
-__all__ = ["patterns_that_could_match", "passes_that_could_run"]
+__all__ = ["patterns_that_could_match", "passes_that_could_run", "required_ops", "usable_rules", "written_ops"]
 
 import collections
+import functools
 
 import onnx_ir as ir
 
@@ -57,16 +62,16 @@ def passes_that_could_run(model: ir.Model, names) -> set[str]:
 def _stage_could_match(found, present: collections.Counter) -> bool:
     """Whether a rule of ``found`` finds its ops in ``present`` (module docstring)."""
     def finds(rule, earlier=frozenset()) -> bool:
-        return all(n <= present[op] for op, n in _required_ops(rule).items() if op not in earlier)
+        return all(n <= present[op] for op, n in required_ops(rule).items() if op not in earlier)
 
     if found.entry_stage is None:
         return any(finds(rule) for stage in found.stages for rule in stage)
-    earlier = frozenset().union(*(_required_ops(rule) for stage in found.stages[:found.entry_stage]
+    earlier = frozenset().union(*(required_ops(rule) for stage in found.stages[:found.entry_stage]
                                   for rule in stage))
     return any(finds(rule, earlier) for rule in found.stages[found.entry_stage])
 
 
-def _required_ops(rule) -> collections.Counter:
+def required_ops(rule) -> collections.Counter:
     """How many nodes of each (domain, op) every match of the rule's pattern needs, counting the
     nodes whose op is one fixed name: those behind the pattern's outputs, where an alternative
     (onnxscript's ``OrValue``: ``Mul | Div | nothing`` for a scale) needs only what all its branches
@@ -109,3 +114,37 @@ def _needed(value, memo: dict) -> dict:
                 found.update(_needed(v, memo))
     memo[id(value)] = found  # (an input or a constant: no node)
     return found
+
+
+def usable_rules(rules: tuple, present: collections.Counter) -> tuple[tuple, frozenset]:
+    """The ``rules`` whose pattern's nodes ``present`` ((domain, op) counts) holds (:func:`required_ops`:
+    a necessary condition, so a rule left out could not match), and the ops the others wait for. A
+    tanh GELU's rules need a Tanh: on a graph without one, its commuted variants are not tried at
+    every Mul."""
+    usable, waiting = [], set()
+    for rule in rules:
+        missing = [op for op, n in _required(rule).items() if present[op] < n]
+        if missing:
+            waiting.update(missing)
+        else:
+            usable.append(rule)
+    return tuple(usable), frozenset(waiting)
+
+
+def written_ops(nodes) -> list[tuple[str, str]]:
+    """(domain, op) of ``nodes`` and of the nodes of their subgraphs (an If a rewrite wrote), the ONNX
+    domain's aliases as ""."""
+    found = []
+    for node in nodes:
+        found.append(("" if node.domain in ONNX_DOMAINS else node.domain, node.op_type))
+        for attr in node.attributes.values():
+            graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+                list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+            for graph in graphs:
+                found += written_ops(list(graph))
+    return found
+
+
+@functools.cache
+def _required(rule) -> collections.Counter:
+    return required_ops(rule)

@@ -17,11 +17,13 @@ and before anything is written. The steps, each a function:
    one intra-op thread unless asked otherwise, each session's fastest of :data:`REPEAT` runs per
    round, :data:`COPIES` sessions per variant (a round's time their mean): the input, its A/A
    control, the target's **policy** (:func:`opfuse.tune.families.policy_configuration`: what it
-   writes untimed), the policy with each family it fuses off in turn, each other form of attention,
-   and the folds alone. The number of rounds comes from the graph's work units
+   writes untimed), the policy with each family it fuses off in turn, and each other form of
+   attention. The number of rounds comes from the graph's work units
    (:func:`rounds_for`), not the clock. A variant whose rewrites raise, or that fails to run or
    computes something else, is dropped with its reason; the others go on. A variant that writes
-   the same graph as the policy is not timed ("not in this graph"); with nothing to time, nothing is.
+   the same graph as the policy is not timed ("not in this graph"), nor one that the runtime, at the
+   level timed, runs as the policy's kernels node for node (the same graph once it has optimised
+   both: any ratio would be the noise; the policy stands); with nothing to time, nothing is.
 4. **Decisions** (:func:`decide`). The noise (:func:`noise_of`) is the A/A's distance from 1, or
    the half-width of a 95% interval for its median where that is wider, plus a floor
    (:data:`NOISE_FLOOR`). A family the policy fuses is turned off only where the policy measured
@@ -31,8 +33,9 @@ and before anything is written. The steps, each a function:
    timed, makes the same kernels from the graph without the family).
 5. **Never slower than the input** (:func:`fall_back`). The configuration chosen is timed against
    the input (in the same run when it was one of its variants, else in a second one with its own
-   A/A). If it is slower beyond the noise, the folds alone are written when they are not, else the
-   input itself (``None``), and the log says which.
+   A/A). If it is slower beyond the noise, the folds alone (every family off: built and timed against
+   the input only then) are written when they are not slower, else the input itself (``None``), and
+   the log says which.
 
 Decisions are data (:mod:`opfuse.tune.record`): a timed run's record is cached by the graph's signature
 and the machine, and replayed (``--tuning FILE``, or the cache) without timing.
@@ -54,7 +57,6 @@ import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from opfuse.core.analysis import op_counts, opset_of
@@ -62,16 +64,13 @@ from opfuse.core.dims import free_dims
 from opfuse.core.ops import first_line
 from opfuse.runtime import create_session
 from opfuse.tune import timing
+from opfuse.tune.budget import COPIES, REPEAT, ROUND_BYTES, rounds_for, work_units
 from opfuse.tune.families import FAMILIES, OFF, ON, WRITTEN_OUT, Configuration, forms_for
 from opfuse.tune.record import FORMAT
 from opfuse.verify.inputs import describe_sizes, find_sizes, make_feeds, past_cache
 
 NOISE_FLOOR = 0.02  # added to the A/A's distance from 1: what a family must beat
 DECODE_PAST, PREFILL_SEQ = 256, 128  # the default shapes: a decode step's past, any other graph's free dims
-ROUND_BYTES = 24 * 2**30  # the work units of one timed run: the bytes all its sessions' runs touch
-REPEAT = 3  # runs per session per round, the fastest taken (timing.measure)
-COPIES = 2  # sessions per variant, a round's time their mean (timing.measure; experiments/decode_timing)
-MIN_ROUNDS, MAX_ROUNDS = 9, 61  # the work units decide between them (a small graph gets many: a tight A/A)
 ENVIRONMENT = "OPFUSE_TUNE"  # "off": the default is not to time (test suites)
 
 
@@ -387,11 +386,6 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         record.written = "the target's policy"
         record.seconds = time.perf_counter() - start
         return policy, record
-    if folds not in models:
-        try:
-            models[folds] = build(folds)
-        except Exception:  # noqa: BLE001 - the folds alone are only the fall-back
-            pass
     names = {policy: "policy", folds: "folds alone", **{c: c.label(policy) for c in candidates}}
     rounds = rounds if rounds is not None else rounds_for(original, fed, 3 + len(timed))
 
@@ -401,11 +395,11 @@ def tune(original: ir.Model, build: Callable[[Configuration], ir.Model], *, targ
         variants += [timing.Variant(names.get(c, "chosen"), names.get(c, "chosen"), models[c], level=level,
                                     exact=exact) for c in configs if c in models]
         found = measure(variants, fed, threads=threads, rounds=rounds, baseline="original",
-                        repeat=REPEAT, copies=COPIES)
+                        repeat=REPEAT, copies=COPIES, same_as=names[policy])
         record.rounds += found.rounds
         return found
 
-    run = timed_run([policy, *timed] + ([folds] if folds not in timed else []))
+    run = timed_run([policy, *timed])  # (the folds alone only if the fall-back needs them: fall_back)
     record.aa = Spread.of(run.paired("original (A/A)", "original"))
     record.noise = noise_of(run.paired("original (A/A)", "original"))
     final = decide(run, record, policy, candidates, timed, names, results)
@@ -429,9 +423,19 @@ def decide(run: timing.Measurement, record: Tuning, policy: Configuration, candi
     aa = record.aa.median if record.aa else None
     own_form = policy.get("attention")
     same_kernels = _same_runtime_graphs(run, names[policy])
+    same = getattr(run, "same", set())
     for config in timed:
         family, candidate = candidates[config]
         problem = broken.get(names[config])
+        if names[config] in same:  # the runtime runs it as the policy's kernels: no ratio but the noise
+            itself = f"ONNX Runtime at level {record.level} runs the same kernels"
+            if family == "attention":
+                results[config] = FamilyResult(family, candidate, "refused", (
+                    f"{own_form} kept (the target's policy): {candidate} against {own_form}: {itself} (not timed)"))
+            else:
+                results[config] = FamilyResult(family, candidate, "kept", (
+                    f"kept (the target's policy): {itself} from the graph without it (not timed)"))
+            continue
         if family == "attention":  # another form over the policy's
             ratios = run.paired(names[config], names[policy])
             kept, why = (False, problem) if problem else judge(ratios, record.noise, aa)
@@ -479,8 +483,8 @@ def decide(run: timing.Measurement, record: Tuning, policy: Configuration, candi
 def fall_back(run: timing.Measurement, record: Tuning, final: Configuration, policy: Configuration,
               folds: Configuration, names: dict, models: dict, build: Callable, timed_run: Callable) -> Configuration | None:
     """Never slower than the input: ``final`` timed against it (in ``run`` when it was one of its
-    variants, else in a second run with its own A/A); slower beyond the noise, the folds alone are
-    written when they are not, else the input itself (None). Sets the record's ``final`` and ``written``."""
+    variants, else in a second run with its own A/A); slower beyond the noise, the folds alone (built and
+    timed, with their own A/A, only then) are written when they are not, else the input itself (None). Sets the record's ``final`` and ``written``."""
     noise = record.noise
     if names.get(final) in run.timings:
         source, name = run, names[final]
@@ -505,8 +509,20 @@ def fall_back(run: timing.Measurement, record: Tuning, final: Configuration, pol
     record.written = record.written or f"the configuration chosen ({record.chosen})"
     if record.final.median <= 1 + noise:
         return final
-    folded = Spread.of(run.paired(names[folds], "original")) if names[folds] in run.timings else None
-    if folded is not None and folded.median <= 1 + record.noise and final != folds:
+    folded, folds_noise = None, record.noise
+    if final != folds:  # the folds alone, timed against the input (in ``run`` when a variant was them)
+        if names[folds] not in run.timings and folds not in models:
+            try:
+                models[folds] = build(folds)
+            except Exception:  # noqa: BLE001 - the folds alone are only the fall-back
+                pass
+        if names[folds] in run.timings:
+            folded = Spread.of(run.paired(names[folds], "original"))
+        elif folds in models:
+            second = timed_run([folds])
+            folded = Spread.of(second.paired(names[folds], "original"))
+            folds_noise = max(folds_noise, noise_of(second.paired("original (A/A)", "original")))
+    if folded is not None and folded.median <= 1 + folds_noise:
         record.written = (f"the folds alone: the configuration chosen measured {record.final} of the "
                           "input's time, slower beyond the noise")
         record.final = folded
@@ -514,45 +530,6 @@ def fall_back(run: timing.Measurement, record: Tuning, final: Configuration, pol
     record.written = (f"the input unchanged: the configuration chosen measured {record.final} of its time, "
                       "slower beyond the noise")
     return None
-
-
-def rounds_for(model: ir.Model, feeds: Mapping[str, np.ndarray], variants: int) -> int:
-    """Rounds of a timed run from the graph's work units, not the clock: :data:`ROUND_BYTES` over
-    the bytes one run of all ``variants`` touches (:func:`work_units`, times :data:`REPEAT` and
-    :data:`COPIES`), between :data:`MIN_ROUNDS` and :data:`MAX_ROUNDS`. The same graph always
-    gets the same rounds, whatever the machine is doing."""
-    per_round = max(1, work_units(model, feeds)) * variants * REPEAT * COPIES
-    return max(MIN_ROUNDS, min(MAX_ROUNDS, int(ROUND_BYTES // per_round)))
-
-
-def work_units(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> int:
-    """The bytes one run of ``model`` on ``feeds`` reads and writes, as ONNX's shape inference sees
-    them: its initializers, and every value whose shape it infers at the feeds' sizes (a value of
-    unknown shape counts as the largest input)."""
-    proto = ir.serde.serialize_model(model)
-    for value in proto.graph.input:
-        if value.name in feeds:
-            shape = value.type.tensor_type.shape
-            del shape.dim[:]
-            for size in np.shape(feeds[value.name]):
-                shape.dim.add().dim_value = int(size)
-    weights = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    largest = max((np.asarray(f).nbytes for f in feeds.values()), default=0)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - onnx raises its own types: a graph it cannot infer counts by node
-        return weights + largest * len(proto.graph.node)
-    known = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output]}
-    total = weights
-    for node in inferred.graph.node:
-        for out in node.output:
-            info = known.get(out)
-            dims = info.type.tensor_type.shape.dim if info is not None and info.type.HasField("tensor_type") else None
-            if dims is None or any(not d.HasField("dim_value") for d in dims):
-                total += largest
-            else:
-                total += 4 * int(np.prod([d.dim_value for d in dims], dtype=np.int64))
-    return total
 
 
 def _describe(config: Configuration, policy: Configuration) -> str:

@@ -28,6 +28,9 @@ benchmarks (:mod:`opfuse.bench.measure`, which re-exports it) run:
   constants takes fewer).
 - Node counts: the graph's own for disabled optimisations; for the runtime's levels, the
   nodes left after its optimiser (``optimized_model_filepath``), by ``domain.op_type``.
+- ``same_as``: a variant whose graph, as the runtime runs it, is node for node the named variant's
+  (the same ops, each fed by the same ops) runs the same kernels; it is not timed (any ratio of the two
+  would be the noise), and :attr:`Measurement.same` names it.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ class Measurement:
     op_counts: dict[str, Counter]  # variant -> node counts by domain.op_type as the runtime runs it
     mismatches: dict[str, str]  # variant -> why its outputs differ from the baseline's
     errors: dict[str, str]  # variant -> why it could not run
+    same: set[str] = dataclasses.field(default_factory=set)  # not timed: the same runtime graph as ``same_as``
 
     def nodes(self, name: str) -> int | None:
         counts = self.op_counts.get(name)
@@ -145,6 +149,15 @@ class Measurement:
 
 def _graph_op_counts(proto: onnx.ModelProto) -> Counter:
     return count_ops(proto.graph.node)
+
+
+def _runtime_graph(proto: onnx.ModelProto) -> tuple:
+    """The graph as the runtime runs it, node by node, in any order: each node's (domain, op, the
+    (domain, op) making each of its inputs, or "" for an input or a weight). Attributes are left out:
+    two rewrites of one graph may write an attribute at its default or leave it out."""
+    made = {out: f"{n.domain}.{n.op_type}" for n in proto.graph.node for out in n.output}
+    return tuple(sorted(repr((n.domain, n.op_type, [made.get(i, "") for i in n.input], len(n.output)))
+                        for n in proto.graph.node))
 
 
 def _model_op_counts(model) -> Counter:
@@ -174,6 +187,7 @@ def measure(
     max_rounds: int = 41,
     repeat: int = 1,
     copies: int = 1,
+    same_as: str | None = None,
 ) -> Measurement:
     """Interleaved latency measurement of ``variants`` on the same ``feeds``.
 
@@ -184,7 +198,8 @@ def measure(
     shared machine lengthens one run, rarely all of them). ``copies``: sessions per variant,
     created in turn with the other variants' (copy 0 of each, then copy 1...); a round's time of
     a variant is the mean of its copies' (two sessions of one model can differ by several percent
-    for as long as they live: where each got its memory, not what it computes).
+    for as long as they live: where each got its memory, not what it computes). ``same_as``: a variant
+    of kind "config" whose runtime graph is that variant's is not timed (module docstring).
     """
     baseline = baseline or variants[0].name
     op_counts: dict[str, Counter] = {}
@@ -200,10 +215,22 @@ def measure(
 
     copies_of: dict[str, list[Any]] = {}
     sources: dict[str, bytes | str] = {}  # (serialised once, whatever the copies)
+    graphs: dict[str, tuple] = {}  # variant -> its runtime graph (at a runtime level)
+    same: set[str] = set()
+
+    def drop_same() -> None:
+        if same_as in graphs:
+            same.update(v.name for v in variants if v.kind == "config" and v.name != same_as
+                        and graphs.get(v.name) == graphs[same_as])
+        for name in same:
+            copies_of.pop(name, None)
+
     with tempfile.TemporaryDirectory(prefix="opfuse-bench-") as tmp:
         for copy in range(max(1, copies)):
+            if copy == 1:
+                drop_same()  # (before their second sessions)
             for i, v in enumerate(variants):
-                if v.name in errors:
+                if v.name in errors or v.name in same:
                     continue
                 optimized = os.path.join(tmp, f"opt{i}.onnx") if v.level != "disabled" and copy == 0 else None
                 try:
@@ -214,7 +241,10 @@ def measure(
                         providers=["CPUExecutionProvider"],
                     ))
                     if copy == 0 and optimized is not None:
-                        op_counts[v.name] = _graph_op_counts(onnx.load(optimized, load_external_data=False))
+                        proto = onnx.load(optimized, load_external_data=False)
+                        op_counts[v.name] = _graph_op_counts(proto)
+                        graphs[v.name] = _runtime_graph(proto)
+                        del proto
                     elif copy == 0:
                         op_counts[v.name] = _model_op_counts(v.model)
                 except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
@@ -222,6 +252,7 @@ def measure(
                     copies_of.pop(v.name, None)
                 if copy == 0:
                     tick(f"session {v.label}")
+        drop_same()
     sessions = {name: found[0] for name, found in copies_of.items()}
 
     names = [v.name for v in variants if v.name in sessions]
@@ -293,6 +324,7 @@ def measure(
         op_counts=op_counts,
         mismatches=mismatches,
         errors=errors,
+        same=same,
     )
 
 
