@@ -20,6 +20,7 @@ import time
 # (no numpy, onnx or ONNX Runtime: quantize_int4 imports them at module level; the names are plain data)
 ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
 DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
+FOLD_NORMS = False  # as opfuse.llm.quantize_int4's
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -49,6 +50,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-gguf-blocks", action="store_true",
                    help="int4 from a GGUF: requantise every weight from float instead of importing the file's "
                         "Q4_0/Q4_1/Q8_0 blocks as they are (the default: exact)")
+    p.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="int4: fold each RMSNorm's scale into the projections that read it before quantising, "
+                        "where they are still in float (default: %s)" % ("on" if FOLD_NORMS else "off"))
     p.add_argument("--attention", choices=("gqa", "exported"), default="gqa",
                    help="gqa: each layer's attention as com.microsoft.GroupQueryAttention (rotary inside, the cache "
                         "shared between past and present), verified against the graph as exported on unpadded "
@@ -67,7 +71,8 @@ def run(args) -> int:
     done = convert(args.source, args.output, args.precision, verify=not args.no_verify,
                    block_size=args.block_size, symmetric=args.symmetric, algorithm=args.int4_algorithm,
                    head_bits=args.head_bits, embedding_bits=args.embedding_bits,
-                   gguf_blocks=not args.no_gguf_blocks, attention=args.attention)
+                   gguf_blocks=not args.no_gguf_blocks, attention=args.attention,
+                   fold_norms=FOLD_NORMS if args.fold_norms is None else args.fold_norms)
     print(f"optimised: {done.optimize_summary}")
     print(f"attention: {done.attention}")
     if done.precision == "int4":

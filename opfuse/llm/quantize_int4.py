@@ -41,8 +41,8 @@ One exception to the first: a tied LM head is ``MatMul(x, Transpose(E))`` of the
 :func:`untie_head` gives that MatMul a transposed copy of ``E`` of its own first, so the head becomes
 a MatMulNBits beside the embedding's GatherBlockQuantized (two quantised copies of one matrix; one
 shared copy would need a MatMulNBits-layout Gather, not written). RMSNorm scales are not folded into
-the next projection: on a GGUF's weights that would move them off the file's grid, and nothing
-measured here asked for it (docs/results/llm.md).
+the next projection unless ``fold_norms`` (:mod:`opfuse.llm.fold_norm`), and then only into weights
+still in float after the GGUF import: on a GGUF's weights that would move them off the file's grid.
 
 Legality: not exact (but the GGUF import): each weight is replaced by a point on a 4-bit grid per
 block, so the outputs change. The tests check that each rewrite computes with the blocks it wrote
@@ -73,6 +73,7 @@ BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
 DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
+FOLD_NORMS = False  # measured: docs/results/llm.md
 
 
 # the float MatMuls of the q4_1 form (opfuse.llm.gguf_blocks): its block sums and residuals, never quantised
@@ -244,14 +245,16 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
                   accuracy_level: int | None = ACCURACY_LEVEL, embedding: bool = True, embedding_bits: int = 8,
                   algorithm: str = DEFAULT_ALGORITHM, head_bits: int = 4, calibration: list[dict] | None = None,
                   gguf=None, gguf_form: str = "residual",
-                  input_hessians: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+                  input_hessians: dict[str, np.ndarray] | None = None,
+                  fold_norms: bool = FOLD_NORMS) -> onnx.ModelProto:
     """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
 
     ``algorithm``: one of :data:`ALGORITHMS`; ``gptq`` needs ``calibration`` (feeds of ``model``), or
     ``input_hessians`` measured before (:func:`hessians`, e.g. from the model's file without loading it).
     ``head_bits`` 8: the tied LM head at 8 bits (RTN, symmetric). ``gguf``: a GGUF file (or a
     :class:`opfuse.llm.gguf_blocks.GgufRows`) whose quantised blocks are imported as they are first,
-    wherever a weight is that file's rows; the rest goes to ``algorithm``.
+    wherever a weight is that file's rows; the rest goes to ``algorithm``. ``fold_norms``: the RMSNorm
+    scales folded into the projections still in float first (:mod:`opfuse.llm.fold_norm`).
     ``model`` is changed in place and returned (or a new proto, from ONNX Runtime's quantiser)."""
     if algorithm not in ALGORITHMS:
         raise BadInputError(f"int4 algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
@@ -264,6 +267,12 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
 
         rows = gguf if isinstance(gguf, GgufRows) else GgufRows(gguf)
         import_blocks(model, None, form=gguf_form, accuracy_level=accuracy_level, rows=rows)
+    if fold_norms:
+        from opfuse.llm.fold_norm import fold_norm_scales, rescale_hessians  # (imported when asked for)
+
+        folded = fold_norm_scales(model)
+        if input_hessians is not None and folded:
+            input_hessians = rescale_hessians(input_hessians, folded)
     live = {n.name for n in model.graph.node}
     heads = [h for h in heads if h in live]
     if head_bits == 8 and heads:
