@@ -233,7 +233,7 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         raise BadInputError(f"{source}: no such file or folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     algorithm = algorithm or DEFAULT_ALGORITHM
-    windows = calibration_windows if precision == "int4" and algorithm == "gptq" else 0
+    windows = calibration_windows if precision == "int4" and algorithm.startswith("gptq") else 0
     with tempfile.TemporaryDirectory(prefix=".opfuse-llm-", dir=out.parent) as tmp:
         tmp = pathlib.Path(tmp)
         exported, optimised, stage = tmp / "export" / "model.onnx", tmp / "opt" / "model.onnx", tmp / "out"

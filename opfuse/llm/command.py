@@ -18,7 +18,7 @@ import argparse
 import time
 
 # (no numpy, onnx or ONNX Runtime: quantize_int4 imports them at module level; the names are plain data)
-ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
+ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq", "gptq_int")
 DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
 FOLD_NORMS = False  # as opfuse.llm.quantize_int4's
 
@@ -41,7 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="int4: how weights are rounded (default: %s): rtn (ONNX Runtime's min-max, integer zero "
                         "points), k_quant and hqq (ONNX Runtime's; hqq writes float zero points, which its CPU "
                         "kernel runs slowly), q4_1 (min-max with a float minimum, as GGUF's Q4_1), gptq "
-                        "(calibrated on standard-library docstrings)" % DEFAULT_ALGORITHM)
+                        "(calibrated on standard-library docstrings), gptq_int (gptq with integer zero points: "
+                        "fewer nodes)" % DEFAULT_ALGORITHM)
     p.add_argument("--head-bits", type=int, choices=(4, 8), default=4,
                    help="int4: bits of the LM head's MatMulNBits (default: %(default)s)")
     p.add_argument("--embedding-bits", type=int, choices=(4, 8), default=8,
