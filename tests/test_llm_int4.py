@@ -192,6 +192,28 @@ def test_command_int4_gptq_folder_generates(hf_folder):  # noqa: F811  (the fixt
     assert len(tokens) == NEW_TOKENS and all(0 <= t < VOCAB for t in tokens)
 
 
+def test_command_int4_gptq_int_folded_norms_folder_generates(hf_folder):  # noqa: F811  (the fixture above)
+    """``--int4-algorithm gptq_int --fold-norms`` on the tiny model: every norm before a projection has
+    ones for its scale, no residual MatMul pair is written, and the folder generates."""
+    from test_llm import NEW_TOKENS, PROMPT, VOCAB, _genai_greedy
+
+    from opfuse.cli import main
+    from opfuse.llm.fold_norm import NORMS
+
+    out = hf_folder.parent / "int4-gptq-int-folded"
+    assert main(["llm", str(hf_folder), "-o", str(out), "--precision", "int4", "--int4-algorithm", "gptq_int",
+                 "--fold-norms"]) == 0
+    proto = onnx.load(str(out / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    norms = [n for n in proto.graph.node if n.op_type in NORMS]
+    assert norms
+    for n in norms:
+        np.testing.assert_array_equal(inits[n.input[NORMS[n.op_type]]], 1)
+    assert not [n.name for n in proto.graph.node if n.name.endswith(("_gguf_residual", "_gguf_block_sums"))]
+    _, tokens = _genai_greedy(out, PROMPT, NEW_TOKENS)
+    assert len(tokens) == NEW_TOKENS and all(0 <= t < VOCAB for t in tokens)
+
+
 def test_default_algorithm_is_gptq_and_needs_no_flag():
     """The default (measured best: docs/results/llm.md) is GPTQ: the same blocks as asking for it."""
     assert DEFAULT_ALGORITHM == "gptq"
