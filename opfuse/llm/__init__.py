@@ -223,7 +223,7 @@ def _umask() -> int:
 def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str = "fp32", *,
             verify: bool = True, block_size: int = 32, symmetric: bool = False, algorithm: str | None = None,
             head_bits: int = 4, embedding_bits: int = 8, gguf_blocks: bool = True,
-            calibration_windows: int = 8, attention: str = "gqa") -> Converted:
+            calibration_windows: int = 8, attention: str = "gqa", fold_norms: bool | None = None) -> Converted:
     """Write the genai folder of ``source`` at ``precision`` into ``out`` (module docstring)."""
     # (the steps import torch, transformers and the pipeline: only when a model is converted)
     import onnx
@@ -248,7 +248,7 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         raise BadInputError(f"{source}: no such file or folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     algorithm = algorithm or DEFAULT_ALGORITHM
-    windows = calibration_windows if precision == "int4" and algorithm == "gptq" else 0
+    windows = calibration_windows if precision == "int4" and algorithm.startswith("gptq") else 0
     with tempfile.TemporaryDirectory(prefix=".opfuse-llm-", dir=out.parent) as tmp:
         tmp = pathlib.Path(tmp)
         exported, optimised, stage = tmp / "export" / "model.onnx", tmp / "opt" / "model.onnx", tmp / "out"
@@ -278,7 +278,8 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
             stage.mkdir()
             model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric,
                                   algorithm=algorithm, head_bits=head_bits, embedding_bits=embedding_bits,
-                                  input_hessians=input_hessians, gguf=gguf)
+                                  input_hessians=input_hessians, gguf=gguf,
+                                  **({} if fold_norms is None else {"fold_norms": fold_norms}))
             del input_hessians
             shutil.rmtree(optimised.parent)
             not_quantized = _not_quantized(model)

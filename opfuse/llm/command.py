@@ -18,8 +18,9 @@ import argparse
 import time
 
 # (no numpy, onnx or ONNX Runtime: quantize_int4 imports them at module level; the names are plain data)
-ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
+ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq", "gptq_int")
 DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
+FOLD_NORMS = False  # as opfuse.llm.quantize_int4's
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,7 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="int4: how weights are rounded (default: %s): rtn (ONNX Runtime's min-max, integer zero "
                         "points), k_quant and hqq (ONNX Runtime's; hqq writes float zero points, which its CPU "
                         "kernel runs slowly), q4_1 (min-max with a float minimum, as GGUF's Q4_1), gptq "
-                        "(calibrated on standard-library docstrings)" % DEFAULT_ALGORITHM)
+                        "(calibrated on standard-library docstrings), gptq_int (gptq with integer zero points: "
+                        "fewer nodes)" % DEFAULT_ALGORITHM)
     p.add_argument("--head-bits", type=int, choices=(4, 8), default=4,
                    help="int4: bits of the LM head's MatMulNBits (default: %(default)s)")
     p.add_argument("--embedding-bits", type=int, choices=(4, 8), default=8,
@@ -49,6 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-gguf-blocks", action="store_true",
                    help="int4 from a GGUF: requantise every weight from float instead of importing the file's "
                         "Q4_0/Q4_1/Q8_0 blocks as they are (the default: exact)")
+    p.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="int4: fold each RMSNorm's scale into the projections that read it before quantising, "
+                        "where they are still in float (default: %s)" % ("on" if FOLD_NORMS else "off"))
     p.add_argument("--attention", choices=("gqa", "exported"), default="gqa",
                    help="gqa: each layer's attention as com.microsoft.GroupQueryAttention (rotary inside, the cache "
                         "shared between past and present), verified against the graph as exported on unpadded "
@@ -67,7 +72,8 @@ def run(args) -> int:
     done = convert(args.source, args.output, args.precision, verify=not args.no_verify,
                    block_size=args.block_size, symmetric=args.symmetric, algorithm=args.int4_algorithm,
                    head_bits=args.head_bits, embedding_bits=args.embedding_bits,
-                   gguf_blocks=not args.no_gguf_blocks, attention=args.attention)
+                   gguf_blocks=not args.no_gguf_blocks, attention=args.attention,
+                   fold_norms=FOLD_NORMS if args.fold_norms is None else args.fold_norms)
     print(f"optimised: {done.optimize_summary}")
     print(f"attention: {done.attention}")
     if done.precision == "int4":

@@ -23,6 +23,8 @@ float bits, then an exact comparison), and its blocks are written as they are in
     ``E`` [K/32, N] holds ``e``. Since ``sum_k x_k (d (q_k - z) + e) = sum_k x_k (d q_k + m)``, this is the
     GGUF's weight exactly (to float rounding), with the fast uint8-zero-point kernel; ``x @ S`` is shared
     by every weight that reads the same ``x``. Cost: ``E`` is one float per block (1 bit per weight).
+    Where every ``e`` is 0 (``m`` a whole multiple of ``d``: blocks written with integer zero points,
+    :func:`write_min_blocks`), the pair is not written.
 
   A Q4_1 table (an embedding) has no exact GatherBlockQuantized form (its zero points are integers of
   the data's type): it is left to the caller.
@@ -189,6 +191,7 @@ class _Writer:
             z = np.where(d == 0, 0, np.clip(np.rint(-m / np.where(d == 0, 1, d)), 0, 15)).astype(np.uint8)
             zero_points = _pack4_zero_points(z)
             residual = np.ascontiguousarray((m + d * z.astype(np.float32)).T.astype(np.float32))  # [blocks, N]
+        if kind == "Q4_1" and form == "residual" and np.any(residual != 0):  # (none: an integer zero point)
             sums = self.block_sums.get((x, k))
             if sums is None:
                 sums = self.block_sums[(x, k)] = f"{name}_gguf_block_sums"

@@ -28,6 +28,9 @@ What it does (:func:`quantize_int4`):
     spread over the rows not yet quantised through the inverse Hessian of the layer's input, which
     :func:`hessians` measures on ``calibration`` feeds (one ONNX Runtime run per feed, every MatMul input
     an output).
+  - ``gptq_int``: GPTQ on the grid ``d * (code - z)`` with an integer zero point ``z`` per block (the
+    range widened to hold 0): no residual pair (:mod:`opfuse.llm.gguf_blocks` writes none where the
+    minimum is a whole multiple of the scale), so fewer nodes per projection than ``gptq``.
 
 - ``gguf``: before the algorithm, every weight that is a GGUF's own Q4_0 / Q4_1 / Q8_0 rows is
   written from the file's blocks as they are (:mod:`opfuse.llm.gguf_blocks`: exact).
@@ -41,8 +44,8 @@ One exception to the first: a tied LM head is ``MatMul(x, Transpose(E))`` of the
 :func:`untie_head` gives that MatMul a transposed copy of ``E`` of its own first, so the head becomes
 a MatMulNBits beside the embedding's GatherBlockQuantized (two quantised copies of one matrix; one
 shared copy would need a MatMulNBits-layout Gather, not written). RMSNorm scales are not folded into
-the next projection: on a GGUF's weights that would move them off the file's grid, and nothing
-measured here asked for it (docs/results/llm.md).
+the next projection unless ``fold_norms`` (:mod:`opfuse.llm.fold_norm`), and then only into weights
+still in float after the GGUF import: on a GGUF's weights that would move them off the file's grid.
 
 Legality: not exact (but the GGUF import): each weight is replaced by a point on a 4-bit grid per
 block, so the outputs change. The tests check that each rewrite computes with the blocks it wrote
@@ -71,8 +74,9 @@ from opfuse.errors import BadInputError
 
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
-ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq")
+ALGORITHMS = ("rtn", "k_quant", "hqq", "q4_1", "gptq", "gptq_int")
 DEFAULT_ALGORITHM = "gptq"  # measured best: docs/results/llm.md
+FOLD_NORMS = False  # measured: docs/results/llm.md
 
 
 # the float MatMuls of the q4_1 form (opfuse.llm.gguf_blocks): its block sums and residuals, never quantised
@@ -138,23 +142,29 @@ def _matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, np.ndarray]]:
     return found
 
 
-def _minmax_blocks(w: np.ndarray, block_size: int):
+def _minmax_blocks(w: np.ndarray, block_size: int, integer_zero: bool = False):
     """Per block of ``block_size`` along K of ``w`` [K, N]: (codes [N, blocks, block], d, m [N, blocks]),
     w ~ d * code + m, d = (max - min) / 15, m = min (llama.cpp's Q4_1 rule, the minimum a float)."""
     k, n = w.shape
     blocks = w.T.reshape(n, k // block_size, block_size)
     lo, hi = blocks.min(axis=2), blocks.max(axis=2)
+    if integer_zero:  # (as _gptq_blocks' integer_zero)
+        lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
     d = ((hi - lo) / 15).astype(np.float32)
+    if integer_zero:
+        lo = -(d * np.clip(np.rint(-lo / np.where(d == 0, 1, d)), 0, 15).astype(np.float32))
     safe = np.where(d == 0, 1, d)
     codes = np.clip(np.rint((blocks - lo[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
     return codes, d, lo.astype(np.float32)
 
 
-def _gptq_blocks(w: np.ndarray, h: np.ndarray, block_size: int, damp: float = 0.01):
+def _gptq_blocks(w: np.ndarray, h: np.ndarray, block_size: int, damp: float = 0.01, integer_zero: bool = False):
     """GPTQ (Frantar et al. 2022) on ``w`` [K, N] with the Hessian ``h`` = E[x x^T] [K, K] of its input:
     rows quantised in order, each one's error spread over the rows not yet quantised through the
     inverse Hessian's Cholesky factor; the grid of each block (d, m as :func:`_minmax_blocks`) is taken
-    from the block's weights as updated when the block starts. Returns what ``_minmax_blocks`` does."""
+    from the block's weights as updated when the block starts. Returns what ``_minmax_blocks`` does.
+    ``integer_zero``: the grid ``d * (code - z)`` with an integer ``z`` in [0, 15] (the range widened to
+    hold 0, ``d`` rounded to float32), so ``m = -d * z`` and the written form needs no residual pair."""
     k, n = w.shape
     w = w.astype(np.float64).copy()
     h = h.astype(np.float64).copy()
@@ -170,6 +180,11 @@ def _gptq_blocks(w: np.ndarray, h: np.ndarray, block_size: int, damp: float = 0.
         i1, i2 = b * block_size, (b + 1) * block_size
         lo, hi = w[i1:i2].min(axis=0), w[i1:i2].max(axis=0)
         d = (hi - lo) / 15
+        if integer_zero:
+            lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+            d = ((hi - lo) / 15).astype(np.float32).astype(np.float64)
+            z = np.clip(np.rint(-lo / np.where(d == 0, 1, d)), 0, 15)
+            lo = -(d.astype(np.float32) * z.astype(np.float32)).astype(np.float64)  # (as the writer computes it)
         safe = np.where(d == 0, 1, d)
         err = np.zeros((block_size, n))
         for i in range(block_size):
@@ -244,14 +259,16 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
                   accuracy_level: int | None = ACCURACY_LEVEL, embedding: bool = True, embedding_bits: int = 8,
                   algorithm: str = DEFAULT_ALGORITHM, head_bits: int = 4, calibration: list[dict] | None = None,
                   gguf=None, gguf_form: str = "residual",
-                  input_hessians: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+                  input_hessians: dict[str, np.ndarray] | None = None,
+                  fold_norms: bool = FOLD_NORMS) -> onnx.ModelProto:
     """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
 
     ``algorithm``: one of :data:`ALGORITHMS`; ``gptq`` needs ``calibration`` (feeds of ``model``), or
     ``input_hessians`` measured before (:func:`hessians`, e.g. from the model's file without loading it).
     ``head_bits`` 8: the tied LM head at 8 bits (RTN, symmetric). ``gguf``: a GGUF file (or a
     :class:`opfuse.llm.gguf_blocks.GgufRows`) whose quantised blocks are imported as they are first,
-    wherever a weight is that file's rows; the rest goes to ``algorithm``.
+    wherever a weight is that file's rows; the rest goes to ``algorithm``. ``fold_norms``: the RMSNorm
+    scales folded into the projections still in float first (:mod:`opfuse.llm.fold_norm`).
     ``model`` is changed in place and returned (or a new proto, from ONNX Runtime's quantiser)."""
     if algorithm not in ALGORITHMS:
         raise BadInputError(f"int4 algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
@@ -264,6 +281,12 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
 
         rows = gguf if isinstance(gguf, GgufRows) else GgufRows(gguf)
         import_blocks(model, None, form=gguf_form, accuracy_level=accuracy_level, rows=rows)
+    if fold_norms:
+        from opfuse.llm.fold_norm import fold_norm_scales, rescale_hessians  # (imported when asked for)
+
+        folded = fold_norm_scales(model)
+        if input_hessians is not None and folded:
+            input_hessians = rescale_hessians(input_hessians, folded)
     live = {n.name for n in model.graph.node}
     heads = [h for h in heads if h in live]
     if head_bits == 8 and heads:
@@ -296,22 +319,24 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
 
         model = _quiet_quantizer(KQuantWeightOnlyQuantConfig(op_types_to_quantize=("MatMul",)), model,
                                  block_size=block_size, accuracy_level=accuracy_level)
-    else:  # q4_1, gptq: a float minimum per block, written as the GGUF Q4_1 import writes it
+    else:  # q4_1, gptq, gptq_int: a minimum per block, written as the GGUF Q4_1 import writes it
         from opfuse.llm.gguf_blocks import write_min_blocks  # (gguf (the llm extra): imported when a GGUF is read)
 
         found = _matmuls(model)
         found = [(n, w) for n, w in found if w.shape[0] % block_size == 0]
         h = {}
-        if algorithm == "gptq" and found and not calibration and input_hessians is None:
-            raise BadInputError("int4 algorithm gptq: needs calibration feeds")
-        if algorithm == "gptq" and found:
+        gptq = algorithm.startswith("gptq")
+        if gptq and found and not calibration and input_hessians is None:
+            raise BadInputError(f"int4 algorithm {algorithm}: needs calibration feeds")
+        if gptq and found:
             h = input_hessians if input_hessians is not None else hessians(
                 model, calibration, {n.input[0] for n, _ in found})
         replaced = {}
         for node, w in found:
             hessian = h.get(node.input[0])  # (none measured for it: min-max)
-            replaced[node.name] = (_gptq_blocks(w, hessian, block_size) if hessian is not None
-                                   else _minmax_blocks(w, block_size))
+            replaced[node.name] = (_gptq_blocks(w, hessian, block_size, integer_zero=algorithm == "gptq_int")
+                                   if hessian is not None
+                                   else _minmax_blocks(w, block_size, integer_zero=algorithm == "gptq_int"))
         write_min_blocks(model, replaced, block_size, accuracy_level)
     if embedding and embedding_bits == 4:
         model = _rtn(model, ("Gather",), block_size, symmetric, accuracy_level)
