@@ -277,9 +277,8 @@ def upgraded(path: pathlib.Path, opset: int, out: pathlib.Path) -> pathlib.Path:
 
         from opfuse.prepare.opset import upgrade_opset
 
-        model, problem = upgrade_opset(ir.load(str(path)), opset)
-        if problem:
-            sys.exit(f"{path}: not upgraded to opset {opset}: {problem}")
+        model, note = upgrade_opset(ir.load(str(path)), opset)
+        print(f"{path.parent.name}: {note or 'already at opset ' + str(opset)}", flush=True)
         ir.save(model, str(out), external_data=out.name + ".data")
     return out
 
