@@ -2,6 +2,7 @@
 
     python benchmarks/qnn_llm.py --model smollm2-135m --variants float,w8a16,w4a16,ort-w8a16 --json qnn_llm.json
     python benchmarks/qnn_llm.py --model llama --variants float           # the corpus' tiny random Llama
+    python benchmarks/qnn_llm.py --model smollm2-135m --opset 23 ...       # the export upgraded first
 
 The deployment (static shapes, as QNN deployments of LLMs fix them): batch 1; the prefill a chunk of
 ``--seq`` tokens (default 64), the prompt left-padded into it; the decode step ``--past`` cached positions
@@ -269,6 +270,19 @@ def build(variant: str, model: str, paths: dict, shapes: Shapes, work: pathlib.P
     return row
 
 
+def upgraded(path: pathlib.Path, opset: int, out: pathlib.Path) -> pathlib.Path:
+    """The export at ``opset`` (opfuse's own upgrade, as ``--opset`` runs it), written once beside the work."""
+    if not out.exists():
+        import onnx_ir as ir
+
+        from opfuse.prepare.opset import upgrade_opset
+
+        model, note = upgrade_opset(ir.load(str(path)), opset)
+        print(f"{path.parent.name}: {note or 'already at opset ' + str(opset)}", flush=True)
+        ir.save(model, str(out), external_data=out.name + ".data")
+    return out
+
+
 def ort_flow(paths: dict, shapes: Shapes, npz: dict, work: pathlib.Path) -> dict:
     """ONNX Runtime's documented QNN flow on the same export and calibration (w8a16 types)."""
     import onnx
@@ -341,17 +355,19 @@ def main() -> None:
     parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "opfuse-qnn-llm",
                         help="where the compiled graphs, calibration and logs are kept (re-runs reuse them)")
     parser.add_argument("--no-loop", action="store_true", help="compile only")
+    parser.add_argument("--opset", type=int, help="upgrade each export to this opset first (23: RMSNormalization, "
+                        "Attention and RotaryEmbedding are written as the standard ops QNN runs)")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     decoder = {**decoders.MODELS, **EXTRA}[args.model]
-    work = args.work / f"{args.model}-p{args.past}-s{args.seq}"
+    work = args.work / f"{args.model}-p{args.past}-s{args.seq}" / (f"opset{args.opset}" if args.opset else "")
     work.mkdir(parents=True, exist_ok=True)
     paths = {}
     for graph in ("prefill", "decode"):
         path, error = decoders.exported(decoder, "dynamo", graph, decoders.DEFAULT_CACHE)
         if path is None:
             sys.exit(f"{args.model} {graph}: not exported ({error})")
-        paths[graph] = path
+        paths[graph] = upgraded(path, args.opset, work / f"export-{graph}.onnx") if args.opset else path
     shapes = Shapes(decoder, args.past, args.seq)
     result = {"model": args.model, "past": args.past, "seq": args.seq, "tokens": args.tokens,
               "shapes": {"prefill": f"input_ids/attention_mask/position_ids [1, {args.seq}] -> logits [1, {args.seq}, "

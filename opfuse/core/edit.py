@@ -76,3 +76,23 @@ def drop_unread_nodes(nodes, ops: frozenset[str] | None = None) -> list[ir.Node]
         removed.append(node)
         pending += sources
     return removed
+
+
+def remove_matched(container, nodes) -> list[ir.Node]:
+    """Remove the nodes of a matched chain that nothing reads any more, consumers first, until none
+    is left to remove (a node something else still reads stays: a shared DynamicQuantizeLinear);
+    then the constants only they read. ``container`` is the graph or function holding them.
+    Returns the nodes removed, in the order removed."""
+    removed, inputs, pending = [], [], list(nodes)
+    while True:
+        dead = [n for n in pending if n.graph is not None
+                and not any(v.uses() or v.is_graph_output() for v in n.outputs)]
+        if not dead:
+            break
+        for node in dead:
+            inputs.extend(v for v in node.inputs if v is not None)
+            container.remove(node, safe=True)
+            removed.append(node)
+    for value in inputs:
+        drop_if_unused(value)
+    return removed

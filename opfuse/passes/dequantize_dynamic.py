@@ -71,7 +71,7 @@ import onnx_ir as ir
 
 from opfuse.core import algebra
 from opfuse.core.analysis import NameTable, Scope, describe, find_constant, iter_scopes, node_label
-from opfuse.core.edit import add_constant, drop_if_unused
+from opfuse.core.edit import add_constant, remove_matched
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord, Reason
 from opfuse.core.ops import integer_op, int_attr, is_op, str_attr
@@ -168,27 +168,14 @@ def _pattern(node: ir.Node) -> str:
 
 
 def _remove_dead(scope: Scope, nodes: list[ir.Node]) -> list[ir.Node]:
-    """Remove the matched nodes (and a DynamicQuantizeLinear they read) nothing reads any
-    more, consumers first; then the constants only they read."""
+    """Remove the matched nodes, and a DynamicQuantizeLinear they read, where nothing reads them any more."""
     sources = []
     for node in nodes:
         for v in node.inputs:
             p = v.producer() if v is not None else None
             if is_op(p, "DynamicQuantizeLinear") and p not in nodes and p not in sources:
                 sources.append(p)
-    removed, inputs, pending = [], [], [*nodes, *sources]
-    while True:
-        dead = [n for n in pending if n.graph is not None
-                and not any(v.uses() or v.is_graph_output() for v in n.outputs)]
-        if not dead:
-            break
-        for node in dead:
-            inputs.extend(v for v in node.inputs if v is not None)
-            scope.container.remove(node, safe=True)
-            removed.append(node)
-    for value in inputs:
-        drop_if_unused(value)
-    return removed
+    return remove_matched(scope.container, [*nodes, *sources])
 
 
 # -- matching: each rule returns a Plan, or the Reason it does not apply ----------------------

@@ -68,7 +68,7 @@ import numpy as np
 import onnx_ir as ir
 
 from opfuse.core.analysis import Constant, NameTable, Scope, describe, find_constant, iter_scopes, node_label
-from opfuse.core.edit import add_constant, drop_if_unused
+from opfuse.core.edit import add_constant, remove_matched
 from opfuse.core.ops import int_attr, is_op
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord, Reason
@@ -145,27 +145,12 @@ class FuseDynamicInt8Pass(OpfusePass):
         out.dtype, out.shape = ir.DataType.FLOAT, old.shape
         name = old.name
         old.replace_all_uses_with(out, replace_graph_outputs=True)
-        removed = _remove_dead(scope, plan.nodes)
+        removed = remove_matched(scope.container, plan.nodes)
         out.name = name  # the kernel's output keeps the name of the tensor it computes
         self.report.records.append(FusionRecord(
             pattern=f"{PATTERN}->{plan.op}", node=node_label(node), removed=tuple(node_label(n) for n in removed),
             produced=node_label(new), graph=scope.label, detail=plan.detail, output=name,
         ))
-
-
-def _remove_dead(scope: Scope, nodes: list[ir.Node]) -> list[ir.Node]:
-    """Remove the nodes of ``nodes`` nothing reads any more, consumers first (a node another
-    reads stays: a shared DynamicQuantizeLinear), then the constants only they read."""
-    removed, inputs = [], []
-    for node in nodes:
-        if node.graph is None or any(v.uses() or v.is_graph_output() for v in node.outputs):
-            continue
-        inputs.extend(v for v in node.inputs if v is not None)
-        scope.container.remove(node, safe=True)
-        removed.append(node)
-    for value in inputs:
-        drop_if_unused(value)
-    return removed
 
 
 # -- matching: a Plan, or the Reason the chain stays ----------------------------------------

@@ -1,10 +1,15 @@
 """Raising a model's opset: onnx's version converter, opt-in (``opfuse optimize --opset N``).
 
 A standard op a pattern becomes may need a newer opset than the model has
-(LayerNormalization 17, Gelu 20, RMSNormalization and Attention 23, Swish 24). opfuse never
-raises the opset on its own: ``--opset N`` asks for it, and the converter's adapters rewrite
-the ops whose signature changed (ReduceMean's axes become an input at 18...). The upgrade
-is checked with the rewrites: verification runs the original against the result.
+(LayerNormalization 17, Gelu 20, RMSNormalization and Attention 23, Swish 24). ``--opset N``
+asks for it, and the converter's adapters rewrite the ops whose signature changed (ReduceMean's
+axes become an input at 18...). The upgrade is checked with the rewrites: verification runs the
+original against the result. opfuse raises the opset on its own in two places only: a timed
+configuration of ``--target onnxruntime`` (:mod:`opfuse.tune`), and a target whose device
+computes an RMSNorm written out wrongly where it computes the standard op right
+(:attr:`opfuse.targets.kernels.Target.rms_norm_opset`: QNN's HTP, whose float16 loses a real
+decoder's mean of squares); :func:`written_out_rms_norm` finds such a norm, and ``--opset`` with
+the model's own opset keeps it.
 
 A lower ``N`` than the model's is refused (opfuse does not lower opsets), as is a model
 the converter cannot upgrade (one line with its reason).
@@ -18,7 +23,7 @@ raise its opset.
 
 from __future__ import annotations
 
-__all__ = ["upgrade_opset", "kernels_lost"]
+__all__ = ["upgrade_opset", "kernels_lost", "written_out_rms_norm"]
 
 import functools
 
@@ -122,3 +127,23 @@ def kernels_lost(model: ir.Model, opset: int) -> list[str]:
             if then != now and _runs(op, now) and not _runs(op, then):
                 lost[op] = then
     return [f"{op} (version {version})" for op, version in sorted(lost.items())]
+
+
+def written_out_rms_norm(model: ir.Model) -> ir.Node | None:
+    """The first ReduceMean of the main graph that is an RMSNorm's mean of squares written out as
+    the exporters write it and the rms-norm pattern reads it (``ReduceMean(Pow(x, 2))`` read by an
+    Add, then a Sqrt), or None."""
+    for node in model.graph:
+        if node.op_type != "ReduceMean" or node.domain not in ONNX_DOMAINS or not node.inputs or node.inputs[0] is None:
+            continue
+        square = node.inputs[0].producer()
+        if square is None or square.domain not in ONNX_DOMAINS:
+            continue
+        squared = (
+            square.op_type == "Pow" and len(square.inputs) == 2 and square.inputs[1] is not None
+            and square.inputs[1].const_value is not None and square.inputs[1].const_value.size == 1
+            and float(square.inputs[1].const_value.numpy().reshape(-1)[0]) == 2.0)
+        adds = [u.node for u in node.outputs[0].uses() if u.node.op_type == "Add"]
+        if squared and any(u.node.op_type == "Sqrt" for a in adds for u in a.outputs[0].uses()):
+            return node
+    return None

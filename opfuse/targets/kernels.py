@@ -231,6 +231,9 @@ class Target:
     exceptions: tuple[PolicyException, ...] = ()  # graphs where a pattern's policy does not hold
     runs_here: bool = False  # ONNX Runtime's CPU provider runs what it writes: its fusions are timed (opfuse.tune)
     integer_matmul: IntegerMatMulKernels | None = None  # its dynamic-int8 MatMul kernels (None: it has none)
+    # the opset a graph holding an RMSNorm written out is raised to when no --opset is given: the
+    # device computes the standard RMSNormalization right and the written-out form wrongly (None: never)
+    rms_norm_opset: int | None = None
 
     def __post_init__(self):
         bad = {p: v for p, v in self.patterns.items() if v not in POLICIES}

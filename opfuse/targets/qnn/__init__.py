@@ -63,7 +63,10 @@ So, per pattern (:data:`PATTERNS`):
 The op form is ``"qnn"`` (:mod:`opfuse.passes.patterns`: standard ops, with the Gelu
 exception above). Attention and RotaryEmbedding exist from opset 23: below it each site is
 refused with the opset named (``--opset 23`` upgrades the model first), and its written-out form,
-which QNN also runs whole, stays. No epilogue kernels: QNN's compiler fuses Conv + activation from
+which QNN also runs whole, stays. A graph with an RMSNorm written out is raised to opset 23 unless
+``--opset`` says otherwise (``rms_norm_opset``): the HTP runs the written-out norm whole but, in
+float16, loses the mean of squares of a real decoder's hidden states (docs/targets/qnn.md), where
+it computes RMSNormalization-23 right; at 23 the attention and rotary become the standard ops too. No epilogue kernels: QNN's compiler fuses Conv + activation from
 standard ops itself, so opfuse writes them as they are.
 
 Static shapes (:mod:`opfuse.prepare.static_shapes`): QNN refuses every node whose shape is
@@ -112,4 +115,4 @@ PATTERNS: dict[str, str] = {
 }
 
 TARGET = Target(name="qnn", title="Qualcomm QNN HTP", patterns=PATTERNS, pattern_ops="qnn", static_shapes=True,
-                compiler_fuses_epilogues=True, device="opfuse.targets.qnn.device")
+                compiler_fuses_epilogues=True, device="opfuse.targets.qnn.device", rms_norm_opset=23)
