@@ -86,6 +86,59 @@ def test_the_float64_reference_of_an_external_model_equals_the_one_widened_whole
     assert bytes_d0 == ir_d0 and all(v > 0 for v in ir_d0.values())
 
 
+def _tied(vocab=512, hidden=32):
+    """An embedding lookup, a layer, and a head tied to the embedding (MatMul with its Transpose)."""
+    from onnx import TensorProto, helper
+
+    r = np.random.default_rng(7)
+    table = r.standard_normal((vocab, hidden)).astype(np.float32)
+    w = (r.standard_normal((hidden, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]),
+             helper.make_node("MatMul", ["e", "w"], ["m"]),
+             helper.make_node("Tanh", ["m"], ["h"]),
+             helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "table_t"], ["logits"])]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", vocab])],
+                              [onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_float64_reference_widens_what_a_lookup_takes_not_the_whole_table(tmp_path, monkeypatch):
+    """A weight read by an op that only moves or selects its elements (an embedding's Gather, a tied
+    head's Transpose) is read by it in float32 and widened after it: the lookup widens the rows it
+    takes. The same d0, to the last bit, as the model widened whole."""
+    import opfuse.verify.variation as variation
+
+    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
+    proto = _tied()
+    ids = np.random.default_rng(8).integers(0, 512, (2, 5), dtype=np.int64)
+    whole = serialized(load_model(proto)[0])
+    expected = create_session(whole).run(None, {"ids": ids})[0]
+    sets = [("", {"ids": ids}, {"logits": expected})]
+    seen = []
+    built = variation.session_with_weights
+
+    def capture(proto64, weights, *args, **kwargs):
+        seen.append(onnx.ModelProto.FromString(proto64.SerializeToString()))
+        return built(proto64, weights, *args, **kwargs)
+
+    monkeypatch.setattr(variation, "session_with_weights", capture)
+    level, d0 = runtime_rounding(_external(tmp_path, proto), sets, ["logits"])
+    assert level == "float64" and d0 == runtime_rounding(whole, sets, ["logits"])[1] and d0[("", "logits")] > 0
+    (graph,) = (m.graph for m in seen)
+    by_output = {o: n for n in graph.node for o in n.output}
+    stored = {t.name: t.data_type for t in graph.initializer}
+    for op in ("Gather", "Transpose"):  # each reads the float32 table, and a Cast widens what it gives
+        (node,) = (n for n in graph.node if n.op_type == op)
+        assert stored[node.input[0]] == onnx.TensorProto.FLOAT and node.input[0] not in by_output
+        (cast,) = (n for n in graph.node if n.input == [node.output[0]])
+        assert cast.op_type == "Cast"
+    # the table is never cast whole; the layer's weight (read by a MatMul) is
+    assert sorted(by_output[n.input[1]].op_type for n in graph.node if n.op_type == "MatMul") == ["Cast", "Cast"]
+    assert sum(1 for n in graph.node if n.op_type == "Cast" and stored.get(n.input[0]) is not None) == 1
+
+
 def test_verification_of_external_models_still_fails_a_wrong_rewrite(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
     original = _external(tmp_path, deep_net(), "a.onnx")

@@ -90,6 +90,8 @@ def _float64_from_bytes(original_x: bytes):
 
 
 WIDENED = "__opfuse_float32"  # suffix of a float32 weight's own name in the float64 model; a Cast gives the old name
+# ops that only move or select a weight's elements (input 0): run on the float32 weight, with the Cast after them
+MOVES = frozenset({"Gather", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Identity"})
 
 
 def _float64_session(original: ir.Model):
@@ -97,29 +99,65 @@ def _float64_session(original: ir.Model):
     initializers stay float32 and are given to the runtime where they are
     (:func:`opfuse.runtime.shared_weights`), each followed by a Cast to float64 under its own name,
     which the run computes when it reads it (exact: every float32 is a float64); the rest is widened
-    as :func:`_in_float64` does. The same numbers as the model :func:`_in_float64` writes, with one
-    weight in float64 at a time instead of all. None when the original cannot be so converted."""
+    as :func:`_in_float64` does. A weight read by an op that only moves or selects its elements
+    (:data:`MOVES`: an embedding's Gather, a tied head's Transpose) is read by it in float32 and the
+    Cast follows that op instead (the same numbers: such an op and the Cast commute), so a lookup
+    widens the rows it takes, not the table. The same numbers as the model :func:`_in_float64`
+    writes, with one weight in float64 at a time instead of all. None when the original cannot be
+    so converted."""
     shared = shared_weights(original)
     if shared is None:
         return None
     proto, weights = shared
     taken = {t.name for t in proto.graph.initializer} | {o for n in proto.graph.node for o in n.output}
-    casts, kept = [], {}
+    taken |= {v.name for v in [*proto.graph.input, *proto.graph.output]}
+
+    def fresh(name: str) -> str:
+        name += WIDENED
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    float32 = {}  # a weight's name -> its float32 tensor's new name
     for t in proto.graph.initializer:
         if t.name in weights and t.data_type == onnx.TensorProto.FLOAT:
-            name = t.name + WIDENED
-            while name in taken:
-                name += "_"
-            casts.append(helper.make_node("Cast", [name], [t.name], to=onnx.TensorProto.DOUBLE, name=name + "_cast"))
-            kept[name] = weights.pop(t.name)
-            t.name = name
-    weights.update(kept)
-    if not _widen(proto, keep=set(kept)):
+            float32[t.name] = fresh(t.name)
+            weights[float32[t.name]] = weights.pop(t.name)
+            t.name = float32[t.name]
+    if not _widen(proto, keep=set(float32.values())):
         return None
-    nodes = [*casts, *proto.graph.node]
+    outputs = {v.name for v in proto.graph.output}
+    nodes, widened_whole = [], set(float32) & outputs
+    for node in proto.graph.node:
+        moved = (node.domain in ("", "ai.onnx") and node.op_type in MOVES and len(node.output) == 1
+                 and node.input and node.input[0] in float32 and node.output[0] not in float32)
+        if moved:
+            node.input[0] = float32[node.input[0]]
+            out = node.output[0]
+            node.output[0] = fresh(out)
+            nodes += [node, helper.make_node("Cast", [node.output[0]], [out], to=onnx.TensorProto.DOUBLE,
+                                             name=node.output[0] + "_cast")]
+            widened_whole.update(n for n in node.input[1:] if n in float32)
+            continue
+        widened_whole.update(n for n in node.input if n in float32)
+        nodes.append(node)
+    casts = [helper.make_node("Cast", [float32[n]], [n], to=onnx.TensorProto.DOUBLE, name=float32[n] + "_cast")
+             for n in float32 if n in widened_whole or _read_in_subgraph(proto.graph.node, n)]
     del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
+    proto.graph.node.extend([*casts, *nodes])
     return session_with_weights(proto, weights, "disabled", prepack=False, cpu_arena=False)
+
+
+def _read_in_subgraph(nodes, name: str) -> bool:
+    """Whether a subgraph of ``nodes`` reads ``name`` (an outer-scope value)."""
+    for node in nodes:
+        for a in node.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                if any(name in n.input for n in g.node) or any(name == o.name for o in g.output) \
+                        or _read_in_subgraph(g.node, name):
+                    return True
+    return False
 
 
 def _measured(session, sets, tensors, masks, level: str) -> dict[tuple[str, str], float] | None:
