@@ -8,15 +8,17 @@ all need:
   :mod:`opfuse.targets`);
 - :func:`create_session` - a session for an ``onnx_ir.Model``, ``ModelProto`` or bytes;
   a model too large for one protobuf (or with external data) goes through a temporary
-  file with external data, or, with ``share_weights``, hands its weights to the runtime where
-  they are (:func:`shared_weights`: no copy, external data stays mapped from its own file);
+  file with external data, or, with ``share_weights``, one with external data or large weights
+  (:func:`weights_shared`) hands its weights to the runtime where they are (:func:`shared_weights`:
+  no serialised copy, external data stays mapped from its own file);
 - :func:`optimized_graph` - the graph the runtime actually runs at a level (its own
   fusions and layout changes applied), as a ``ModelProto`` without weights loaded.
 """
 
 from __future__ import annotations
 
-__all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "serialized", "optimized_graph", "shared_weights",
+__all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "serialized", "weights_shared", "optimized_graph",
+           "shared_weights",
            "session_with_weights", "drop_resident_pages", "give_back_memory"]
 
 import contextlib
@@ -33,6 +35,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from opfuse.core.analysis import tensor_nbytes
 from opfuse.save import needs_external_data
 from opfuse.targets import RUNTIME_LEVELS
 
@@ -89,18 +92,35 @@ def model_source(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) 
 
 def serialized(model: ir.Model) -> ir.Model | bytes:
     """``model`` as bytes for :func:`create_session`, serialised once for several sessions
-    (a model that needs external data stays as it is)."""
-    if needs_external_data(model):
+    (a model whose sessions take its weights as they are, :func:`weights_shared`, stays as it is)."""
+    if weights_shared(model):
         return model
     return ir.serde.serialize_model(model).SerializeToString()
+
+
+SHARED_TOTAL_BYTES = 1 << 26  # a model whose initializers hold this much gives a session its weights as they are
+
+
+def weights_shared(model: ir.Model) -> bool:
+    """Whether ``create_session(model, share_weights=True)`` gives the runtime ``model``'s weights as
+    they are (:func:`shared_weights`) rather than a serialised copy: a model that needs external data,
+    or whose main-graph initializers hold :data:`SHARED_TOTAL_BYTES` or more (a serialised copy held
+    for all of verification's sessions, and each session's own copy of it, would be two more)."""
+    if needs_external_data(model):
+        return True
+    total = 0
+    for value in model.graph.initializers.values():
+        if value.const_value is not None:
+            total += tensor_nbytes(value.const_value)
+    return total >= SHARED_TOTAL_BYTES
 
 
 def create_session(model, level: str = "disabled", threads: int | None = None, *, share_weights: bool = False,
                    **options):
     """An InferenceSession on the CPU provider (the runtime keeps the weights it loaded).
-    ``share_weights``: an ``onnx_ir.Model`` that :func:`needs_external_data` gives the runtime its
-    weights as they are (:func:`shared_weights`), not a serialised copy of them."""
-    if share_weights and isinstance(model, ir.Model) and needs_external_data(model):
+    ``share_weights``: an ``onnx_ir.Model`` that :func:`weights_shared` says so of gives the runtime
+    its weights as they are (:func:`shared_weights`), not a serialised copy of them."""
+    if share_weights and isinstance(model, ir.Model) and weights_shared(model):
         shared = shared_weights(model)
         if shared is not None:
             return session_with_weights(*shared, level, threads, **options)

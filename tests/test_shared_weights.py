@@ -139,6 +139,31 @@ def test_the_float64_reference_widens_what_a_lookup_takes_not_the_whole_table(tm
     assert sum(1 for n in graph.node if n.op_type == "Cast" and stored.get(n.input[0]) is not None) == 1
 
 
+def test_a_model_with_large_weights_in_the_file_gives_its_sessions_the_weights_as_they_are(monkeypatch):
+    """Weights kept inside the model file (no external data), when they are large, go to verification's
+    sessions as they are, like external ones (no serialised copy held for all the sessions): the same
+    outputs, the same float64 reference, and a wrong rewrite still fails."""
+    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
+    original, _ = load_model(deep_net())
+    whole = serialized(original)
+    assert isinstance(whole, bytes) and not runtime.weights_shared(original)
+    monkeypatch.setattr(runtime, "SHARED_TOTAL_BYTES", 1 << 16)
+    assert runtime.weights_shared(original) and serialized(original) is original
+    session = create_session(original, "disabled", prepack=False, share_weights=True)
+    assert session._opfuse_weights[1]  # (the weights given as arrays)
+    sets = []
+    for seed in range(2):
+        x = _feeds(seed)
+        expected = create_session(whole).run(None, x)
+        assert np.array_equal(expected[0], session.run(None, x)[0])
+        sets.append((f"set {seed}", x, {"y": expected[0]}))
+    assert runtime_rounding(whole, sets, ["y"]) == runtime_rounding(original, sets, ["y"])
+    good = verify_models(original, load_model(deep_net(reorder=True))[0])
+    assert good.ok and good.variation_level == "float64"
+    bad = verify_models(original, load_model(deep_net(wrong="scaled", reorder=True))[0])
+    assert not bad.ok
+
+
 def test_verification_of_external_models_still_fails_a_wrong_rewrite(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
     original = _external(tmp_path, deep_net(), "a.onnx")
