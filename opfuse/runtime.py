@@ -23,6 +23,7 @@ __all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "serialized", 
 
 import contextlib
 import ctypes
+import gc
 import ctypes.util
 import mmap
 import os
@@ -233,8 +234,12 @@ def drop_resident_pages(model: ir.Model | None) -> None:
     """Give back the pages of ``model``'s external tensors that reading them made resident (their
     mapped files stay mapped: a later read faults them in again from the page cache). Between one
     model's sessions and another's, so the process holds one model's weights, not two; and the C
-    heap's free pages with them (:func:`give_back_memory`)."""
-    give_back_memory()
+    heap's free pages with them (:func:`give_back_memory`), after a full garbage collection when
+    ``model``'s weights are large (:func:`weights_shared`): the pipeline runs with full collections
+    off (:func:`opfuse.pipeline.young_collections_only`), and the graphs a step left behind (the
+    timing's variants, a fold's discarded copy) are cycles that hold their arrays and the mapped
+    pages of their own loads of the weights until one runs."""
+    give_back_memory(collect=model is not None and weights_shared(model))
     if model is None:
         return
     for graph in (model.graph, *(f.graph for f in model.functions.values())):
@@ -258,11 +263,14 @@ def _libc_trim():
 _TRIM = _libc_trim()
 
 
-def give_back_memory() -> None:
+def give_back_memory(collect: bool = False) -> None:
     """Return the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing).
     What ONNX Runtime's sessions and numpy's arrays of a few MB free stays in the process's heap
     otherwise, counted in its resident set: after the measured choice's sessions on Qwen2-0.5B, 1.9
     GB of a 2.0 GB process; on a 200 MB model, 0.11 of 0.29 GB. Called where a phase's sessions and
-    arrays are gone (after the timing, the writing, each of verification's sessions)."""
+    arrays are gone (after the timing, the writing, each of verification's sessions). ``collect``: a
+    full garbage collection first (what only cycles still hold)."""
+    if collect:
+        gc.collect()
     if _TRIM is not None:
         _TRIM(0)

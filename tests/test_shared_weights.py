@@ -257,3 +257,33 @@ def test_giving_back_memory_is_safe_to_call_anywhere():
     kept = np.ones(1 << 20, np.float32)
     give_back_memory()  # (glibc's malloc_trim where there is one; nothing elsewhere)
     assert float(kept.sum()) == float(1 << 20)
+
+
+def test_dropping_a_large_models_pages_collects_the_cycles_left_behind(monkeypatch):
+    """The pipeline runs with full collections off: a graph a step left behind (a cycle) holds its
+    arrays until one runs. Dropping the pages of a model with large weights runs one; of a small
+    model, none (its cost is not paid where nothing large can be held)."""
+    import gc
+    import weakref
+
+    from opfuse.pipeline import young_collections_only
+
+    class Node:
+        pass
+
+    model, _ = load_model(deep_net())
+    with young_collections_only():
+        gc.collect()
+        a, b = Node(), Node()
+        a.other, b.other, a.array = b, a, np.ones(1 << 16, np.float32)  # a cycle holding an array
+        gone = weakref.ref(a)
+        for _ in range(2):  # (alive: into the oldest generation, which only a full collection visits)
+            gc.collect(1)
+        del a, b  # (garbage now)
+        gc.collect(1)
+        assert gone() is not None
+        drop_resident_pages(model)  # small weights: no full collection
+        assert gone() is not None
+        monkeypatch.setattr(runtime, "SHARED_TOTAL_BYTES", 1024)
+        drop_resident_pages(model)
+        assert gone() is None
