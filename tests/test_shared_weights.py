@@ -192,6 +192,10 @@ def test_a_tensor_no_input_reaches_is_fetched_once_and_its_scale_still_sets_the_
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model, _ = load_model(proto)
     assert _input_free(model, {"wt", "x", "y"}) == {"wt"}
+    from opfuse.verify.reference import permuted_scales
+
+    known = permuted_scales(model, {"wt"})  # (a Transpose keeps every element: read from the weight itself)
+    assert set(known) == {"wt"} and known["wt"].shape == () and float(known["wt"]) == float(np.abs(w).max())
     x = np.random.default_rng(4).standard_normal((1, 4, 16)).astype(np.float32)
     result = verify_models(model, load_model(proto)[0], inputs={"x": x})
     (check,) = result.outputs
@@ -209,6 +213,9 @@ def test_a_tensor_no_input_reaches_is_fetched_once_and_its_scale_still_sets_the_
     first, second = runner({}), runner({})
     assert Fake.fetched == [["y", "wt"], ["y"]]
     assert first["wt"].shape == () and float(first["wt"]) == float(np.abs(w).max()) and second["wt"] is first["wt"]
+    Fake.fetched, Fake.names = [], ["y", "wt"]
+    runner = _ScaledOnce(Fake(), {"wt"}, known)  # known: never fetched, not even once
+    assert float(runner({})["wt"]) == float(np.abs(w).max()) and Fake.fetched == [["y"]]
 
 
 def test_weights_the_rewrites_made_are_read_back_from_the_file_written(tmp_path):
