@@ -139,6 +139,43 @@ def test_the_float64_reference_widens_what_a_lookup_takes_not_the_whole_table(tm
     assert sum(1 for n in graph.node if n.op_type == "Cast" and stored.get(n.input[0]) is not None) == 1
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_large_product_of_the_float64_reference_is_widened_a_block_of_columns_at_a_time(tmp_path, monkeypatch, tied):
+    """A MatMul whose right operand is a large weight (a head; tied: the Transpose of the embedding) is
+    computed in the float64 reference as MatMuls of blocks of its columns, each widened on its own and
+    their results concatenated: the same d0 as the model widened whole, with one block in float64."""
+    import opfuse.verify.variation as variation
+
+    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
+    monkeypatch.setattr(variation, "SPLIT_BYTES", 512 * 32 * 8 // 3 + 8)  # three blocks of the table
+    proto = _tied()
+    if not tied:  # the head its own weight (as TorchScript exports it): MatMul(h, W) with W [hidden, vocab]
+        table = onnx.numpy_helper.to_array(proto.graph.initializer[0])
+        proto.graph.initializer.append(onnx.numpy_helper.from_array(np.ascontiguousarray(table.T), "head"))
+        head = next(n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] == "table_t")
+        head.input[1] = "head"
+        proto.graph.node.remove(next(n for n in proto.graph.node if n.op_type == "Transpose"))
+    ids = np.random.default_rng(8).integers(0, 512, (2, 5), dtype=np.int64)
+    whole = serialized(load_model(proto)[0])
+    expected = create_session(whole).run(None, {"ids": ids})[0]
+    sets = [("", {"ids": ids}, {"logits": expected})]
+    seen = []
+    built = variation.session_with_weights
+
+    def capture(proto64, weights, *args, **kwargs):
+        seen.append(onnx.ModelProto.FromString(proto64.SerializeToString()))
+        return built(proto64, weights, *args, **kwargs)
+
+    monkeypatch.setattr(variation, "session_with_weights", capture)
+    level, d0 = runtime_rounding(_external(tmp_path, proto), sets, ["logits"])
+    assert level == "float64" and d0[("", "logits")] > 0
+    assert d0[("", "logits")] == pytest.approx(runtime_rounding(whole, sets, ["logits"])[1][("", "logits")], rel=1e-9)
+    (graph,) = (m.graph for m in seen)
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("Concat") == 1 and ops.count("Slice") == 3 and ops.count("MatMul") == 4
+    assert ops.count("Transpose") == (3 if tied else 0)
+
+
 def test_a_model_with_large_weights_in_the_file_gives_its_sessions_the_weights_as_they_are(monkeypatch):
     """Weights kept inside the model file (no external data), when they are large, go to verification's
     sessions as they are, like external ones (no serialised copy held for all the sessions): the same

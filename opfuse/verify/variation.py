@@ -129,7 +129,13 @@ def _float64_session(original: ir.Model):
         return None
     outputs = {v.name for v in proto.graph.output}
     nodes, widened_whole = [], set(float32) & outputs
-    for node in proto.graph.node:
+    heads, through = _split_products(proto, weights, float32, outputs)
+    for index, node in enumerate(proto.graph.node):
+        if index in heads:
+            nodes += _in_column_blocks(proto, node, *heads[index], fresh)
+            continue
+        if node.output and node.output[0] in through:
+            continue  # (a Transpose the split product reads through, block by block)
         moved = (node.domain in ("", "ai.onnx") and node.op_type in MOVES and len(node.output) == 1
                  and node.input and node.input[0] in float32 and node.output[0] not in float32)
         if moved:
@@ -147,6 +153,75 @@ def _float64_session(original: ir.Model):
     del proto.graph.node[:]
     proto.graph.node.extend([*casts, *nodes])
     return session_with_weights(proto, weights, "disabled", prepack=False, cpu_arena=False)
+
+
+SPLIT_BYTES = 1 << 26  # a product's weight larger than this in float64 is widened a block of columns at a time
+
+
+def _split_products(proto, weights, float32, outputs):
+    """({the MatMul's index: (its weight's name, its float32 tensor's, whether it reads the weight transposed,
+    the shape of its right operand [K, N])}, the Transposes' outputs those read through) for each
+    main-graph MatMul whose right operand is a 2-D weight (or its Transpose, read by nothing else) above
+    :data:`SPLIT_BYTES` in float64: widened whole, that operand would be a float64 copy of a tied
+    head's table. None in a model below opset 13."""
+    found, through = {}, set()
+    if next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0) < 13:
+        return found, through
+    readers: dict[str, int] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    producers = {o: node for node in proto.graph.node for o in node.output}
+    for index, node in enumerate(proto.graph.node):
+        if node.domain not in ("", "ai.onnx") or node.op_type != "MatMul" or len(node.input) != 2:
+            continue
+        right, transposed = node.input[1], False
+        source = producers.get(right)
+        if (source is not None and source.domain in ("", "ai.onnx") and source.op_type == "Transpose"
+                and source.input and source.input[0] in float32 and readers.get(right) == 1 and right not in outputs
+                and all(list(a.ints) == [1, 0] for a in source.attribute if a.name == "perm")
+                and not _read_in_subgraph(proto.graph.node, right)):
+            right, transposed = source.input[0], True
+        elif right not in float32:
+            continue
+        array = weights.get(float32[right])
+        if array is None or array.ndim != 2 or array.size * 8 <= SPLIT_BYTES:
+            continue
+        shape = array.shape[::-1] if transposed else array.shape
+        found[index] = (right, float32[right], transposed, shape)
+        if transposed:
+            through.add(node.input[1])
+    return found, through
+
+
+def _in_column_blocks(proto, node, weight: str, source: str, transposed: bool, shape, fresh) -> list:
+    """``node`` (MatMul of x and a large float32 weight, or its Transpose, widened) as MatMuls of x
+    and blocks of the weight's columns, each sliced in float32 (rows of the weight when transposed,
+    then transposed) and widened, their results concatenated on the last axis: the same products (each
+    output is one column's), with one block of the weight in float64 at a time."""
+    k, n = shape
+    blocks = -(-n * k * 8 // SPLIT_BYTES)
+    step = -(-n // blocks)
+    axis = 0 if transposed else 1
+    out, parts = [], []
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        bounds = fresh(f"{weight}_block{start}")
+        proto.graph.initializer.extend([
+            onnx.numpy_helper.from_array(np.array([start], np.int64), bounds + "_starts"),
+            onnx.numpy_helper.from_array(np.array([stop], np.int64), bounds + "_ends"),
+            onnx.numpy_helper.from_array(np.array([axis], np.int64), bounds + "_axes")])
+        block = bounds + "_f32"
+        out.append(helper.make_node("Slice", [source, bounds + "_starts", bounds + "_ends", bounds + "_axes"], [block],
+                                    name=block))
+        if transposed:
+            out.append(helper.make_node("Transpose", [block], [block + "_t"], perm=[1, 0], name=block + "_t"))
+            block += "_t"
+        out.append(helper.make_node("Cast", [block], [bounds + "_f64"], to=onnx.TensorProto.DOUBLE, name=bounds + "_f64"))
+        out.append(helper.make_node("MatMul", [node.input[0], bounds + "_f64"], [bounds + "_y"], name=bounds + "_y"))
+        parts.append(bounds + "_y")
+    out.append(helper.make_node("Concat", parts, [node.output[0]], axis=-1, name=node.output[0] + "_blocks"))
+    return out
 
 
 def _read_in_subgraph(nodes, name: str) -> bool:
