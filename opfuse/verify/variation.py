@@ -22,6 +22,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
+from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.runtime import create_session, serialized, session_with_weights, shared_weights
 from opfuse.verify.inputs import defined_positions
 
@@ -136,7 +137,7 @@ def _float64_session(original: ir.Model):
             continue
         if node.output and node.output[0] in through:
             continue  # (a Transpose the split product reads through, block by block)
-        moved = (node.domain in ("", "ai.onnx") and node.op_type in MOVES and len(node.output) == 1
+        moved = (node.domain in ONNX_DOMAINS and node.op_type in MOVES and len(node.output) == 1
                  and node.input and node.input[0] in float32 and node.output[0] not in float32)
         if moved:
             node.input[0] = float32[node.input[0]]
@@ -165,7 +166,7 @@ def _split_products(proto, weights, float32, outputs):
     :data:`SPLIT_BYTES` in float64: widened whole, that operand would be a float64 copy of a tied
     head's table. None in a model below opset 13."""
     found, through = {}, set()
-    if next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0) < 13:
+    if next((o.version for o in proto.opset_import if o.domain in ONNX_DOMAINS), 0) < 13:
         return found, through
     readers: dict[str, int] = {}
     for node in proto.graph.node:
@@ -173,11 +174,11 @@ def _split_products(proto, weights, float32, outputs):
             readers[name] = readers.get(name, 0) + 1
     producers = {o: node for node in proto.graph.node for o in node.output}
     for index, node in enumerate(proto.graph.node):
-        if node.domain not in ("", "ai.onnx") or node.op_type != "MatMul" or len(node.input) != 2:
+        if node.domain not in ONNX_DOMAINS or node.op_type != "MatMul" or len(node.input) != 2:
             continue
         right, transposed = node.input[1], False
         source = producers.get(right)
-        if (source is not None and source.domain in ("", "ai.onnx") and source.op_type == "Transpose"
+        if (source is not None and source.domain in ONNX_DOMAINS and source.op_type == "Transpose"
                 and source.input and source.input[0] in float32 and readers.get(right) == 1 and right not in outputs
                 and all(list(a.ints) == [1, 0] for a in source.attribute if a.name == "perm")
                 and not _read_in_subgraph(proto.graph.node, right)):
