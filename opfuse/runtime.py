@@ -269,8 +269,9 @@ def give_back_memory(collect: bool = False) -> None:
     otherwise, counted in its resident set: after the measured choice's sessions on Qwen2-0.5B, 1.9
     GB of a 2.0 GB process; on a 200 MB model, 0.11 of 0.29 GB. Called where a phase's sessions and
     arrays are gone (after the timing, the writing, each of verification's sessions). ``collect``: a
-    full garbage collection first (what only cycles still hold)."""
-    if collect:
+    full garbage collection first (what only cycles still hold), unless no younger collection ran
+    since the last full one."""
+    if collect and gc.get_count()[2]:  # (none since the last full one: nothing has grown old since)
         gc.collect()
     if _TRIM is not None:
         _TRIM(0)
