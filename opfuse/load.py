@@ -199,20 +199,55 @@ def _inference_problem(proto: onnx.ModelProto) -> str:
     against its schema): the graph's ``value_info`` annotations are taken out for the run (and
     put back), since a stale annotation that disagrees with the inferred shape is the
     exporter's note, which ONNX Runtime runs past; an error that is such a merge with a
-    declared output shape (onnx says "existing") is not counted either. A model whose
-    serialised graph exceeds protobuf's 2 GB cannot be inferred in memory: not checked."""
-    annotations = list(proto.graph.value_info)
-    del proto.graph.value_info[:]
+    declared output shape (onnx says "existing") is not counted either. The main graph's large
+    initializers (above :data:`INFERENCE_DATA_LIMIT`: weights, whose values no op's inference
+    reads, unlike a shape's) go to the inference as typed graph inputs without their bytes
+    (:func:`_weightless`): the same checks, without the serialised copies of the weights onnx's
+    inference makes (the model in and the model out, each in Python and in C++). A model whose
+    serialised graph still exceeds protobuf's 2 GB cannot be inferred in memory: not checked."""
+    light = _weightless(proto)
+    annotations = list(light.graph.value_info) if light is proto else []
+    del light.graph.value_info[:]
     try:
-        onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+        onnx.shape_inference.infer_shapes(light, strict_mode=True)
     except onnx.shape_inference.InferenceError as e:
         message = first_line(e, limit=None)
         return "" if "existing" in message else message
     except (ValueError, RuntimeError):  # too large to serialise, or not inferable at all: not our verdict
         return ""
     finally:
-        proto.graph.value_info.extend(annotations)
+        if light is proto:
+            proto.graph.value_info.extend(annotations)
     return ""
+
+
+INFERENCE_DATA_LIMIT = 1 << 20  # bytes: a main-graph initializer above this goes to the strict inference as a typed input
+
+
+def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` itself when no main-graph initializer is above :data:`INFERENCE_DATA_LIMIT`; else a
+    model of the same opsets, functions and graph (nodes, inputs, outputs, the small initializers)
+    whose large initializers are typed graph inputs of their dtype and shape, without their bytes,
+    and with no ``value_info`` (what :func:`_inference_problem` runs on)."""
+    graph = proto.graph
+    large = [t for t in graph.initializer
+             if t.data_location != onnx.TensorProto.EXTERNAL and t.ByteSize() > INFERENCE_DATA_LIMIT]
+    if not large:
+        return proto
+    light = onnx.ModelProto(ir_version=proto.ir_version, domain=proto.domain, model_version=proto.model_version)
+    light.opset_import.extend(proto.opset_import)
+    light.functions.extend(proto.functions)
+    light.graph.name = graph.name
+    light.graph.node.extend(graph.node)
+    light.graph.input.extend(graph.input)
+    light.graph.output.extend(graph.output)
+    light.graph.sparse_initializer.extend(graph.sparse_initializer)
+    skipped = {t.name for t in large}
+    light.graph.initializer.extend(t for t in graph.initializer if t.name not in skipped)
+    inputs = {v.name for v in graph.input}
+    light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+                             for t in large if t.name not in inputs)
+    return light
 
 
 LOAD_NOTES = "opfuse.load_notes"  # model.meta key: what loading repaired, one line each

@@ -8,19 +8,22 @@ all need:
   :mod:`opfuse.targets`);
 - :func:`create_session` - a session for an ``onnx_ir.Model``, ``ModelProto`` or bytes;
   a model too large for one protobuf (or with external data) goes through a temporary
-  file with external data, or, with ``share_weights``, hands its weights to the runtime where
-  they are (:func:`shared_weights`: no copy, external data stays mapped from its own file);
+  file with external data, or, with ``share_weights``, one with external data or large weights
+  (:func:`weights_shared`) hands its weights to the runtime where they are (:func:`shared_weights`:
+  no serialised copy, external data stays mapped from its own file);
 - :func:`optimized_graph` - the graph the runtime actually runs at a level (its own
   fusions and layout changes applied), as a ``ModelProto`` without weights loaded.
 """
 
 from __future__ import annotations
 
-__all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "serialized", "optimized_graph", "shared_weights",
+__all__ = ["RUNTIME_LEVELS", "session_options", "create_session", "serialized", "weights_shared", "optimized_graph",
+           "shared_weights",
            "session_with_weights", "drop_resident_pages", "give_back_memory"]
 
 import contextlib
 import ctypes
+import gc
 import ctypes.util
 import mmap
 import os
@@ -33,6 +36,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from opfuse.core.analysis import tensor_nbytes
 from opfuse.save import needs_external_data
 from opfuse.targets import RUNTIME_LEVELS
 
@@ -89,18 +93,35 @@ def model_source(model: ir.Model | onnx.ModelProto | bytes | str, workdir: str) 
 
 def serialized(model: ir.Model) -> ir.Model | bytes:
     """``model`` as bytes for :func:`create_session`, serialised once for several sessions
-    (a model that needs external data stays as it is)."""
-    if needs_external_data(model):
+    (a model whose sessions take its weights as they are, :func:`weights_shared`, stays as it is)."""
+    if weights_shared(model):
         return model
     return ir.serde.serialize_model(model).SerializeToString()
+
+
+SHARED_TOTAL_BYTES = 1 << 26  # a model whose initializers hold this much gives a session its weights as they are
+
+
+def weights_shared(model: ir.Model) -> bool:
+    """Whether ``create_session(model, share_weights=True)`` gives the runtime ``model``'s weights as
+    they are (:func:`shared_weights`) rather than a serialised copy: a model that needs external data,
+    or whose main-graph initializers hold :data:`SHARED_TOTAL_BYTES` or more (a serialised copy held
+    for all of verification's sessions, and each session's own copy of it, would be two more)."""
+    if needs_external_data(model):
+        return True
+    total = 0
+    for value in model.graph.initializers.values():
+        if value.const_value is not None:
+            total += tensor_nbytes(value.const_value)
+    return total >= SHARED_TOTAL_BYTES
 
 
 def create_session(model, level: str = "disabled", threads: int | None = None, *, share_weights: bool = False,
                    **options):
     """An InferenceSession on the CPU provider (the runtime keeps the weights it loaded).
-    ``share_weights``: an ``onnx_ir.Model`` that :func:`needs_external_data` gives the runtime its
-    weights as they are (:func:`shared_weights`), not a serialised copy of them."""
-    if share_weights and isinstance(model, ir.Model) and needs_external_data(model):
+    ``share_weights``: an ``onnx_ir.Model`` that :func:`weights_shared` says so of gives the runtime
+    its weights as they are (:func:`shared_weights`), not a serialised copy of them."""
+    if share_weights and isinstance(model, ir.Model) and weights_shared(model):
         shared = shared_weights(model)
         if shared is not None:
             return session_with_weights(*shared, level, threads, **options)
@@ -213,8 +234,12 @@ def drop_resident_pages(model: ir.Model | None) -> None:
     """Give back the pages of ``model``'s external tensors that reading them made resident (their
     mapped files stay mapped: a later read faults them in again from the page cache). Between one
     model's sessions and another's, so the process holds one model's weights, not two; and the C
-    heap's free pages with them (:func:`give_back_memory`)."""
-    give_back_memory()
+    heap's free pages with them (:func:`give_back_memory`), after a full garbage collection when
+    ``model``'s weights are large (:func:`weights_shared`): the pipeline runs with full collections
+    off (:func:`opfuse.pipeline.young_collections_only`), and the graphs a step left behind (the
+    timing's variants, a fold's discarded copy) are cycles that hold their arrays and the mapped
+    pages of their own loads of the weights until one runs."""
+    give_back_memory(collect=model is not None and weights_shared(model))
     if model is None:
         return
     for graph in (model.graph, *(f.graph for f in model.functions.values())):
@@ -238,11 +263,15 @@ def _libc_trim():
 _TRIM = _libc_trim()
 
 
-def give_back_memory() -> None:
+def give_back_memory(collect: bool = False) -> None:
     """Return the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing).
     What ONNX Runtime's sessions and numpy's arrays of a few MB free stays in the process's heap
     otherwise, counted in its resident set: after the measured choice's sessions on Qwen2-0.5B, 1.9
     GB of a 2.0 GB process; on a 200 MB model, 0.11 of 0.29 GB. Called where a phase's sessions and
-    arrays are gone (after the timing, the writing, each of verification's sessions)."""
+    arrays are gone (after the timing, the writing, each of verification's sessions). ``collect``: a
+    full garbage collection first (what only cycles still hold), unless no younger collection ran
+    since the last full one."""
+    if collect and gc.get_count()[2]:  # (none since the last full one: nothing has grown old since)
+        gc.collect()
     if _TRIM is not None:
         _TRIM(0)

@@ -336,3 +336,26 @@ def test_the_python_api_takes_one_options_object_or_its_fields_as_keywords(good,
         opfuse.optimize(str(good), targets="onnx")  # a misspelt keyword is an error, as before
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.target = "onnx"
+
+
+def test_the_strict_inference_of_a_load_reads_no_weight_and_refuses_the_same(monkeypatch):
+    """A large initializer goes to onnx's strict inference as a typed input without its bytes (no
+    serialised copies of the weights): the same verdict on an invalid node, a valid model still loads,
+    and the model loaded keeps its initializers."""
+    import opfuse.load as load
+    from graphs import conv_bn_model
+
+    proto = bn_training_one_output()
+    expected = load._inference_problem(proto)
+    assert "training_mode" in expected.lower()
+    monkeypatch.setattr(load, "INFERENCE_DATA_LIMIT", 0)  # every initializer counts as large
+    light = load._weightless(proto)
+    assert light is not proto and not light.graph.initializer and not light.graph.value_info
+    assert {v.name for v in light.graph.input} == {v.name for v in proto.graph.input} | {
+        t.name for t in proto.graph.initializer}
+    assert load._inference_problem(proto) == expected
+    good = conv_bn_model()
+    count = len(good.graph.initializer)
+    assert load._inference_problem(good) == ""
+    model, _ = load.load_model(good)
+    assert len(good.graph.initializer) == count and len(model.graph.initializers) == count

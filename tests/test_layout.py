@@ -199,6 +199,9 @@ OWN_RULES = {
     ("quantization/qdq/sqnr.py", "CHANNEL_FIRST"): "ops measured per channel on axis 1",
     ("quantization/interpreter/ops.py", "_REDUCTIONS"): "the reductions its torch interpreter implements",
     ("verify/inputs.py", "*"): "how generated inputs follow their consumers",
+    ("verify/reference.py", "PERMUTATIONS"): "the ops that keep every element of a constant and add none "
+                                             "(its magnitude is the constant's)",
+    ("verify/variation.py", "MOVES"): "the ops that only move or select a weight's elements (a Cast commutes with them)",
     ("passes/leftovers.py", "PATTERN_PRIMITIVES"): "which pattern a primitive left over belongs to (for its note)",
     ("torch/fuse.py", frozenset({"Conv", "ConvTranspose"})): "the torch wing's producer kinds",
     ("targets/ethos_u/tflite_norm.py", "QUANTISED_OPS"): "the ops ONNX Runtime's quantiser is told to quantise "

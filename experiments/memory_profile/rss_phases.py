@@ -29,11 +29,34 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+def mappings() -> dict[str, int]:
+    """Resident bytes by mapping (/proc/self/smaps): a file's path, else [heap], [anon] and the like."""
+    out: dict[str, int] = {}
+    name = "[anon]"
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if not head:
+                continue
+            if "-" in head[0] and not head[0].endswith(":"):
+                name = head[5] if len(head) > 5 else "[anon]"
+            elif head[0] == "Rss:":
+                out[name] = out.get(name, 0) + int(head[1]) * 1024
+    return out
+
+
+def show_mappings(where: dict[str, int], top: int = 8) -> str:
+    items = sorted(where.items(), key=lambda kv: -kv[1])
+    return "; ".join(f"{'/'.join(k.split('/')[-2:]) or k} {v / 1e9:.2f}" for k, v in items[:top] if v > 5e6)
+
+
 class Sampler(threading.Thread):
-    def __init__(self, every: float = 0.01):
+    def __init__(self, every: float = 0.01, smaps: bool = False):
         super().__init__(daemon=True)
         self.every, self.peak, self.stop = every, rss(), False
         self.windows: list[list[int]] = []  # open phases' peaks
+        self.smaps, self.at_peak, self.phase_at_peak = smaps, {}, ""
+        self.smaps_peak = 0
 
     def run(self):
         while not self.stop:
@@ -41,11 +64,16 @@ class Sampler(threading.Thread):
             self.peak = max(self.peak, now)
             for w in self.windows:
                 w[0] = max(w[0], now)
+            if self.smaps and now > self.smaps_peak + 20e6:  # a new peak: what it is made of
+                self.smaps_peak = now
+                self.at_peak = mappings()
+                self.phase_at_peak = " > ".join(OPEN)
             time.sleep(self.every)
 
 
 SAMPLER = Sampler()
 LINES: list[str] = []
+OPEN: list[str] = []  # the phases open now, outermost first
 DEPTH = [0]
 
 PHASES = [  # (module, attribute): wrapped where the caller looks it up
@@ -72,6 +100,8 @@ PHASES = [  # (module, attribute): wrapped where the caller looks it up
     ("opfuse.verify.variation", "_in_float64"),
     ("opfuse.verify.variation", "create_session"),
     ("opfuse.verify.variation", "_measured"),
+    ("opfuse.verify.variation", "_float64_session"),
+    ("opfuse.verify.variation", "_float64_from_bytes"),
     ("opfuse.save", "fingerprint"),
 ]
 
@@ -103,9 +133,13 @@ def phase(label: str):
     start_rss, start = window[0], time.perf_counter()
     SAMPLER.windows.append(window)
     DEPTH[0] += 1
+    OPEN.append(label)
+    if SAMPLER.smaps:
+        print(f"{'  ' * DEPTH[0]}> {label} entered: {show_mappings(mappings())}", file=sys.stderr, flush=True)
     try:
         yield
     finally:
+        OPEN.pop()
         DEPTH[0] -= 1
         SAMPLER.windows[:] = [w for w in SAMPLER.windows if w is not window]
         end = rss()
@@ -123,7 +157,11 @@ def main() -> int:
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--cprofile", help="write a cProfile of the run here")
     parser.add_argument("--extra", action="append", default=[], help="MODULE:ATTR to wrap as well")
+    parser.add_argument("--smaps", action="store_true",
+                        help="say what the resident set is made of (by mapping) at each phase's entry and at the peak")
+    parser.add_argument("--output", help="keep the written model here (default: a temporary folder)")
     args = parser.parse_args()
+    SAMPLER.smaps = args.smaps
     for module, name in PHASES + [tuple(e.split(":")) for e in args.extra]:
         wrap(module, name)
     import opfuse.pipeline as pipeline
@@ -131,7 +169,7 @@ def main() -> int:
     SAMPLER.start()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rss-phases-") as tmp:
-        out = os.path.join(tmp, "out.onnx")
+        out = args.output or os.path.join(tmp, "out.onnx")
         options = dict(target=args.target, output=out, retune=not args.replay)
         if args.no_tune:
             options["tune"] = False
@@ -149,6 +187,9 @@ def main() -> int:
               f"verification ok={report.verification.ok if report.verification else None}; "
               f"level={getattr(report.verification, 'variation_level', None)}", file=sys.stderr)
     SAMPLER.stop = True
+    if SAMPLER.smaps:
+        print(f"at the peak ({SAMPLER.smaps_peak / 1e9:.2f} GB, in {SAMPLER.phase_at_peak}): "
+              f"{show_mappings(SAMPLER.at_peak, 12)}", file=sys.stderr)
     print(f"total {time.perf_counter() - start:.1f} s, peak RSS {SAMPLER.peak / 1e9:.2f} GB (sampled), "
           f"maxrss {__import__('resource').getrusage(0).ru_maxrss / 1e6:.2f} GB", file=sys.stderr)
     return 0

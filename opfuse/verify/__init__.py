@@ -169,7 +169,7 @@ from opfuse.verify.inputs import branch_conditions, defined_positions, make_feed
 from opfuse.verify.random_ops import describe_random, random_nodes, seed_random_nodes
 from opfuse.verify.reference import (PADDED_LABEL, CHUNK as COMPARE_CHUNK, NoReference, Runner as _Runner, ScaledOnce
                                      as _ScaledOnce, finite_max_abs as _finite_max_abs, input_free as _input_free,
-                                     input_sets, require_finite, rerun)
+                                     input_sets, permuted_scales, require_finite, rerun)
 from opfuse.verify.variation import VARIATION_LEVEL, runtime_rounding, runtime_variation
 from opfuse.report import FusionRecord, OutputCheck, Verification
 from opfuse.runtime import create_session, drop_resident_pages, serialized
@@ -389,7 +389,7 @@ def verify_models(
     scaled_once = _input_free(original, {n for names in floors_from.values() for n in names}
                               - {t for t, _ in probes} - set(conditions.values()) - set(graph_outputs))
     try:
-        run_original = _ScaledOnce(_Runner(original_x), scaled_once)
+        run_original = _ScaledOnce(_Runner(original_x), scaled_once, permuted_scales(original, scaled_once))
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
         raise BadInputError(f"cannot verify: ONNX Runtime cannot load the input model ({first_line(e)}); "
                             "pass --no-verify to skip verification") from None

@@ -30,7 +30,8 @@ its outputs can be a reference at all.
 from __future__ import annotations
 
 __all__ = ["FINITE_RETRIES", "PADDED_LABEL", "PADDED_ROWS", "CHUNK", "NoReference", "Runner", "ScaledOnce", "load_inputs",
-           "input_sets", "padded_set", "rerun", "non_finite", "require_finite", "input_free", "finite_max_abs"]
+           "input_sets", "padded_set", "rerun", "non_finite", "require_finite", "input_free", "permuted_scales",
+           "finite_max_abs"]
 
 import os
 import pathlib
@@ -262,11 +263,15 @@ class ScaledOnce:
     """The original's runner, where the tensors in ``free`` (no input reaches them: the same on every
     input set; read only for a graph output's floor, :func:`opfuse.verify._floor`, which takes their largest finite
     magnitude) are fetched on the first run only, and stand in every result as that magnitude, a
-    0-d array (a tied head's transposed table: 113 MB of SmolLM2's, 545 MB of Qwen2-0.5B's, per set)."""
+    0-d array (a tied head's transposed table: 113 MB of SmolLM2's, 545 MB of Qwen2-0.5B's, per set).
+    ``known``: those whose magnitude :func:`permuted_scales` read from the weight they rearrange, never
+    fetched (not even once: the run does not hand over a copy of the table)."""
 
-    def __init__(self, runner, free: set[str]):
-        self.runner, self.free, self.proxies = runner, free, {}
+    def __init__(self, runner, free: set[str], known: Mapping[str, np.ndarray] | None = None):
+        self.runner, self.free, self.proxies = runner, free, dict(known or {})
         self.fetched = False
+        if self.proxies:
+            self.runner.names = [n for n in self.runner.names if n not in self.proxies]
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = self.runner(feeds)
@@ -278,6 +283,43 @@ class ScaledOnce:
             self.runner.names = [n for n in self.runner.names if n not in self.proxies]
         out.update(self.proxies)
         return out
+
+
+PERMUTATIONS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})  # same elements
+
+
+def permuted_scales(model: ir.Model, names: set[str]) -> dict[str, np.ndarray]:
+    """name -> the largest finite magnitude (a 0-d array of its dtype, NaN for none) of those of ``names``
+    (main-graph tensors) that are a constant rearranged by ops that keep every element and add none
+    (:data:`PERMUTATIONS`: a tied head's Transpose of the embedding), read from the constant itself (the
+    same elements, so the same magnitude, :func:`finite_max_abs`), a chunk at a time where it is."""
+    out = {}
+    producers = {v.name: node for node in model.graph for v in node.outputs}
+    for name in names:
+        node, value = producers.get(name), None
+        while node is not None and is_onnx(node) and node.op_type in PERMUTATIONS and node.inputs \
+                and node.inputs[0] is not None:
+            value = node.inputs[0]
+            node = value.producer()
+        if value is None:
+            continue
+        if node is None:  # an initializer
+            tensor = value.const_value
+        elif is_onnx(node) and node.op_type == "Constant" and "value" in node.attributes:
+            tensor = node.attributes["value"].value
+        else:
+            continue
+        if tensor is None:
+            continue
+        try:
+            array = tensor.numpy()
+        except Exception:  # noqa: BLE001 - a dtype numpy cannot hold: fetched from the run instead
+            continue
+        if array.dtype.kind != "f":
+            continue
+        scale = finite_max_abs(array)
+        out[name] = np.array(np.nan if scale is None else scale, dtype=array.dtype)
+    return out
 
 
 def input_free(model: ir.Model, names: set[str]) -> set[str]:

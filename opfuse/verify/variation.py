@@ -22,6 +22,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
+from opfuse.core.ops import ONNX_DOMAINS
 from opfuse.runtime import create_session, serialized, session_with_weights, shared_weights
 from opfuse.verify.inputs import defined_positions
 
@@ -90,6 +91,8 @@ def _float64_from_bytes(original_x: bytes):
 
 
 WIDENED = "__opfuse_float32"  # suffix of a float32 weight's own name in the float64 model; a Cast gives the old name
+# ops that only move or select a weight's elements (input 0): run on the float32 weight, with the Cast after them
+MOVES = frozenset({"Gather", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Identity"})
 
 
 def _float64_session(original: ir.Model):
@@ -97,29 +100,140 @@ def _float64_session(original: ir.Model):
     initializers stay float32 and are given to the runtime where they are
     (:func:`opfuse.runtime.shared_weights`), each followed by a Cast to float64 under its own name,
     which the run computes when it reads it (exact: every float32 is a float64); the rest is widened
-    as :func:`_in_float64` does. The same numbers as the model :func:`_in_float64` writes, with one
-    weight in float64 at a time instead of all. None when the original cannot be so converted."""
+    as :func:`_in_float64` does. A weight read by an op that only moves or selects its elements
+    (:data:`MOVES`: an embedding's Gather, a tied head's Transpose) is read by it in float32 and the
+    Cast follows that op instead (the same numbers: such an op and the Cast commute), so a lookup
+    widens the rows it takes, not the table. The same numbers as the model :func:`_in_float64`
+    writes, with one weight in float64 at a time instead of all. None when the original cannot be
+    so converted."""
     shared = shared_weights(original)
     if shared is None:
         return None
     proto, weights = shared
     taken = {t.name for t in proto.graph.initializer} | {o for n in proto.graph.node for o in n.output}
-    casts, kept = [], {}
+    taken |= {v.name for v in [*proto.graph.input, *proto.graph.output]}
+
+    def fresh(name: str) -> str:
+        name += WIDENED
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    float32 = {}  # a weight's name -> its float32 tensor's new name
     for t in proto.graph.initializer:
         if t.name in weights and t.data_type == onnx.TensorProto.FLOAT:
-            name = t.name + WIDENED
-            while name in taken:
-                name += "_"
-            casts.append(helper.make_node("Cast", [name], [t.name], to=onnx.TensorProto.DOUBLE, name=name + "_cast"))
-            kept[name] = weights.pop(t.name)
-            t.name = name
-    weights.update(kept)
-    if not _widen(proto, keep=set(kept)):
+            float32[t.name] = fresh(t.name)
+            weights[float32[t.name]] = weights.pop(t.name)
+            t.name = float32[t.name]
+    if not _widen(proto, keep=set(float32.values())):
         return None
-    nodes = [*casts, *proto.graph.node]
+    outputs = {v.name for v in proto.graph.output}
+    nodes, widened_whole = [], set(float32) & outputs
+    heads, through = _split_products(proto, weights, float32, outputs)
+    for index, node in enumerate(proto.graph.node):
+        if index in heads:
+            nodes += _in_column_blocks(proto, node, *heads[index], fresh)
+            continue
+        if node.output and node.output[0] in through:
+            continue  # (a Transpose the split product reads through, block by block)
+        moved = (node.domain in ONNX_DOMAINS and node.op_type in MOVES and len(node.output) == 1
+                 and node.input and node.input[0] in float32 and node.output[0] not in float32)
+        if moved:
+            node.input[0] = float32[node.input[0]]
+            out = node.output[0]
+            node.output[0] = fresh(out)
+            nodes += [node, helper.make_node("Cast", [node.output[0]], [out], to=onnx.TensorProto.DOUBLE,
+                                             name=node.output[0] + "_cast")]
+            widened_whole.update(n for n in node.input[1:] if n in float32)
+            continue
+        widened_whole.update(n for n in node.input if n in float32)
+        nodes.append(node)
+    casts = [helper.make_node("Cast", [float32[n]], [n], to=onnx.TensorProto.DOUBLE, name=float32[n] + "_cast")
+             for n in float32 if n in widened_whole or _read_in_subgraph(proto.graph.node, n)]
     del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
+    proto.graph.node.extend([*casts, *nodes])
     return session_with_weights(proto, weights, "disabled", prepack=False, cpu_arena=False)
+
+
+SPLIT_BYTES = 1 << 26  # a product's weight larger than this in float64 is widened a block of columns at a time
+
+
+def _split_products(proto, weights, float32, outputs):
+    """({the MatMul's index: (its weight's name, its float32 tensor's, whether it reads the weight transposed,
+    the shape of its right operand [K, N])}, the Transposes' outputs those read through) for each
+    main-graph MatMul whose right operand is a 2-D weight (or its Transpose, read by nothing else) above
+    :data:`SPLIT_BYTES` in float64: widened whole, that operand would be a float64 copy of a tied
+    head's table. None in a model below opset 13."""
+    found, through = {}, set()
+    if next((o.version for o in proto.opset_import if o.domain in ONNX_DOMAINS), 0) < 13:
+        return found, through
+    readers: dict[str, int] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    producers = {o: node for node in proto.graph.node for o in node.output}
+    for index, node in enumerate(proto.graph.node):
+        if node.domain not in ONNX_DOMAINS or node.op_type != "MatMul" or len(node.input) != 2:
+            continue
+        right, transposed = node.input[1], False
+        source = producers.get(right)
+        if (source is not None and source.domain in ONNX_DOMAINS and source.op_type == "Transpose"
+                and source.input and source.input[0] in float32 and readers.get(right) == 1 and right not in outputs
+                and all(list(a.ints) == [1, 0] for a in source.attribute if a.name == "perm")
+                and not _read_in_subgraph(proto.graph.node, right)):
+            right, transposed = source.input[0], True
+        elif right not in float32:
+            continue
+        array = weights.get(float32[right])
+        if array is None or array.ndim != 2 or array.size * 8 <= SPLIT_BYTES:
+            continue
+        shape = array.shape[::-1] if transposed else array.shape
+        found[index] = (right, float32[right], transposed, shape)
+        if transposed:
+            through.add(node.input[1])
+    return found, through
+
+
+def _in_column_blocks(proto, node, weight: str, source: str, transposed: bool, shape, fresh) -> list:
+    """``node`` (MatMul of x and a large float32 weight, or its Transpose, widened) as MatMuls of x
+    and blocks of the weight's columns, each sliced in float32 (rows of the weight when transposed,
+    then transposed) and widened, their results concatenated on the last axis: the same products (each
+    output is one column's), with one block of the weight in float64 at a time."""
+    k, n = shape
+    blocks = -(-n * k * 8 // SPLIT_BYTES)
+    step = -(-n // blocks)
+    axis = 0 if transposed else 1
+    out, parts = [], []
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        bounds = fresh(f"{weight}_block{start}")
+        proto.graph.initializer.extend([
+            onnx.numpy_helper.from_array(np.array([start], np.int64), bounds + "_starts"),
+            onnx.numpy_helper.from_array(np.array([stop], np.int64), bounds + "_ends"),
+            onnx.numpy_helper.from_array(np.array([axis], np.int64), bounds + "_axes")])
+        block = bounds + "_f32"
+        out.append(helper.make_node("Slice", [source, bounds + "_starts", bounds + "_ends", bounds + "_axes"], [block],
+                                    name=block))
+        if transposed:
+            out.append(helper.make_node("Transpose", [block], [block + "_t"], perm=[1, 0], name=block + "_t"))
+            block += "_t"
+        out.append(helper.make_node("Cast", [block], [bounds + "_f64"], to=onnx.TensorProto.DOUBLE, name=bounds + "_f64"))
+        out.append(helper.make_node("MatMul", [node.input[0], bounds + "_f64"], [bounds + "_y"], name=bounds + "_y"))
+        parts.append(bounds + "_y")
+    out.append(helper.make_node("Concat", parts, [node.output[0]], axis=-1, name=node.output[0] + "_blocks"))
+    return out
+
+
+def _read_in_subgraph(nodes, name: str) -> bool:
+    """Whether a subgraph of ``nodes`` reads ``name`` (an outer-scope value)."""
+    for node in nodes:
+        for a in node.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                if any(name in n.input for n in g.node) or any(name == o.name for o in g.output) \
+                        or _read_in_subgraph(g.node, name):
+                    return True
+    return False
 
 
 def _measured(session, sets, tensors, masks, level: str) -> dict[tuple[str, str], float] | None:
