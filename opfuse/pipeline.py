@@ -21,13 +21,13 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.core.analysis import NameLedger, epsilon_census, label_unnamed, op_counts, opset_of
+from opfuse.core.analysis import NameLedger, epsilon_census, label_unnamed, op_counts
 from opfuse.prepare.constant_inputs import BINDING, bind_inputs, resolve_constant_inputs
 from opfuse.errors import BadInputError, OpfuseError, VerificationError
 from opfuse.core.dims import resolve_dims
 from opfuse.passes.leftovers import leftover_notes
 from opfuse.load import LOAD_NOTES, ModelSource, load_model
-from opfuse.prepare.opset import kernels_lost, upgrade_opset, written_out_rms_norm
+from opfuse.prepare.opset import kernels_lost, raise_for_rms_norm, upgrade_opset
 from opfuse.passes import make_passes, parse_pass_names, pass_class
 from opfuse.passes.cleanup import CleanupPass
 from opfuse.passes.constant_branches import RESOLVED
@@ -435,36 +435,16 @@ def _prepare(model: ModelSource, options: OptimizeOptions, plan: _Plan,
         run.work, note = upgrade_opset(run.work, o.opset)
         report.notes.extend([note] if note else [])
         label_unnamed(run.work)
-    else:
-        _raise_for_rms_norm(run, plan.chosen)
+    elif (raised := raise_for_rms_norm(run.work, plan.chosen)) is not None:
+        run.work, note = raised
+        report.notes.append(note)
+        label_unnamed(run.work)
     report.ops_before = ops_shipped if plan.inexact else op_counts(run.work)
     report.notes.extend(run.work.meta.pop(LOAD_NOTES, None) or [])
     report.notes.extend(epsilon_notes(run.work))
     run.input_was_external = needs_external_data(run.work)  # before the folds replace its tensors
     run.declared = declared_types(run.work)
     return run
-
-
-def _raise_for_rms_norm(run: _Run, target: Target) -> None:
-    """No --opset: a target that computes an RMSNorm written out wrongly (``Target.rms_norm_opset``)
-    gets the model at the opset of the standard op, where the graph holds such a norm."""
-    wanted = target.rms_norm_opset
-    if wanted is None or opset_of(run.work.opset_imports) >= wanted:
-        return
-    norm = written_out_rms_norm(run.work)
-    if norm is None:
-        return
-    lost = kernels_lost(run.work, wanted)
-    if lost:
-        run.report.notes.append(f"opset not raised to {wanted} for the RMSNorm at '{norm.name}': ONNX Runtime's CPU "
-                                f"kernels do not run {', '.join(lost)}; {target.title} may compute it wrongly written out")
-        return
-    current = opset_of(run.work.opset_imports)
-    run.work, note = upgrade_opset(run.work, wanted)
-    run.report.notes.append(f"opset raised {current} -> {wanted} for {target.title}: the graph holds an RMSNorm written "
-                            f"out (at '{norm.name}'), which it computes wrongly in float16 on a real decoder's hidden "
-                            f"states, and RMSNormalization-{wanted} right (--opset {current} keeps the opset)")
-    label_unnamed(run.work)
 
 
 def _rewrite(run: _Run, options: OptimizeOptions, plan: _Plan) -> None:

@@ -36,6 +36,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from opfuse.core.ops import ONNX_DOMAINS
+
 NORMS = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2}  # op -> its scale input
 
 
@@ -62,7 +64,7 @@ def fold_norm_scales(model: onnx.ModelProto) -> dict[str, np.ndarray]:
             continue
         k = g.shape[0]
         consumers = readers[y]
-        if not all(c.op_type == "MatMul" and c.domain in ("", "ai.onnx") and list(c.input).count(y) == 1
+        if not all(c.op_type == "MatMul" and c.domain in ONNX_DOMAINS and list(c.input).count(y) == 1
                    and c.input[0] == y and c.input[1] in inits and list(inits[c.input[1]].dims)[:1] == [k]
                    and len(inits[c.input[1]].dims) == 2 and inits[c.input[1]].data_type == onnx.TensorProto.FLOAT
                    for c in consumers):

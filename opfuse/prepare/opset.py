@@ -23,7 +23,7 @@ raise its opset.
 
 from __future__ import annotations
 
-__all__ = ["upgrade_opset", "kernels_lost", "written_out_rms_norm"]
+__all__ = ["upgrade_opset", "kernels_lost", "written_out_rms_norm", "raise_for_rms_norm"]
 
 import functools
 
@@ -147,3 +147,24 @@ def written_out_rms_norm(model: ir.Model) -> ir.Node | None:
         if squared and any(u.node.op_type == "Sqrt" for a in adds for u in a.outputs[0].uses()):
             return node
     return None
+
+
+def raise_for_rms_norm(model: ir.Model, target) -> tuple[ir.Model, str] | None:
+    """No --opset: (the model at ``target.rms_norm_opset``, the note) where the target computes an RMSNorm
+    written out wrongly and the graph holds one; (the model as it is, why not) where ONNX Runtime's CPU
+    would lose a kernel at that opset; None where nothing is to be raised."""
+    wanted = target.rms_norm_opset
+    current = opset_of(model.opset_imports)
+    if wanted is None or current >= wanted:
+        return None
+    norm = written_out_rms_norm(model)
+    if norm is None:
+        return None
+    lost = kernels_lost(model, wanted)
+    if lost:
+        return model, (f"opset not raised to {wanted} for the RMSNorm at '{norm.name}': ONNX Runtime's CPU kernels "
+                       f"do not run {', '.join(lost)}; {target.title} may compute it wrongly written out")
+    raised, _ = upgrade_opset(model, wanted)
+    return raised, (f"opset raised {current} -> {wanted} for {target.title}: the graph holds an RMSNorm written out "
+                    f"(at '{norm.name}'), which it computes wrongly in float16 on a real decoder's hidden states, and "
+                    f"RMSNormalization-{wanted} right (--opset {current} keeps the opset)")
