@@ -516,12 +516,12 @@ def _unstable_original(original_x, sets, result: Verification) -> str:
         again = [[(label, runner(feeds)) for label, feeds, _ in sets] for _ in range(2)]
     except Exception:  # noqa: BLE001 - it ran before: a failure now is itself instability
         return "the original model failed on a second run of the same inputs; it is not a stable reference"
-    for run in again:
-        for (label, _, first), (_, second) in zip(sets, run):
-            for name in sorted(n for lab, n in failing if lab == label):
-                if name not in first or name not in second:
-                    continue
-                check = compare_tensor(name, np.asarray(first[name]), np.asarray(second[name]), inputs=label)
+    for index, (label, _, first) in enumerate(sets):  # the failing tensors first, then any the reruns give
+        runs = [first, again[0][index][1], again[1][index][1]]
+        for name in [*sorted(n for lab, n in failing if lab == label), *sorted(set(runs[1]) & set(runs[2]))]:
+            held = [r[name] for r in runs if name in r]
+            for a, b in zip(held, held[1:]):
+                check = compare_tensor(name, np.asarray(a), np.asarray(b), inputs=label)
                 if not check.ok:
                     return (f"the original's tensor '{name}' differs between two runs on the same inputs "
                             f"({check.problem}): the model is nondeterministic, so no rewrite is blamed; "
