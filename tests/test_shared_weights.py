@@ -104,14 +104,11 @@ def _tied(vocab=512, hidden=32):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_the_float64_reference_widens_what_a_lookup_takes_not_the_whole_table(tmp_path, monkeypatch):
-    """A weight read by an op that only moves or selects its elements (an embedding's Gather, a tied
-    head's Transpose) is read by it in float32 and widened after it: the lookup widens the rows it
-    takes. The same d0, to the last bit, as the model widened whole."""
+def _float64_reference(tmp_path, monkeypatch, proto):
+    """runtime_rounding of ``proto`` kept with external data, on one batch of ids: (level, d0, the model
+    serialised whole, the input sets, the graph of the float64 reference's one session)."""
     import opfuse.verify.variation as variation
 
-    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
-    proto = _tied()
     ids = np.random.default_rng(8).integers(0, 512, (2, 5), dtype=np.int64)
     whole = serialized(load_model(proto)[0])
     expected = create_session(whole).run(None, {"ids": ids})[0]
@@ -125,8 +122,19 @@ def test_the_float64_reference_widens_what_a_lookup_takes_not_the_whole_table(tm
 
     monkeypatch.setattr(variation, "session_with_weights", capture)
     level, d0 = runtime_rounding(_external(tmp_path, proto), sets, ["logits"])
-    assert level == "float64" and d0 == runtime_rounding(whole, sets, ["logits"])[1] and d0[("", "logits")] > 0
     (graph,) = (m.graph for m in seen)
+    return level, d0, whole, sets, graph
+
+
+def test_the_float64_reference_widens_what_a_lookup_takes_not_the_whole_table(tmp_path, monkeypatch):
+    """A weight read by an op that only moves or selects its elements (an embedding's Gather, a tied
+    head's Transpose) is read by it in float32 and widened after it: the lookup widens the rows it
+    takes. The same d0, to the last bit, as the model widened whole."""
+
+    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
+    proto = _tied()
+    level, d0, whole, sets, graph = _float64_reference(tmp_path, monkeypatch, proto)
+    assert level == "float64" and d0 == runtime_rounding(whole, sets, ["logits"])[1] and d0[("", "logits")] > 0
     by_output = {o: n for n in graph.node for o in n.output}
     stored = {t.name: t.data_type for t in graph.initializer}
     for op in ("Gather", "Transpose"):  # each reads the float32 table, and a Cast widens what it gives
@@ -155,22 +163,9 @@ def test_a_large_product_of_the_float64_reference_is_widened_a_block_of_columns_
         head = next(n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] == "table_t")
         head.input[1] = "head"
         proto.graph.node.remove(next(n for n in proto.graph.node if n.op_type == "Transpose"))
-    ids = np.random.default_rng(8).integers(0, 512, (2, 5), dtype=np.int64)
-    whole = serialized(load_model(proto)[0])
-    expected = create_session(whole).run(None, {"ids": ids})[0]
-    sets = [("", {"ids": ids}, {"logits": expected})]
-    seen = []
-    built = variation.session_with_weights
-
-    def capture(proto64, weights, *args, **kwargs):
-        seen.append(onnx.ModelProto.FromString(proto64.SerializeToString()))
-        return built(proto64, weights, *args, **kwargs)
-
-    monkeypatch.setattr(variation, "session_with_weights", capture)
-    level, d0 = runtime_rounding(_external(tmp_path, proto), sets, ["logits"])
+    level, d0, whole, sets, graph = _float64_reference(tmp_path, monkeypatch, proto)
     assert level == "float64" and d0[("", "logits")] > 0
     assert d0[("", "logits")] == pytest.approx(runtime_rounding(whole, sets, ["logits"])[1][("", "logits")], rel=1e-9)
-    (graph,) = (m.graph for m in seen)
     ops = [n.op_type for n in graph.node]
     assert ops.count("Concat") == 1 and ops.count("Slice") == 3 and ops.count("MatMul") == 4
     assert ops.count("Transpose") == (3 if tied else 0)
