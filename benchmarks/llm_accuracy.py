@@ -194,19 +194,12 @@ def onnx_perplexity(folder: pathlib.Path, wins: list[list[int]], threads: int) -
 def genai_greedy(folder: pathlib.Path, prompts: list[list[int]], new: int, threads: int) -> list[list[int]]:
     import onnxruntime_genai as og
 
+    from opfuse.llm.genai import greedy
+
     config = og.Config(str(folder))
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
     model = og.Model(config)
-    out = []
-    for ids in prompts:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + new, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        while not generator.is_done():
-            generator.generate_next_token()
-        out.append([int(t) for t in generator.get_sequence(0)][len(ids):])
-    return out
+    return [greedy(model, ids, new) for ids in prompts]
 
 
 # -- transformers --------------------------------------------------------------------------------------

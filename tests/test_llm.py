@@ -25,6 +25,7 @@ import onnxruntime as ort
 import torch
 
 from opfuse.cli import main
+from opfuse.llm.genai import greedy
 from opfuse.llm.quantize_int4 import quantize_int4
 
 VOCAB, NEW_TOKENS = 320, 12
@@ -94,13 +95,7 @@ def _genai_greedy(folder, prompt: str, new: int) -> tuple[list[int], list[int]]:
     model = og.Model(str(folder))
     tokenizer = og.Tokenizer(model)
     ids = [int(i) for i in tokenizer.encode(prompt)]
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + new, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    while not generator.is_done():
-        generator.generate_next_token()
-    return ids, [int(t) for t in generator.get_sequence(0)][len(ids):]
+    return ids, greedy(model, ids, new)
 
 
 def _transformers_greedy(hf_folder, ids: list[int], new: int) -> list[int]:

@@ -30,6 +30,8 @@ import statistics
 import sys
 import time
 
+from opfuse.llm.genai import greedy
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -73,18 +75,6 @@ def _model(folder: str, threads: int):
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
                                                                            "inter_op_num_threads": 1}}}}))
     return og.Model(config)
-
-
-def _greedy(model, ids: list[int], new: int) -> list[int]:
-    import onnxruntime_genai as og
-
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + new, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)][len(ids):]
 
 
 def _decode_seconds(model, ids: list[int], decode: int) -> float:
@@ -136,9 +126,9 @@ def main(argv=None) -> int:
                                           tokenize=False))]
         agree = []
         for ids, (want, _) in zip(prompts, expected):
-            got = _greedy(models[folder], ids, args.new)
+            got = greedy(models[folder], ids, args.new)
             agree.append(f"all {len(want)}" if got == want else _agree(got, want))
-        first = _greedy(models[folder], prompts[0], args.new)
+        first = greedy(models[folder], prompts[0], args.new)
         print(f"{folder}: greedy tokens equal to transformers' before the first difference, per prompt: {agree}; genai's tokenizer gives transformers' ids: {genai_ids == prompts[0]}")
         print(f"  prompt 0: {tokenizer.decode(first)!r}")
     if args.rounds < 1:

@@ -119,3 +119,16 @@ def restate_config(folder: str | pathlib.Path, *, inputs, share_buffer: bool) ->
     body["search"]["past_present_share_buffer"] = share_buffer
     write_text_atomic(path, json.dumps(body, indent=4) + "\n")
     return path
+
+
+def greedy(model, ids: list[int], new: int) -> list[int]:
+    """The ``new`` tokens onnxruntime-genai's ``model`` generates greedily after the prompt ``ids``."""
+    import onnxruntime_genai as og  # (the llm extra: only a caller that generates needs it)
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + new, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(ids):]
