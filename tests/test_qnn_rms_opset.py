@@ -6,6 +6,7 @@ its opset; the result equals the original on ONNX Runtime's CPU."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import helper
 
 import opfuse
@@ -16,12 +17,15 @@ n = helper.make_node
 HIDDEN = 64
 
 
-def _rms_norm(square="pow"):
-    nodes = [n("Pow", ["x", "two"], ["sq"]) if square == "pow" else n("Mul", ["x", "x"], ["sq"]),
+def _rms_norm(square="pow", exponent_node=False):
+    """exponent_node: the exponent 2 from a Constant node (as the TorchScript exporter writes it)."""
+    nodes = [n("Constant", [], ["two"], value=tensor("two", np.array(2.0, np.float32)))] if exponent_node else []
+    nodes += [n("Pow", ["x", "two"], ["sq"]) if square == "pow" else n("Mul", ["x", "x"], ["sq"]),
              n("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1), n("Add", ["ms", "eps"], ["a"]),
              n("Sqrt", ["a"], ["s"]), n("Reciprocal", ["s"], ["r"]), n("Mul", ["x", "r"], ["normed"]),
              n("Mul", ["normed", "g"], ["h"]), n("MatMul", ["h", "w"], ["z"])]
-    inits = [tensor("two", np.array(2.0, np.float32)), tensor("eps", np.array(1e-5, np.float32)),
+    inits = [*([] if exponent_node else [tensor("two", np.array(2.0, np.float32))]),
+             tensor("eps", np.array(1e-5, np.float32)),
              tensor("axes", np.array([-1], np.int64)),
              tensor("g", rng(3).uniform(0.5, 1.5, HIDDEN).astype(np.float32)),
              tensor("w", rng(4).standard_normal((HIDDEN, 16)).astype(np.float32))]
@@ -34,8 +38,9 @@ def _feeds():
     return {"x": x}
 
 
-def test_an_rms_norm_written_out_raises_the_opset_to_23():
-    original = _rms_norm()
+@pytest.mark.parametrize("exponent_node", [False, True])
+def test_an_rms_norm_written_out_raises_the_opset_to_23(exponent_node):
+    original = _rms_norm(exponent_node=exponent_node)
     out, report = opfuse.optimize(original, target="qnn", dims={"batch": 1}, compile_for_device=False, tune=False,
                                   inputs=_feeds())
     assert report.verification.ok

@@ -31,7 +31,7 @@ import onnx
 import onnx.version_converter
 import onnx_ir as ir
 
-from opfuse.core.analysis import iter_scopes, opset_of
+from opfuse.core.analysis import Constant, find_constant, iter_scopes, opset_of
 from opfuse.errors import BadInputError
 from opfuse.core.ops import ONNX_DOMAINS, first_line
 
@@ -139,10 +139,8 @@ def written_out_rms_norm(model: ir.Model) -> ir.Node | None:
         square = node.inputs[0].producer()
         if square is None or square.domain not in ONNX_DOMAINS:
             continue
-        squared = (
-            square.op_type == "Pow" and len(square.inputs) == 2 and square.inputs[1] is not None
-            and square.inputs[1].const_value is not None and square.inputs[1].const_value.size == 1
-            and float(square.inputs[1].const_value.numpy().reshape(-1)[0]) == 2.0)
+        exponent = find_constant(square.inputs[1]) if square.op_type == "Pow" and len(square.inputs) == 2 else None
+        squared = isinstance(exponent, Constant) and exponent.array.size == 1 and float(exponent.array.reshape(-1)[0]) == 2.0
         adds = [u.node for u in node.outputs[0].uses() if u.node.op_type == "Add"]
         if squared and any(u.node.op_type == "Sqrt" for a in adds for u in a.outputs[0].uses()):
             return node
