@@ -1,7 +1,7 @@
 """What a rewrite pass keeps after it ran: nothing of the model it was given.
 
 The onnxscript rules are built once per process and reused (their matchers keep their last match
-until the next one); a graph the pipeline discarded (a trial, a tuning variant, a clone) must not stay
+until the next one, and a rule written as a class keeps what its check found); a graph the pipeline discarded (a trial, a tuning variant, a clone) must not stay
 alive through them, with the weights it holds in memory (a decoder's packed projection weights, a
 second copy beside the file's at verification's peak)."""
 
@@ -36,3 +36,15 @@ def test_a_model_the_pattern_pass_saw_is_freed_with_its_last_reference():
     del model
     gc.collect()
     assert graph() is None and weight() is None, gc.get_referrers(graph()) if graph() else "the weight is held"
+
+
+def test_a_class_rule_s_check_state_does_not_outlive_the_pass():
+    """A rule written as a class (onnxscript's RewriteRuleClassBase) keeps what its check found in its own
+    attributes: after the pass its attributes are those it was built with."""
+    from opfuse.passes.patterns import _BUILT
+
+    model = _silu_matmul()
+    PatternFusionPass(target="onnxruntime")(model)
+    held = [name for instance, built in _BUILT.values() for name, value in vars(instance).items()
+            if isinstance(value, (ir.Value, ir.Node, ir.Graph)) or value is not built.get(name, value)]
+    assert not held, held

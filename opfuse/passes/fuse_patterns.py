@@ -62,7 +62,7 @@ from onnxscript.rewriter._ir_utils import display_nodes  # (private: the display
 from opfuse.core.analysis import NameTable, Scope, describe, infer_shapes, iter_scopes, node_label
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.pattern_gate import patterns_that_could_match, usable_rules, written_ops  # (the first re-exported)
-from opfuse.passes.patterns import PATTERN_ORDER, pattern_rules
+from opfuse.passes.patterns import PATTERN_ORDER, forget_matches, pattern_rules
 from opfuse.passes.patterns.unfuse import unfuse_ops
 from opfuse.report import FusionRecord, Refusal
 from opfuse.targets.kernels import Target, load_target
@@ -286,7 +286,7 @@ class PatternFusionPass(OpfusePass):
                 self.refusals.append(Refusal(found.title, "", (
                     f"rule {rule.name or type(rule).__name__} could not clean up: {_first_line(error)}"),
                     graph=scope.label))
-        _forget_matches(rules)
+        forget_matches(rules)
         return changed
 
     def _set_up(self, scope: Scope, found, rules) -> tuple:
@@ -331,19 +331,6 @@ class PatternFusionPass(OpfusePass):
 def _key(node: ir.Node) -> tuple[str, str]:
     """(domain, op) of a node, the ONNX domain's aliases as ""."""
     return ("" if node.domain in ONNX_DOMAINS else node.domain), node.op_type
-
-
-def _forget_matches(rules) -> None:
-    """Drop what each rule's matcher keeps of its last match: onnxscript's ``SimplePatternMatcher``
-    holds the last node it looked at, the graph and the match (``_current_node``, ``_graph``,
-    ``_match``, ``_tracer``) until its next match, and the rules are cached for the process
-    (:func:`opfuse.passes.patterns.pattern_rules`), so a graph a pass left behind (a discarded trial,
-    a tuning variant) and the weights it holds in memory would stay alive to the end of the run."""
-    for rule in rules:
-        matcher = getattr(rule, "_matcher", None)
-        for name in ("_current_node", "_graph", "_match", "_tracer"):
-            if getattr(matcher, name, None) is not None:
-                setattr(matcher, name, None)
 
 
 def _could_match(found, present: collections.Counter) -> bool:

@@ -44,7 +44,7 @@ before BiasGelu takes it).
 
 from __future__ import annotations
 
-__all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "pattern_rules", "rules_in_form", "model_opset",
+__all__ = ["PATTERN_ORDER", "PATTERN_MODULES", "PatternRules", "forget_matches", "pattern_rules", "rules_in_form", "model_opset",
            "constant_array", "constant_int",
            "opset_problem", "reduce_axes", "trailing_axis"]
 
@@ -96,8 +96,42 @@ def _rules(pattern: str, form: str, approximate: bool) -> PatternRules:
     form = form if form in getattr(module, "FORMS", _FORMS) else "standard"  # ("qnn": standard unless it says)
     stages = tuple(tuple(r for rule in stage for r in _commuted(rewriter, rule))
                    for stage in module.stages(form, approximate))
+    for stage in stages:
+        for rule in stage:
+            instance = _rule_instance(rule)
+            if instance is not None and id(instance) not in _BUILT:
+                _BUILT[id(instance)] = (instance, dict(instance.__dict__))
     return PatternRules(module.TITLE, stages, frozenset(getattr(module, "INTERMEDIATE_DOMAINS", ())),
                         dict(getattr(module, "RECORD_TITLES", {})), getattr(module, "ENTRY_STAGE", None))
+
+
+_BUILT: dict[int, tuple[object, dict]] = {}  # a class-based rule's instance -> its attributes as built
+
+
+def _rule_instance(rule):
+    """The object whose methods a rule written as a class (onnxscript's ``RewriteRuleClassBase``) calls,
+    else None."""
+    return getattr(getattr(rule, "_condition_function", None), "__self__", None)
+
+
+def forget_matches(rules) -> None:
+    """Drop what each rule keeps of the last graph it looked at. The rules are built once per process
+    (:func:`pattern_rules`); onnxscript's matcher holds its last node, graph and match
+    (``_current_node``, ``_graph``, ``_match``, ``_tracer``) until its next match, and a rule written as
+    a class keeps what its ``check`` found (values, nodes) in its own attributes. Either would keep a
+    graph the caller has discarded (a trial, a tuning variant) alive, with the weights it holds in
+    memory, to the end of the run. A class rule's attributes go back to those it was built with (the
+    next ``setup`` and ``check`` set them again)."""
+    for rule in rules:
+        matcher = getattr(rule, "_matcher", None)
+        for name in ("_current_node", "_graph", "_match", "_tracer"):
+            if getattr(matcher, name, None) is not None:
+                setattr(matcher, name, None)
+        instance = _rule_instance(rule)
+        built = _BUILT.get(id(instance))
+        if built is not None and built[0] is instance:
+            instance.__dict__.clear()
+            instance.__dict__.update(built[1])
 
 
 def _commuted(rewriter, rule) -> list:
