@@ -93,7 +93,7 @@ def tmp_model(tmp_path):
 WORKER_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-# The files that cost the most, the longest first (docs/testing.md has the measured seconds). Under
+# The files that cost the most, the longest first (docs/results/test_time.md has the measured seconds). Under
 # ``--dist loadfile`` pytest-xdist hands the next file to whichever worker is free, in the order of
 # the collection; run first, the long files leave the short ones to fill in at the end and the two
 # workers finish together (longest first), where one long file collected last would run alone while
