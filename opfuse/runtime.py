@@ -125,12 +125,23 @@ def create_session(model, level: str = "disabled", threads: int | None = None, *
         shared = shared_weights(model)
         if shared is not None:
             return session_with_weights(*shared, level, threads, **options)
-    with tempfile.TemporaryDirectory(prefix="opfuse-ort-") as tmp:
-        return ort.InferenceSession(
-            model_source(model, tmp),
-            session_options(level, threads, **options),
-            providers=["CPUExecutionProvider"],
-        )
+    with _source(model) as source:
+        return ort.InferenceSession(source, session_options(level, threads, **options),
+                                    providers=["CPUExecutionProvider"])
+
+
+@contextlib.contextmanager
+def _source(model):
+    """:func:`model_source` of ``model``, with a temporary folder for the file only where the model
+    needs one (external data): a session is made for every candidate, fold and check, and a folder
+    made and removed for each of them costs more than a small model's session."""
+    if not isinstance(model, ir.Model):
+        yield model_source(model, "")  # (bytes, or the caller's own path)
+    elif needs_external_data(model):
+        with tempfile.TemporaryDirectory(prefix="opfuse-ort-") as tmp:
+            yield model_source(model, tmp)
+    else:
+        yield ir.serde.serialize_model(model).SerializeToString()
 
 
 def optimized_graph(model, level: str = "all", threads: int | None = None) -> onnx.ModelProto:

@@ -20,8 +20,10 @@ it included, is then removed (``--basetemp DIR`` keeps those elsewhere).
 Hypothesis runs under a profile (:func:`_hypothesis_profiles`): ``fast`` by default (no
 shrinking: a failing example is printed as found, with the blob that replays it, in seconds
 rather than the minutes shrinking takes), ``shrink`` with ``HYPOTHESIS_PROFILE=shrink`` to
-shrink a failure found. Neither has a deadline: a timed assertion on a shared machine fails at
-random; the time is bounded by each test's ``max_examples`` (50 where a test sets none).
+shrink a failure found, and ``ci`` where ``CI`` is set (``fast`` with no example database: a CI run
+neither replays nor writes one, so each run does the same work). None has a
+deadline: a timed assertion on a shared machine fails at random; the time is bounded by each
+test's ``max_examples`` (50 where a test sets none).
 
 A test that needs an extra's package carries ``extras.needs(module)`` (the ``needs_extra`` mark,
 checked here) or calls ``extras.require(module)``: a skip, or a failure when the run declares
@@ -65,7 +67,8 @@ def _hypothesis_profiles() -> None:
     settings.register_profile("shrink", deadline=None, max_examples=50, print_blob=True)
     settings.register_profile("fast", settings.get_profile("shrink"),
                               phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
+    settings.register_profile("ci", settings.get_profile("fast"), database=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "fast"))
 
 
 _hypothesis_profiles()
@@ -90,15 +93,16 @@ def tmp_model(tmp_path):
 WORKER_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-# The files that cost the most, the longest first (docs/testing.md has the measured seconds). Under
+# The files that cost the most, the longest first (docs/results/test_time.md has the measured seconds). Under
 # ``--dist loadfile`` pytest-xdist hands the next file to whichever worker is free, in the order of
 # the collection; run first, the long files leave the short ones to fill in at the end and the two
 # workers finish together (longest first), where one long file collected last would run alone while
 # the other worker waits. The other files keep their order after these.
-LONGEST_FIRST = ("test_reconstruction.py", "test_rotary.py", "test_llm.py", "test_fold_properties.py", "test_gqa.py",
-                 "test_present_window.py", "test_readme.py", "test_llm_int4.py", "test_written.py",
-                 "test_rotary_interleaved.py", "test_mask_fill.py", "test_torch_fuse.py", "test_cli.py",
-                 "test_bench.py")
+LONGEST_FIRST = ("test_readme.py", "test_llm.py", "test_rotary.py", "test_mask_fill.py", "test_fold_properties.py",
+                 "test_reconstruction.py", "test_llm_int4.py", "test_rotary_table.py", "test_gqa.py",
+                 "test_rotary_interleaved.py", "test_padded_verification.py", "test_cli.py", "test_written.py",
+                 "test_present_window.py", "test_supervise.py", "test_bench.py", "test_quantize.py",
+                 "test_torch_fuse.py", "test_qnn_target.py")
 
 
 def pytest_configure(config):

@@ -175,7 +175,8 @@ def test_opset_upgrade_for_per_channel_weights():
     assert any("opset upgraded 11 -> 13" in n for n in report.notes)
     onnx.checker.check_model(proto)
     create_session(proto, "all").run(None, samples(1)[0])
-    _, per_tensor = opfuse.quantize(small_net(opset=11), samples(), preset="per-tensor", reconstruct=False)
+    _, per_tensor = opfuse.quantize(small_net(opset=11), samples(), preset="per-tensor", adaround=False,
+                                    reconstruct=False)  # (the QDQ form decides the opset: AdaRound rounds within it)
     assert not any("opset upgraded" in n for n in per_tensor.notes)
 
 
@@ -234,7 +235,8 @@ def test_bias_correction_lowers_the_mean_error():
 
 
 def test_equalize_runs_before_quantising_and_is_exact_in_float():
-    _, report = opfuse.quantize(small_net(), samples(), preset="per-tensor", equalize=True, reconstruct=False)
+    _, report = opfuse.quantize(small_net(), samples(), preset="per-tensor", equalize=True, adaround=False,
+                                reconstruct=False)  # (AdaRound comes after: the float model checked is before it)
     assert "equalize" in report.fusion.passes
     assert report.fusion.verification.ok  # the folded and equalised float model, checked as any rewrite
 
@@ -248,7 +250,8 @@ def test_metric_drives_the_search_and_is_reported():
         same = [np.argmax(session.run(None, s)[0]) == np.argmax(reference.run(None, s)[0]) for s in data]
         return float(np.mean(same))
 
-    _, report = opfuse.quantize(net, data, preset="per-tensor", metric=agreement, min_metric=1.0, reconstruct=False)
+    _, report = opfuse.quantize(net, data, preset="per-tensor", metric=agreement, min_metric=1.0, adaround=False,
+                                reconstruct=False)
     assert report.verification.metric == 1.0 and report.verification.ok
     assert report.search[-1].metric == 1.0
 
@@ -260,7 +263,8 @@ def test_below_min_sqnr_exits_1_writes_only_the_report(tmp_path, capsys):
     onnx.save(small_net(outlier_conv=1), src)
     code = main(["quantize", "--reconstruct", "off", str(src), "-o", str(out), "--calibration",
                  npz(tmp_path / "c.npz", samples()),
-                 "--preset", "per-tensor", "--min-sqnr", "150", "--max-steps", "1", "--report", str(rep)])
+                 "--preset", "per-tensor", "--no-adaround", "--min-sqnr", "150", "--max-steps", "1",
+                 "--report", str(rep)])  # (no rounding reaches 150 dB: AdaRound off, the failure is the same)
     err = capsys.readouterr().err
     assert code == 1 and not out.exists()
     last = err.strip().splitlines()[-1]
@@ -269,7 +273,7 @@ def test_below_min_sqnr_exits_1_writes_only_the_report(tmp_path, capsys):
     assert data["verification"]["ok"] is False and data["layers"]
     with pytest.raises(VerificationError):
         opfuse.quantize(small_net(outlier_conv=1), samples(), preset="per-tensor", min_sqnr=150, max_steps=0,
-                        reconstruct=False)
+                        adaround=False, reconstruct=False)
 
 
 @pytest.mark.parametrize("preset", ["cpu", "per-tensor", "qnn"])

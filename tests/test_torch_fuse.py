@@ -25,7 +25,17 @@ import torch_nets
 
 KERNELS = kernels_available() is None
 
-torch.set_num_threads(2)
+
+@pytest.fixture(autouse=True, scope="module")
+def _two_torch_threads():
+    """This file's tests run torch on at most two threads, and give the count back after: set at
+    import, the count reached every test of the process, the tests of other files collected with
+    this one (a pytest-xdist worker imports every file), where the run asked for one thread a worker
+    (``OMP_NUM_THREADS=1``, tests/conftest.py) and two threads a worker oversubscribe the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(2, before))
+    yield
+    torch.set_num_threads(before)
 
 
 def assert_close(ref: torch.Tensor, out: torch.Tensor, tol: float = 1e-5) -> None:
