@@ -3,7 +3,8 @@
     python experiments/llm_memory/phases.py SOURCE OUT [--precision int4] [other opfuse llm flags]
 
 Each step of :func:`opfuse.llm.convert` (each step run in a spawned process, named by its function;
-the attention rewrite; the calibration run; quantize_int4) is wrapped to mark where it starts; printed:
+and, when they run in this process, optimize, the calibration run and quantize_int4) is wrapped to
+mark where it starts; printed:
 the peak RSS of this process and its children (``/proc/PID/status`` VmRSS, summed) inside each phase,
 the largest single process's RSS in it, and the RSS when it ends, and this process's own VmHWM.
 Measurements only.
@@ -98,7 +99,6 @@ def main() -> int:
 
     llm._in_a_process = in_a_process
     wrap(pipeline, "optimize", "optimize (in this process)")
-    wrap(llm, "_group_query_attention", "attention rewrite")
     wrap(q, "hessians", "calibration run")
     wrap(q, "quantize_int4", "quantize_int4")
     from opfuse.cli import main as cli
