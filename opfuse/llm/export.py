@@ -6,11 +6,6 @@ What it does:
   ``AutoModelForCausalLM.from_pretrained(its folder, gguf_file=its name)`` (transformers dequantises
   every GGUF tensor to float32; it needs the ``gguf`` package), a folder with ``config.json`` through
   ``from_pretrained(folder)``, and the tokenizer the same way. The model is float32 and in eval mode.
-  A GGUF's tensors reach the model one at a time (:func:`_one_tensor_at_a_time`): transformers'
-  own loader would dequantise the whole file into a dict of float32 tensors first, then load the
-  model from it, the file's float32 copy and the transient copies of its largest tensor in memory at
-  once; each tensor is now dequantised and processed by transformers' own functions when the loader
-  comes to it (the same values, tested).
 - :class:`CausalLMStep` wraps the model's forward with a flat signature: ``(input_ids, attention_mask,
   position_ids, *past) -> (logits, *present)``, the cache being transformers' ``DynamicCache`` filled
   from / flattened to ``key 0, value 0, key 1, ...`` (:func:`filled_cache`, :func:`flat_cache`).
@@ -68,95 +63,8 @@ def _from_pretrained(source: pathlib.Path) -> tuple[str, dict]:
     raise BadInputError(f"{source}: no such file or folder")
 
 
-_DEQUANTIZED_ROWS = 4096
-
-
-class _LazyGgufWeight:
-    """One GGUF tensor as transformers' legacy GGUF loader makes it (``load_gguf_checkpoint``: the gguf
-    package's ``dequantize``, the architecture's ``TensorProcessor``, ``torch.from_numpy(np.copy(...))``,
-    the dtype), made when the model's loader reads it (``value[...]``, as it reads a safetensors slice)."""
-
-    def __init__(self, tensor, shape, processor, mapping, parsed, dtype):
-        self.tensor, self.shape = tensor, shape
-        self.processor, self.mapping, self.parsed, self.dtype = processor, mapping, parsed, dtype
-
-    def is_floating_point(self) -> bool:  # (what the loader asks of a tensor: dequantised, it is float)
-        return True
-
-    def __getitem__(self, _):
-        # (torch, transformers, gguf: the llm extra, imported only when a model is loaded)
-        import numpy as np
-        import torch
-        from gguf import dequantize  # (as above)
-
-        # dequantised a slice of rows at a time into one array (the values are per block: the same as
-        # the whole tensor's at once, without its float temporaries: 4x a 113 MB embedding)
-        rows = self.tensor.data.reshape(-1, self.tensor.data.shape[-1])
-        weights = np.empty((rows.shape[0], self.shape[-1]), np.float32)
-        for i in range(0, rows.shape[0], _DEQUANTIZED_ROWS):
-            weights[i:i + _DEQUANTIZED_ROWS] = dequantize(rows[i:i + _DEQUANTIZED_ROWS], self.tensor.tensor_type)
-        weights = self.processor.process(weights=weights.reshape(self.shape), name=self.tensor.name,
-                                         tensor_key_mapping=self.mapping, parsed_parameters=self.parsed).weights
-        tensor = torch.from_numpy(np.ascontiguousarray(weights))  # (a copy where the processor left a view)
-        return tensor.to(self.dtype) if self.dtype is not None else tensor
-
-
-def _lazy_gguf_state_dict(path: str, model, dtype) -> dict | None:
-    """{transformers name: :class:`_LazyGgufWeight`} of the GGUF at ``path`` for ``model``; None where
-    the architecture's tensor processor may rename, merge or reshape tensors (MoE experts, fused QKV:
-    only the pass-through processor and Llama's q/k row permutation are taken)."""
-    # (torch, transformers, gguf: the llm extra, imported only when a model is loaded)
-    from gguf import GGUFReader
-    from gguf.quants import quant_shape_from_byte_shape  # (as above)
-    from transformers.modeling_gguf_pytorch_utils import (  # (as above)
-        TENSOR_PROCESSORS,
-        LlamaTensorProcessor,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-        read_field,
-    )
-
-    parsed = load_gguf_checkpoint(path, return_tensors=False)  # (the config the processor reads)
-    reader = GGUFReader(path)
-    kind = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)
-    if kind not in (TensorProcessor, LlamaTensorProcessor):
-        return None
-    processor = kind(config=parsed.get("config", {}))
-    mapping = get_gguf_hf_weights_map(model, processor)
-    parsed["tensors"] = {}
-    weights = {}
-    for t in reader.tensors:
-        if t.name in mapping:  # (what the legacy loader skips, skipped)
-            shape = quant_shape_from_byte_shape(t.data.shape, t.tensor_type) if t.data.dtype == "uint8" else t.data.shape
-            weights[mapping[t.name]] = _LazyGgufWeight(t, tuple(shape), processor, mapping, parsed, dtype)
-    return weights
-
-
-@contextlib.contextmanager
-def _one_tensor_at_a_time():
-    """transformers' GGUF quantizer, where it falls back to its legacy loader (an architecture its
-    packed kernels do not take, and the file dequantised), hands the model's loader lazy tensors
-    (:func:`_lazy_gguf_state_dict`) instead of the whole file dequantised; unchanged elsewhere."""
-    # (torch, transformers: the llm extra, imported only when a model is loaded)
-    from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
-
-    legacy = GgufHfQuantizer.get_state_dict
-
-    def get_state_dict(self, checkpoint_file, model):
-        lazy = None if getattr(self, "supported", True) else _lazy_gguf_state_dict(checkpoint_file, model, self.dtype)
-        return lazy if lazy is not None else legacy(self, checkpoint_file, model)
-
-    GgufHfQuantizer.get_state_dict = get_state_dict
-    try:
-        yield
-    finally:
-        GgufHfQuantizer.get_state_dict = legacy
-
-
-def load(source: str | pathlib.Path, *, lazy: bool = True) -> Loaded:
-    """The model (float32, eval) and the tokenizer of a GGUF file or a Hugging Face folder; ``lazy``:
-    a GGUF's tensors dequantised one at a time (module docstring)."""
+def load(source: str | pathlib.Path) -> Loaded:
+    """The model (float32, eval) and the tokenizer of a GGUF file or a Hugging Face folder."""
     # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # (as above)
@@ -164,11 +72,8 @@ def load(source: str | pathlib.Path, *, lazy: bool = True) -> Loaded:
     source = pathlib.Path(source)
     where, keywords = _from_pretrained(source)
     try:
-        # (the tokenizer first: what building it from a GGUF's vocabulary takes is given back before the
-        # model's weights are in memory)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **keywords).eval()
         tokenizer = AutoTokenizer.from_pretrained(where, **keywords)
-        with _one_tensor_at_a_time() if keywords and lazy else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **keywords).eval()
     except (OSError, ValueError, KeyError, ImportError) as e:
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise BadInputError(f"{source}: transformers cannot load it: {type(e).__name__}: {first}") from e
