@@ -171,6 +171,25 @@ def test_a_large_product_of_the_float64_reference_is_widened_a_block_of_columns_
     assert ops.count("Transpose") == (3 if tied else 0)
 
 
+def test_an_extra_output_of_the_original_does_not_keep_the_head_whole_in_float64(tmp_path, monkeypatch):
+    """Verification exposes a tied head's transposed table as an output of the original (a floor's source);
+    the float64 reference, asked for the logits only, leaves it out of its outputs and still computes the
+    head a block of columns at a time: the same d0 as the model widened whole."""
+    import opfuse.verify.variation as variation
+    from onnx import TensorProto, helper
+
+    monkeypatch.setattr(runtime, "SHARED_MIN_BYTES", 1024)
+    monkeypatch.setattr(variation, "SPLIT_BYTES", 512 * 32 * 8 // 3 + 8)  # three blocks of the table
+    proto = _tied()
+    proto.graph.output.append(helper.make_tensor_value_info("table_t", TensorProto.FLOAT, [32, 512]))
+    level, d0, whole, sets, graph = _float64_reference(tmp_path, monkeypatch, proto)
+    assert level == "float64" and d0[("", "logits")] > 0
+    assert d0[("", "logits")] == pytest.approx(runtime_rounding(whole, sets, ["logits"])[1][("", "logits")], rel=1e-9)
+    assert [o.name for o in graph.output] == ["logits"]
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("Concat") == 1 and ops.count("Slice") == 3 and ops.count("MatMul") == 4
+
+
 def test_a_model_with_large_weights_in_the_file_gives_its_sessions_the_weights_as_they_are(monkeypatch):
     """Weights kept inside the model file (no external data), when they are large, go to verification's
     sessions as they are, like external ones (no serialised copy held for all the sessions): the same

@@ -2,10 +2,12 @@
 
     python experiments/llm_memory/phases.py SOURCE OUT [--precision int4] [other opfuse llm flags]
 
-Each step of :func:`opfuse.llm.convert` (the export's process, optimize, quantize_int4) is wrapped to mark
-where it starts; printed: the peak RSS of this process and its children (``/proc/PID/status`` VmRSS,
-summed; the export runs in a spawned child) inside each phase and the RSS when it ends, and this
-process's own VmHWM. Measurements only.
+Each step of :func:`opfuse.llm.convert` (each step run in a spawned process, named by its function;
+and, when they run in this process, optimize, the calibration run and quantize_int4) is wrapped to
+mark where it starts; printed:
+the peak RSS of this process and its children (``/proc/PID/status`` VmRSS, summed) inside each phase,
+the largest single process's RSS in it, and the RSS when it ends, and this process's own VmHWM.
+Measurements only.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def _rss_kb(pid) -> int:
     return 0
 
 
-def rss_mb() -> float:
-    """RSS of this process plus its children's (the export runs in a spawned process)."""
+def rss_mb() -> tuple[float, float]:
+    """(RSS of this process plus its children's, the largest of them) in MB: the steps run in spawned
+    processes."""
     me = os.getpid()
     children = []
     for d in os.listdir("/proc"):
@@ -39,7 +42,8 @@ def rss_mb() -> float:
                         children.append(d)
             except (OSError, ValueError, IndexError):
                 pass
-    return (_rss_kb("self") + sum(_rss_kb(c) for c in children)) / 1024
+    each = [_rss_kb("self"), *(_rss_kb(c) for c in children)]
+    return sum(each) / 1024, max(each) / 1024
 
 
 def hwm_mb() -> float:
@@ -51,19 +55,19 @@ def hwm_mb() -> float:
 
 
 def main() -> int:
-    phases: list[list] = [["start", 0.0, rss_mb()]]  # name, peak, rss at the end
+    phases: list[list] = [["start", *rss_mb(), 0.0]]  # name, peak, largest process's peak, rss at the end
     stop = False
 
     def sample():
         while not stop:
-            r = rss_mb()
-            if r > phases[-1][1]:
-                phases[-1][1] = r
+            total, largest = rss_mb()
+            phases[-1][1] = max(phases[-1][1], total)
+            phases[-1][2] = max(phases[-1][2], largest)
             time.sleep(0.05)
 
     def mark(name):
-        phases[-1][2] = rss_mb()
-        phases.append([name, rss_mb(), 0.0])
+        phases[-1][3] = rss_mb()[0]
+        phases.append([name, *rss_mb(), 0.0])
 
     def wrap(module, attr, name):
         original = getattr(module, attr)
@@ -84,8 +88,18 @@ def main() -> int:
     import opfuse.pipeline as pipeline
 
     mark("imports done")
-    wrap(llm, "_export_in_a_process", "load + export (child process)")
-    wrap(pipeline, "optimize", "optimize")
+    original = llm._in_a_process
+
+    def in_a_process(fn, *a, **k):
+        mark(f"{fn.__name__} (its process)")
+        try:
+            return original(fn, *a, **k)
+        finally:
+            mark(f"after {fn.__name__}")
+
+    llm._in_a_process = in_a_process
+    wrap(pipeline, "optimize", "optimize (in this process)")
+    wrap(q, "hessians", "calibration run")
     wrap(q, "quantize_int4", "quantize_int4")
     from opfuse.cli import main as cli
 
@@ -94,10 +108,10 @@ def main() -> int:
     mark("end")
     stop = True
     print(f"exit {rc} in {time.perf_counter() - start:.0f} s; VmHWM {hwm_mb():.0f} MB")
-    print("| phase | peak RSS MB | RSS at its end MB |")
-    print("|---|---|---|")
-    for name, peak, end in phases[:-1]:
-        print(f"| {name} | {peak:.0f} | {end:.0f} |")
+    print("| phase | peak RSS MB (all) | largest process MB | RSS at its end MB |")
+    print("|---|---|---|---|")
+    for name, peak, largest, end in phases[:-1]:
+        print(f"| {name} | {peak:.0f} | {largest:.0f} | {end:.0f} |")
     return rc
 
 

@@ -20,13 +20,17 @@ The steps (:func:`convert`):
 6. ``genai_config.json`` and the tokenizer files (:mod:`opfuse.llm.genai`), the config then told the
    graph's inputs and whether past and present share a buffer (step 4).
 
-Steps 1, 2 and 6 (the files) run in a process of their own (spawned, :func:`_in_a_process`), and so does step 3:
-torch, transformers and the model's float weights are gone before the optimisation loads the export,
-and the optimiser's copies before the quantiser loads its output; GPTQ's calibration run reads the
-weights through ONNX Runtime from the file, before this process loads them (peak memory:
-docs/results/llm.md). A source smaller than :data:`IN_PROCESS_BYTES` is converted in this process:
-a new process imports torch, transformers and the pipeline again, which costs more than such a
-model's weights take.
+Steps 1, 2 and 6 (the files) run in a process of their own (spawned, :func:`_in_a_process`), and so do
+step 3, step 4 and step 5: torch, transformers and the model's float weights are gone before the
+optimisation loads the export, the optimiser's copies before the attention rewrite loads its output,
+and the rewrite's before the quantiser reads it. This process keeps none of them: what it gets back
+is small (the config's fields as plain values, :func:`_plain_config`: a transformers config would
+import transformers and torch here). The quantiser reads the graph without its external data and
+each weight from the file when it comes to it (:func:`opfuse.llm.quantize_int4.quantize_int4`'s
+``base_dir``); GPTQ's calibration run reads the weights through ONNX Runtime from the file (peak
+memory: docs/results/llm.md). A source smaller than :data:`IN_PROCESS_BYTES` is converted in this
+process: a new process imports torch, transformers and the pipeline again, which costs more than
+such a model's weights take.
 
 Everything is written in a temporary folder beside DIR and moved into DIR at the end: on an error
 DIR receives nothing. A model that is not a decoder-only LM with a KV cache transformers builds
@@ -48,6 +52,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import types
 
 from opfuse.errors import BadInputError
 
@@ -56,6 +61,10 @@ ATTENTIONS = ("gqa", "exported")
 VERIFY_DIMS = {"batch_size": 1, "sequence_length": 4, "past_sequence_length": 8, "total_sequence_length": 12}
 # a source (its files) smaller than this is converted without spawning: its peak memory is the imports'
 IN_PROCESS_BYTES = 64 * 1024 * 1024
+# the config's fields the steps after the export read (_shape, _attention_refused, the attention rewrite)
+_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "hidden_size", "vocab_size", "max_position_embeddings", "sliding_window", "use_sliding_window",
+                  "attn_logit_softcapping")
 
 
 @dataclasses.dataclass
@@ -146,6 +155,13 @@ def _group_query_attention(optimised: pathlib.Path, work: pathlib.Path, config) 
     return path, f"{layers} GroupQueryAttention (rotary inside, past and present sharing a buffer)", True
 
 
+def _plain_config(config) -> types.SimpleNamespace:
+    """The fields of a transformers config that the steps after the export read (:data:`_CONFIG_FIELDS`,
+    those it has), as plain values: unpickled in another process, a transformers config imports
+    transformers and torch there."""
+    return types.SimpleNamespace(**{f: getattr(config, f) for f in _CONFIG_FIELDS if hasattr(config, f)})
+
+
 def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, windows: int) -> dict:
     """Load ``source``, refuse what is not a decoder, export it to ``exported``, write genai_config.json
     and the tokenizer into ``files_dir``; ``windows`` calibration windows of tokens (opfuse.llm.calibration)."""
@@ -159,7 +175,7 @@ def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, w
     genai.write_config(config, tokenizer, files_dir)
     genai.write_tokenizer(tokenizer, files_dir)
     export(loaded.model, exported)
-    return {"gguf": loaded.gguf, "shape": _shape(config), "config": config,
+    return {"gguf": loaded.gguf, "shape": _shape(config), "config": _plain_config(config),
             "windows": calibration.windows(tokenizer, windows) if windows else []}
 
 
@@ -214,6 +230,36 @@ def _all_from(rows, path: pathlib.Path) -> bool:
     return True
 
 
+def _int4_step(source: str, optimised: pathlib.Path, stage: pathlib.Path, info: dict, windows: int,
+               options: dict) -> tuple[list[str], dict[str, int], list[str]]:
+    """Step 5: the graph at ``optimised`` quantised (``options``: :func:`quantize_int4`'s) and written to
+    ``stage``; (what was left in float, op counts, the graph's inputs). ``info``: the export step's."""
+    import onnx  # (onnx: only when a model is converted)
+
+    from opfuse.llm import (
+        calibration as calibration_text,  # (its heavy imports (torch, the pipeline): only when used)
+    )
+    from opfuse.llm.gguf_blocks import GgufRows  # (gguf (the llm extra): imported when a GGUF is read)
+    from opfuse.llm.quantize_int4 import counts, hessians, quantize_int4  # (as above)
+
+    options = dict(options)
+    gguf = GgufRows(source) if options.pop("gguf_blocks") and info["gguf"] else None
+    input_hessians = None
+    if windows and not (gguf is not None and _all_from(gguf, optimised)):
+        # measured on the file (ONNX Runtime reads its weights), before this process loads them
+        input_hessians = hessians(str(optimised), calibration_text.feeds(info["shape"], info["windows"]))
+    stage.mkdir()
+    # (read without its external data: quantize_int4 reads each weight from the file when it comes to it)
+    model = quantize_int4(onnx.load(str(optimised), load_external_data=False), input_hessians=input_hessians,
+                          gguf=gguf, base_dir=optimised.parent, **options)
+    del input_hessians
+    shutil.rmtree(optimised.parent)
+    not_quantized = _not_quantized(model)
+    onnx.save(model, str(stage / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
+    return not_quantized, counts(model), [i.name for i in model.graph.input]
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -233,8 +279,6 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
     from opfuse.llm.quantize_int4 import (  # (its heavy imports (torch, the pipeline): only when used)
         DEFAULT_ALGORITHM,
         counts,
-        hessians,
-        quantize_int4,
     )
 
     if precision not in PRECISIONS:
@@ -260,39 +304,22 @@ def convert(source: str | pathlib.Path, out: str | pathlib.Path, precision: str 
         shutil.rmtree(exported.parent)
         shared, did = False, "kept as exported (--attention exported)"
         if attention == "gqa":
-            optimised, did, shared = _group_query_attention(optimised, tmp / "gqa", exported_info["config"])
+            optimised, did, shared = _in_a_process(_group_query_attention, optimised, tmp / "gqa",
+                                                   exported_info["config"], here=here)
         not_quantized = []
         if precision == "int4":
-            # (imported where used: they import the heavier modules)
-            from opfuse.llm import (
-                calibration as calibration_text,  # (its heavy imports (torch, the pipeline): only when used)
-            )
-            from opfuse.llm.gguf_blocks import GgufRows  # (gguf (the llm extra): imported when a GGUF is read)
-
-            gguf = GgufRows(source) if exported_info["gguf"] and gguf_blocks else None
-            input_hessians = None
-            if windows and not (gguf is not None and _all_from(gguf, optimised)):
-                # measured on the file (ONNX Runtime reads its weights), before this process loads them
-                input_hessians = hessians(str(optimised), calibration_text.feeds(exported_info["shape"],
-                                                                                  exported_info["windows"]))
-            stage.mkdir()
-            model = quantize_int4(onnx.load(str(optimised)), block_size=block_size, symmetric=symmetric,
-                                  algorithm=algorithm, head_bits=head_bits, embedding_bits=embedding_bits,
-                                  input_hessians=input_hessians, gguf=gguf,
-                                  **({} if fold_norms is None else {"fold_norms": fold_norms}))
-            del input_hessians
-            shutil.rmtree(optimised.parent)
-            not_quantized = _not_quantized(model)
-            onnx.save(model, str(stage / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                      location="model.onnx.data", size_threshold=1024)
+            options = {"block_size": block_size, "symmetric": symmetric, "algorithm": algorithm,
+                       "head_bits": head_bits, "embedding_bits": embedding_bits, "gguf_blocks": gguf_blocks,
+                       **({} if fold_norms is None else {"fold_norms": fold_norms})}
+            not_quantized, ops, inputs = _in_a_process(_int4_step, str(source), optimised, stage, exported_info,
+                                                       windows, options, here=here)
         else:
             optimised.parent.rename(stage)
             model = onnx.load(str(stage / "model.onnx"), load_external_data=False)
+            ops, inputs = counts(model), [i.name for i in model.graph.input]
+            del model
         for f in files_dir.iterdir():  # genai_config.json and the tokenizer's files
             f.replace(stage / f.name)
-        ops = counts(model)
-        inputs = [i.name for i in model.graph.input]
-        del model
         genai.restate_config(stage, inputs=inputs, share_buffer=shared)
         out.mkdir(exist_ok=True)
         files = sorted(p.name for p in stage.iterdir())

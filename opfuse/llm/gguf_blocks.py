@@ -39,14 +39,14 @@ not found among the file's quantised rows is left as it is, for the requantiser.
 
 from __future__ import annotations
 
-__all__ = ["FORMS", "GGUF_KINDS", "GgufRows", "import_blocks", "write_min_blocks"]
+__all__ = ["FORMS", "GGUF_KINDS", "GgufRows", "import_blocks", "weight_array", "write_min_blocks"]
 
 import dataclasses
 import pathlib
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
 
 from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS
 from opfuse.errors import BadInputError
@@ -77,6 +77,17 @@ def _split(kind: str, raw: np.ndarray):
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles are elements 0-15, high 16-31
     m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
     return codes, d, m
+
+
+def weight_array(tensor: onnx.TensorProto, base_dir: str | pathlib.Path | None = None) -> np.ndarray:
+    """``tensor``'s values; a tensor whose bytes are external data is read from ``base_dir`` without
+    loading them into ``tensor`` (numpy_helper.to_array would keep them in the proto): a model loaded
+    without its external data then holds one weight in memory at a time."""
+    if base_dir is not None and external_data_helper.uses_external_data(tensor):
+        copy = onnx.TensorProto()
+        copy.CopyFrom(tensor)
+        return numpy_helper.to_array(copy, str(base_dir))
+    return numpy_helper.to_array(tensor)
 
 
 def _dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
@@ -137,9 +148,11 @@ class GgufRows:
         if any(w is None for w in where) or len({self.tensors[t].kind for t, _ in where}) != 1:
             return None
         kind = self.tensors[where[0][0]].kind
-        raw = np.stack([self.tensors[t].data[r] for t, r in where])
-        if not np.array_equal(_dequantize(kind, raw).reshape(rows.shape), rows):  # (a hash is not proof)
-            return None
+        step = 4096  # (dequantised a slice of rows at a time: a 49152-row head is 113 MB in float32)
+        for i in range(0, len(where), step):
+            raw = np.stack([self.tensors[t].data[r] for t, r in where[i:i + step]])
+            if not np.array_equal(_dequantize(kind, raw).reshape(-1, length), rows[i:i + step]):
+                return None  # (a hash is not proof)
         return where
 
     def blocks(self, where: list[tuple[int, int]]):
@@ -270,9 +283,11 @@ def write_min_blocks(model: onnx.ModelProto, blocks: dict[str, tuple], block_siz
 
 
 def import_blocks(model: onnx.ModelProto, gguf_path: str | pathlib.Path, *, form: str = "residual",
-                  accuracy_level: int | None = 4, rows: GgufRows | None = None) -> dict[str, int]:
+                  accuracy_level: int | None = 4, rows: GgufRows | None = None,
+                  base_dir: str | pathlib.Path | None = None) -> dict[str, int]:
     """Replace each MatMul/Gather whose weight is a GGUF's quantised rows by the blocks themselves
-    (module docstring); ``model`` is changed in place. Returns {kind: weights replaced}.
+    (module docstring); ``model`` is changed in place. Returns {kind: weights replaced}. ``base_dir``:
+    where the external data of a model loaded without it is (:func:`weight_array`).
 
     The graph's opset is raised to 21 and its IR version to 10 when a 4-bit table is written (int4
     tensors need them), as ONNX Runtime's quantiser does."""
@@ -287,7 +302,7 @@ def import_blocks(model: onnx.ModelProto, gguf_path: str | pathlib.Path, *, form
     for node in graph.node:
         replaced = None
         if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits:
-            w = numpy_helper.to_array(inits[node.input[1]])
+            w = weight_array(inits[node.input[1]], base_dir)
             if w.ndim == 2 and w.dtype == np.float32 and w.shape[0] % BLOCK == 0:
                 where = rows.find(np.ascontiguousarray(w.T))
                 if where is not None:
@@ -296,7 +311,7 @@ def import_blocks(model: onnx.ModelProto, gguf_path: str | pathlib.Path, *, form
                     used_up.add(node.input[1])
         elif node.op_type == "Gather" and node.input[0] in inits and not any(
                 a.name == "axis" and a.i != 0 for a in node.attribute):
-            table = numpy_helper.to_array(inits[node.input[0]])
+            table = weight_array(inits[node.input[0]], base_dir)
             if table.ndim == 2 and table.dtype == np.float32 and table.shape[1] % BLOCK == 0:
                 where = rows.find(table)
                 if where is not None and rows.tensors[where[0][0]].kind in ("Q4_0", "Q8_0"):

@@ -333,19 +333,24 @@ def verify(before: str, after: str, *, layers: int, kv_heads: int, head_size: in
     # (ONNX Runtime: only when a rewrite is verified)
     import onnxruntime as ort
 
+    from opfuse.runtime import give_back_memory  # (ONNX Runtime: as above)
+
     options = ort.SessionOptions()
     options.log_severity_level = 4
     options.add_session_config_entry("session.disable_prepacking", "1")
-    sessions = [ort.InferenceSession(p, options, providers=["CPUExecutionProvider"]) for p in (before, after)]
-    for past, seq in cases:
-        runs = []
-        for s in sessions:
-            names = {i.name for i in s.get_inputs()}
-            runs.append(dict(zip([o.name for o in s.get_outputs()],
+    outputs = []  # per graph, per case: {output name: array}
+    for path in (before, after):  # one session at a time: one copy of the weights in memory, not two
+        s = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        names = {i.name for i in s.get_inputs()}
+        outputs.append([dict(zip([o.name for o in s.get_outputs()],
                                  s.run(None, _feeds(names, layers, kv_heads, head_size, past, seq, past * 31 + seq,
-                                                    vocab)))))
-        for name, want in runs[0].items():
-            got = runs[1][name]
+                                                    vocab))))
+                        for past, seq in cases])
+        del s
+        give_back_memory()  # (the session's weights: freed, and the heap's pages returned)
+    for (past, seq), want_all, got_all in zip(cases, *outputs):
+        for name, want in want_all.items():
+            got = got_all[name]
             if got.shape != want.shape:
                 return f"past {past}, {seq} new tokens: {name} shape {got.shape}, expected {want.shape}"
             scale = float(np.abs(want).max()) or 1.0

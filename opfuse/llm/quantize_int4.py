@@ -69,6 +69,7 @@ import warnings
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_model
 
 from opfuse.errors import BadInputError
 
@@ -129,14 +130,16 @@ def _rtn(model, ops, block_size, symmetric, accuracy_level, bits=4, nodes=None):
     return _quiet_quantizer(config, model, nodes_to_include=nodes)
 
 
-def _matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, np.ndarray]]:
+def _matmuls(model: onnx.ModelProto, base_dir=None) -> list[tuple[onnx.NodeProto, np.ndarray]]:
     """The MatMul nodes with a 2-D float32 initializer weight whose K is a whole number of blocks."""
+    from opfuse.llm.gguf_blocks import weight_array  # (gguf (the llm extra): imported when a GGUF is read)
+
     inits = {t.name: t for t in model.graph.initializer}
     found = []
     for node in model.graph.node:
         if (node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in inits
                 and not node.name.endswith(_FORM_SUFFIXES)):
-            w = numpy_helper.to_array(inits[node.input[1]])
+            w = weight_array(inits[node.input[1]], base_dir)
             if w.ndim == 2 and w.dtype == np.float32:
                 found.append((node, w))
     return found
@@ -260,7 +263,7 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
                   algorithm: str = DEFAULT_ALGORITHM, head_bits: int = 4, calibration: list[dict] | None = None,
                   gguf=None, gguf_form: str = "residual",
                   input_hessians: dict[str, np.ndarray] | None = None,
-                  fold_norms: bool = FOLD_NORMS) -> onnx.ModelProto:
+                  fold_norms: bool = FOLD_NORMS, base_dir: str | pathlib.Path | None = None) -> onnx.ModelProto:
     """``model`` with its MatMul (and, with ``embedding``, Gather) weights at 4 bits (module docstring).
 
     ``algorithm``: one of :data:`ALGORITHMS`; ``gptq`` needs ``calibration`` (feeds of ``model``), or
@@ -269,10 +272,18 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     :class:`opfuse.llm.gguf_blocks.GgufRows`) whose quantised blocks are imported as they are first,
     wherever a weight is that file's rows; the rest goes to ``algorithm``. ``fold_norms``: the RMSNorm
     scales folded into the projections still in float first (:mod:`opfuse.llm.fold_norm`).
+    ``base_dir``: ``model`` was loaded without its external data, which is there; each weight is read
+    when it is quantised (one in memory at a time, not the whole model), and what is left in float is
+    loaded before the model is returned (ONNX Runtime's quantiser, behind ``rtn``, ``hqq``, ``k_quant``
+    and 8-bit heads, the norm folding and a calibration run take the model loaded whole: it is, first).
     ``model`` is changed in place and returned (or a new proto, from ONNX Runtime's quantiser)."""
     if algorithm not in ALGORITHMS:
         raise BadInputError(f"int4 algorithm {algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
-    heads = untie_head(model)
+    if base_dir is not None and (algorithm in ("rtn", "hqq", "k_quant") or head_bits == 8 or fold_norms
+                                 or embedding and embedding_bits == 4 or calibration):
+        load_external_data_for_model(model, str(base_dir))
+        base_dir = None
+    heads = untie_head(model, base_dir)
     if gguf is not None:
         from opfuse.llm.gguf_blocks import (  # (gguf (the llm extra): imported when a GGUF is read)
             GgufRows,
@@ -280,7 +291,7 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
         )
 
         rows = gguf if isinstance(gguf, GgufRows) else GgufRows(gguf)
-        import_blocks(model, None, form=gguf_form, accuracy_level=accuracy_level, rows=rows)
+        import_blocks(model, None, form=gguf_form, accuracy_level=accuracy_level, rows=rows, base_dir=base_dir)
     if fold_norms:
         from opfuse.llm.fold_norm import fold_norm_scales, rescale_hessians  # (imported when asked for)
 
@@ -322,7 +333,7 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     else:  # q4_1, gptq, gptq_int: a minimum per block, written as the GGUF Q4_1 import writes it
         from opfuse.llm.gguf_blocks import write_min_blocks  # (gguf (the llm extra): imported when a GGUF is read)
 
-        found = _matmuls(model)
+        found = _matmuls(model, base_dir)
         found = [(n, w) for n, w in found if w.shape[0] % block_size == 0]
         h = {}
         gptq = algorithm.startswith("gptq")
@@ -341,20 +352,23 @@ def quantize_int4(model: onnx.ModelProto, *, block_size: int = BLOCK_SIZE, symme
     if embedding and embedding_bits == 4:
         model = _rtn(model, ("Gather",), block_size, symmetric, accuracy_level)
     elif embedding:  # a Gather reads a few rows per token: 8 bits cost file size, not time
-        _gather8(model, block_size)
+        _gather8(model, block_size, base_dir)
+    if base_dir is not None:  # what is left in float (norm weights, tables), as onnx.load would have read it
+        load_external_data_for_model(model, str(base_dir))
     return model
 
 
-def _gather8(model: onnx.ModelProto, block_size: int) -> None:
+def _gather8(model: onnx.ModelProto, block_size: int, base_dir=None) -> None:
     """Each Gather (axis 0) of a 2-D float32 initializer as GatherBlockQuantized with 8 bits: per block of
     ``block_size`` along the row, ``d = max |w| / 127``, codes ``round(w / d) + 128``, zero point 128
     (GGUF's Q8_0 rule; ONNX Runtime's quantiser writes 4-bit tables only)."""
-    from opfuse.llm.gguf_blocks import _finish, _Writer  # (gguf (the llm extra): imported when a GGUF is read)
+    # (gguf (the llm extra): imported when a GGUF is read)
+    from opfuse.llm.gguf_blocks import _finish, _Writer, weight_array
 
     inits = {t.name: t for t in model.graph.initializer}
     writer, out_nodes, used_up = _Writer(None), [], set()
     for node in model.graph.node:
-        table = numpy_helper.to_array(inits[node.input[0]]) if (
+        table = weight_array(inits[node.input[0]], base_dir) if (
             node.op_type == "Gather" and node.input[0] in inits) else None
         if (table is None or table.ndim != 2 or table.dtype != np.float32 or table.shape[1] % block_size
                 or any(a.name == "axis" and a.i != 0 for a in node.attribute)):
@@ -369,9 +383,12 @@ def _gather8(model: onnx.ModelProto, block_size: int) -> None:
         _finish(model, model.graph, out_nodes, used_up, writer)
 
 
-def untie_head(model: onnx.ModelProto) -> list[str]:
+def untie_head(model: onnx.ModelProto, base_dir=None) -> list[str]:
     """Give each ``MatMul(x, Transpose(W, perm=[1, 0]))`` of a 2-D initializer ``W`` a transposed
-    initializer of its own (the Transpose is removed when nothing else reads it); those MatMuls' names."""
+    initializer of its own (the Transpose is removed when nothing else reads it); those MatMuls' names.
+    ``base_dir``: where ``W`` is when the model was loaded without its external data."""
+    from opfuse.llm.gguf_blocks import weight_array  # (gguf (the llm extra): imported when a GGUF is read)
+
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
@@ -389,7 +406,7 @@ def untie_head(model: onnx.ModelProto) -> list[str]:
         name = made.get(weight.name)
         if name is None:
             name = made[weight.name] = f"{weight.name}_transposed"
-            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(weight).T.copy(), name))
+            graph.initializer.append(numpy_helper.from_array(weight_array(weight, base_dir).T.copy(), name))
         node.input[1] = name
         done.append(node.name)
     read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}

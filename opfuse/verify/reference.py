@@ -75,10 +75,13 @@ class Runner:
     """One ONNX Runtime session; runs return {name: array} for every output. Its kernels keep no
     repacked copy of the weights (``prepack=False``), and a model kept with external data gives the
     runtime its weights where they are (``share_weights``: mapped from their file, not copied):
-    verification's sessions hold a model's weights once, not twice."""
+    verification's sessions hold a model's weights once, not twice. Without the runtime's memory
+    arena (``cpu_arena=False``): what a run frees goes back to the system, where the arena keeps its
+    largest chunk (a tied head's transposed table, the size of the embedding) resident after the
+    session is gone, beside the next model's session."""
 
     def __init__(self, model):  # an ir.Model or what runtime.serialized made of one
-        self.session = create_session(model, "disabled", prepack=False, share_weights=True)
+        self.session = create_session(model, "disabled", prepack=False, share_weights=True, cpu_arena=False)
         self.names = [o.name for o in self.session.get_outputs()]
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -64,7 +64,7 @@ def _distances(original_x, sets, tensors, masks, level: str) -> dict[tuple[str, 
         if level != "float64":
             session = create_session(original_x, level, prepack=False, share_weights=True)
         elif isinstance(original_x, ir.Model):  # its weights where they are, widened as the run reads them
-            session = _float64_session(original_x)
+            session = _float64_session(original_x, set(tensors))
         else:
             session = _float64_from_bytes(original_x)
     except Exception:  # noqa: BLE001 - onnxruntime raises its own exception types
@@ -95,7 +95,7 @@ WIDENED = "__opfuse_float32"  # suffix of a float32 weight's own name in the flo
 MOVES = frozenset({"Gather", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Identity"})
 
 
-def _float64_session(original: ir.Model):
+def _float64_session(original: ir.Model, measured: set[str] | None = None):
     """The session of the original in float64 without a float64 copy of its weights: the large float32
     initializers stay float32 and are given to the runtime where they are
     (:func:`opfuse.runtime.shared_weights`), each followed by a Cast to float64 under its own name,
@@ -104,12 +104,18 @@ def _float64_session(original: ir.Model):
     (:data:`MOVES`: an embedding's Gather, a tied head's Transpose) is read by it in float32 and the
     Cast follows that op instead (the same numbers: such an op and the Cast commute), so a lookup
     widens the rows it takes, not the table. The same numbers as the model :func:`_in_float64`
-    writes, with one weight in float64 at a time instead of all. None when the original cannot be
-    so converted."""
+    writes, with one weight in float64 at a time instead of all. ``measured``: the outputs the run is
+    asked for; the others (the original's extra outputs: probes, a floor's sources) leave the graph's
+    outputs, so none is kept whole for its own sake (a tied head's transposed table among them would
+    be widened whole, its product not split). None when the original cannot be so converted."""
     shared = shared_weights(original)
     if shared is None:
         return None
     proto, weights = shared
+    kept = [o for o in proto.graph.output if measured is None or o.name in measured]
+    if kept:
+        del proto.graph.output[:]
+        proto.graph.output.extend(kept)
     taken = {t.name for t in proto.graph.initializer} | {o for n in proto.graph.node for o in n.output}
     taken |= {v.name for v in [*proto.graph.input, *proto.graph.output]}
 
