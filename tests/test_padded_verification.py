@@ -29,7 +29,7 @@ from opfuse.errors import VerificationError
 from opfuse.load import load_model
 from opfuse.verify import VARIATION_FACTOR, compare_tensor, verify_models
 from opfuse.verify.inputs import defined_positions, padded_feeds
-from opfuse.verify.reference import PADDED_LABEL
+from opfuse.verify.reference import GIVEN_PADDED_LABEL, PADDED_LABEL
 
 
 def _session_run(m, feeds):
@@ -152,6 +152,45 @@ def ir_to_proto(m):
     import onnx_ir as ir
 
     return ir.serde.serialize_model(m)
+
+
+def _left_padded(original, seq: int = 11, pad: int = 4) -> dict:
+    """One row of ``original``'s inputs at ``seq`` positions, its first ``pad`` masked, positions counted from the
+    mask: what a caller (or a calibration set for a fixed-size prefill) feeds."""
+    feeds, _ = padded_feeds(original, {"batch": 3, "seq": seq})
+    feeds = {k: v[1:2] for k, v in feeds.items()}
+    mask = np.ones((1, seq), np.int64)
+    mask[0, :pad] = 0
+    feeds["attention_mask"] = mask
+    feeds["position_ids"] = np.where(mask == 1, np.cumsum(mask, -1) - 1, 0)
+    return feeds
+
+
+def test_given_inputs_whose_mask_pads_are_compared_where_defined(llama):
+    """The user's own inputs (``--inputs``, or the calibration sample ``quantize`` verifies its folds on) with
+    a left-padded mask: Attention-23's other values at the padded queries are not compared, the record says
+    which mask and rows, and the real tokens are still compared."""
+    original, _ = load_model(str(llama))
+    feeds = _left_padded(original)
+    written, report = opfuse.optimize(str(llama), target="onnx", opset=23, tune=False, inputs=feeds)
+    v = report.verification
+    assert report.applied("attention->Attention") and v.ok
+    assert v.padded == "attention_mask [1, 11]: rows left-padded 4" and not v.padded_skipped
+    assert {c.inputs for c in v.outputs} == {GIVEN_PADDED_LABEL}
+    assert all("where 'attention_mask' is 1" in c.positions for c in v.outputs)
+    (ref,), (got,) = _session_run(llama, feeds), _session_run(ir_to_proto(written), feeds)
+    assert np.abs(ref - got)[0, :4].max() > 1e-2  # the padded queries differ: comparing them whole would fail
+
+
+def test_given_padded_inputs_still_catch_a_rewrite_wrong_at_real_tokens():
+    original, _ = load_model(_positions_model())
+    wrong, _ = load_model(_positions_model(wrong=True))
+    feeds = {**_left_padded(original, seq=6, pad=2), "x": rng(1).standard_normal((1, 6, 4)).astype(np.float32)}
+    result = verify_models(original, wrong, inputs=feeds)
+    assert not result.ok and "left-padded 2" in result.padded
+    unpadded = {**feeds, "attention_mask": np.ones((1, 6), np.int64), "position_ids": np.arange(6)[None]}
+    result = verify_models(original, wrong, inputs=unpadded)  # (the same positions: equal, compared whole)
+    assert result.ok and not result.padded and "unpadded" in result.padded_skipped
 
 
 class _Attention:
