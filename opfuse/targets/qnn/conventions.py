@@ -17,11 +17,22 @@ reaches the fill) the Where's output gets the range of its scores, widened below
 its calibrated range, as before): the fill saturates at that minimum, whose ``exp(min - max) <= exp(-20)`` (2e-9) is
 below the Softmax's 16-bit output step (1.5e-5), so a masked position still weighs nothing, and a fully
 masked row is still constant (uniform).
+
+Attention-23's KV cache outputs (``present_key``, ``present_value``): onnxruntime-qnn builds the op's
+presents as tensors the application reads (``QNN_TENSOR_TYPE_APP_READ``, a graph output of the QNN
+graph) whatever reads them in the ONNX graph. In a QDQ model they are read by a QuantizeLinear (then a
+DequantizeLinear, then the graph output), so QNN's graph holds an output tensor ONNX Runtime never binds:
+the model compiles, and its first run fails with ``QNN_GRAPH_ERROR_INVALID_TENSOR: Invalid or NULL QNN
+tensor`` (a decode step with a cache; a prefill without one runs). The provider computes the op in float
+inside (its Q, K, V and presents are float32 tensors of the QNN graph, dequantised at its inputs), so
+:func:`float_attention_presents` lets the Attention write such a graph output itself, float, as the
+float model does; the Q/DQ pair in between goes. A present that something else reads as well keeps its
+pair (and the run's error says what failed).
 """
 
 from __future__ import annotations
 
-__all__ = ["quantizer_config", "qnn_types", "wants_ranges", "MASKED_MARGIN"]
+__all__ = ["quantizer_config", "qnn_types", "wants_ranges", "float_attention_presents", "MASKED_MARGIN"]
 
 import pathlib
 
@@ -122,3 +133,55 @@ def _layernorm_constants(float_model: onnx.ModelProto) -> list[str]:
     inits = {i.name for i in float_model.graph.initializer}
     return sorted({name for n in float_model.graph.node if n.op_type == "LayerNormalization"
                    for name in n.input[1:3] if name in inits})
+
+
+def float_attention_presents(qdq: onnx.ModelProto) -> list[str]:
+    """Each Attention's present output that reaches a graph output through a QuantizeLinear and a
+    DequantizeLinear alone becomes that graph output, written in float by the Attention (module
+    docstring); the pair goes (in place). A note when any did."""
+    graph = qdq.graph
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    moved, constants = [], set()
+    for node in list(graph.node):
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx"):
+            continue
+        for index in (1, 2):  # present_key, present_value
+            if index >= len(node.output) or not node.output[index] or node.output[index] in outputs:
+                continue
+            (q, *others) = readers.get(node.output[index], [None])
+            if others or q is None or q.op_type != "QuantizeLinear":
+                continue
+            (dq, *others) = readers.get(q.output[0], [None])
+            if others or dq is None or dq.op_type != "DequantizeLinear" or dq.output[0] not in outputs \
+                    or readers.get(dq.output[0]):
+                continue
+            node.output[index] = dq.output[0]
+            graph.node.remove(q)
+            graph.node.remove(dq)
+            moved.append(dq.output[0])
+            constants.update(q.input[1:], dq.input[1:])
+    if not moved:
+        return []
+    read = _read_anywhere(graph) | outputs
+    kept = [i for i in graph.initializer if i.name not in constants or i.name in read]  # (the pairs' scales)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return [f"Attention's KV cache outputs ({', '.join(moved[:4])}{', ...' if len(moved) > 4 else ''}; "
+            f"{len(moved)} in all) are written in float, without QuantizeLinear/DequantizeLinear: QNN's HTP "
+            "builds an Attention's presents as graph outputs, and a quantised pair after them leaves an output "
+            "it never binds (QNN_GRAPH_ERROR_INVALID_TENSOR at the first run); it computes the op in float inside"]
+
+
+def _read_anywhere(graph: onnx.GraphProto) -> set[str]:
+    """The names the nodes of ``graph`` and of every graph nested in them read."""
+    read = set()
+    for node in graph.node:
+        read.update(node.input)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                read |= _read_anywhere(sub)
+    return read
