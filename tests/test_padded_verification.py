@@ -329,3 +329,21 @@ def test_compare_outputs_takes_the_variation_another_caller_measured():
     (check,) = compare_outputs(expected, {"y": reordered}, variation=d0)
     assert check.ok and check.variation == d0["y"]
     assert not compare_outputs(expected, {"y": wrong}, variation=d0)[0].ok
+
+
+# -- a padded calibration sample in the quantiser's SQNR -------------------------------------------
+
+def test_a_padded_samples_sqnr_counts_its_real_positions_only():
+    from opfuse.quantization.qdq.sqnr import defined_in, outputs_db, padding_of, sqnr_db
+
+    mask = np.array([[0, 0, 1, 1, 1]])
+    padded, unpadded = {"attention_mask": mask, "input_ids": np.ones((1, 5), np.int64)}, {"attention_mask": mask * 0 + 1}
+    assert padding_of(unpadded) is None and padding_of({"attention_mask": mask[None]}) is None  # (rank 3: no mask)
+    assert (padding_of(padded) == mask).all()
+    assert (defined_in(padded, (1, 5, 3)) == mask[:, :, None].astype(bool)).all() and defined_in(unpadded, (1, 5, 3)) is None
+    reference = rng(0).standard_normal((1, 5, 3)).astype(np.float32)
+    approx = reference + np.float32(0.01)
+    approx[0, :2] = 50.0  # the padded positions: another runtime's own values there
+    expected = sqnr_db(float(np.sum(reference[0, 2:].astype(np.float64) ** 2)), 9 * 0.01 ** 2)
+    assert abs(outputs_db(["logits"], [[reference]], [[approx]], [padded]) - expected) < 1e-3
+    assert outputs_db(["logits"], [[reference]], [[approx]], [unpadded]) < 0  # unpadded: every position counts

@@ -7,7 +7,7 @@ the chunk and on the decode steps the float export takes after them.
 - the prefill: the fold stage is verified on a left-padded calibration sample, where Attention-23 gives other
   values than the export at the padded queries (undefined there, :mod:`opfuse.verify`); it passes, compiles
   whole on the HTP, and the HTP's logits match the float export at the real tokens of padded and unpadded
-  prompts (the QNN quantize tests' bar, 20 dB);
+  prompts (the QNN quantize tests' bar, 20 dB), as the report's SQNR, counted there, says;
 - the decode step: the Attention's presents are written in float (QNN's HTP builds them as graph outputs,
   :func:`opfuse.targets.qnn.conventions.float_attention_presents`); it compiles and runs whole on the HTP and
   matches the float export; without that form its first run fails, and the command says so in one line.
@@ -89,6 +89,8 @@ def test_the_prefill_quantised_w8a16_with_padded_calibration_matches_float_on_th
     assert fold.ok and "left-padded" in fold.padded, (fold.padded, fold.padded_skipped)
     assert report.fusion.applied("attention->Attention")
     assert report.device.placement.all_on_npu and report.device.strict and (tmp_path / "prefill_ctx.onnx").exists()
+    # the report's own figure counts the padded held-out samples at their real tokens (qdq.sqnr)
+    assert report.verification.sqnr_db > MIN_DB and any("pad their attention mask" in n for n in report.notes)
     htp, cpu = open_session(str(out), strict=True), _cpu(paths["prefill"])
     names = [o.name for o in cpu.get_outputs()]
     for length in (SEQ, 9, 3):  # unpadded, and left-padded by 7 and 13
@@ -104,7 +106,7 @@ def test_the_decode_step_quantised_w8a16_compiles_and_runs_whole_on_the_htp(expo
 
     paths, samples, _ = exports
     out, report = _quantize(paths["decode"], samples["decode"], {"batch": 1, "past_seq": PAST}, tmp_path, "decode")
-    assert report.device.placement.all_on_npu and report.device.strict
+    assert report.device.placement.all_on_npu and report.device.strict and report.verification.sqnr_db > MIN_DB
     assert any("KV cache outputs (present.0.key, present.0.value; 2 in all) are written in float" in n
                for n in report.notes), report.notes
     written = onnx.load(str(out))
