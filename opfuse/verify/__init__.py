@@ -103,9 +103,7 @@ real token (its keys and values are masked out of every real query's attention).
 padding makes a causal model's padded queries fully masked rows; a fully masked row that is
 not a padded query (a mask that hides a real token from everything) is compared like any
 other, so a fusion that drops the guard's semantics there fails verification. The unpadded
-set is compared whole, as before. The user's inputs (``--inputs``, or the calibration sample
-``opfuse quantize`` verifies its folds on) whose attention mask holds zeros are such a padded batch
-already, and are compared by the same rule (:func:`opfuse.verify.reference.given_padding`).
+set is compared whole; given inputs whose mask holds zeros by this rule (:mod:`opfuse.verify.reference`).
 
 Integer and boolean tensors must match exactly; NaNs must sit in the same places.
 
@@ -512,8 +510,7 @@ def _unstable_original(original_x, sets, result: Verification, proxied: set[str]
     a fresh session and then on that session again: an unseeded random kernel draws anew on
     each run of a session (and from a seed that follows its position in the graph, so a
     fresh session of the same graph repeats the first draw, while the rewritten graph draws
-    other numbers). ``proxied``: the tensors whose first run holds only their magnitude
-    (:class:`opfuse.verify.reference.ScaledOnce`), compared between the two reruns alone."""
+    other numbers). ``proxied``: held as their magnitude in the first run (ScaledOnce): the reruns alone."""
     failing = {(c.inputs, c.name) for c in (*result.rewrites, *result.outputs) if not c.ok}
     try:
         runner = _Runner(original_x)

@@ -40,6 +40,8 @@ import numpy as np
 import onnx
 from onnxruntime import quantization as ortq
 
+from opfuse.core.ops import ONNX_DOMAINS
+
 ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
 WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8,  # Preset.weight
                 "int4": ortq.QuantType.QInt8}  # (int4: the MatMul/Gemm weights, by override; the rest int8)
@@ -147,7 +149,7 @@ def float_attention_presents(qdq: onnx.ModelProto) -> list[str]:
     outputs = {o.name for o in graph.output}
     moved, constants = [], set()
     for node in list(graph.node):
-        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "Attention" or node.domain not in ONNX_DOMAINS:
             continue
         for index in (1, 2):  # present_key, present_value
             if index >= len(node.output) or not node.output[index] or node.output[index] in outputs:
