@@ -7,7 +7,8 @@ the chunk and on the decode steps the float export takes after them.
 - the prefill: the fold stage is verified on a left-padded calibration sample, where Attention-23 gives other
   values than the export at the padded queries (undefined there, :mod:`opfuse.verify`); it passes, compiles
   whole on the HTP, and the HTP's logits match the float export at the real tokens of padded and unpadded
-  prompts (the QNN quantize tests' bar, 20 dB), as the report's SQNR, counted there, says;
+  prompts (the QNN quantize tests' bar, 20 dB), as the report's SQNR, counted there, says; its MatMul weights
+  have one scale per output channel, as the preset says;
 - the decode step: the Attention's presents are written in float (QNN's HTP builds them as graph outputs,
   :func:`opfuse.targets.qnn.conventions.float_attention_presents`); it compiles and runs whole on the HTP and
   matches the float export; without that form its first run fails, and the command says so in one line.
@@ -91,6 +92,12 @@ def test_the_prefill_quantised_w8a16_with_padded_calibration_matches_float_on_th
     assert report.device.placement.all_on_npu and report.device.strict and (tmp_path / "prefill_ctx.onnx").exists()
     # the report's own figure counts the padded held-out samples at their real tokens (qdq.sqnr)
     assert report.verification.sqnr_db > MIN_DB and any("pad their attention mask" in n for n in report.notes)
+    written = onnx.load(str(out))
+    inits = {i.name: i for i in written.graph.initializer}
+    matmul_weights = {n.input[1] for n in written.graph.node if n.op_type == "MatMul"}
+    scales = [list(inits[n.input[1]].dims) for n in written.graph.node
+              if n.op_type == "DequantizeLinear" and n.output[0] in matmul_weights and n.input[0] in inits]
+    assert len(scales) >= 7 and all(len(s) == 1 and s[0] > 1 for s in scales), scales  # one scale per channel
     htp, cpu = open_session(str(out), strict=True), _cpu(paths["prefill"])
     names = [o.name for o in cpu.get_outputs()]
     for length in (SEQ, 9, 3):  # unpadded, and left-padded by 7 and 13

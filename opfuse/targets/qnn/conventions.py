@@ -5,7 +5,10 @@ arguments of ``quantize_static`` (:func:`quantizer_config`): ONNX Runtime's
 ``get_qnn_qdq_config`` with the preset's activation and weight types (:func:`qnn_types`), the
 layers the mixed-precision search keeps with 16-bit activations as tensor overrides, and, with
 per-channel weights, LayerNormalization's scale and bias kept per tensor (the HTP refuses a
-per-channel DequantizeLinear there). The portable configuration is in
+per-channel DequantizeLinear there), and MatMul's and Gemm's weights per channel, as the preset
+says: ``get_qnn_qdq_config`` gives them one scale per tensor ("QNN does not support per-channel
+MatMul"), and a decoder's int8 weights at one scale per tensor lose most of its accuracy while the
+HTP of onnxruntime-qnn 2.7.0 takes per-channel int8 MatMul weights whole. The portable configuration is in
 :class:`opfuse.quantization.qdq.quantizer.Quantizer`.
 
 A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
@@ -98,7 +101,10 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
             entry.update(rmin=np.float32(min(low, 0.0) - MASKED_MARGIN), rmax=np.float32(max(high, 0.0)))
     if preset.weight == "int4":  # w4a16: each MatMul/Gemm weight int4, one scale per output channel
         overrides.update({name: [{"quant_type": ortq.QuantType.QInt4, "symmetric": True, "axis": axis}]
-                          for name, axis in _int4_weights(float_model).items() if name not in overrides})
+                          for name, axis in _matmul_weights(float_model).items() if name not in overrides})
+    elif preset.per_channel:  # per-channel presets: the MatMul/Gemm weights too (get_qnn_qdq_config: per tensor)
+        overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True, "axis": axis}]
+                          for name, axis in _matmul_weights(float_model).items() if name not in overrides})
     config = get_qnn_qdq_config(str(float_path), reader or sample_reader, calibrate_method=method,
                                 init_overrides=overrides or None, **qnn_types(preset))
     return dict(
@@ -111,9 +117,10 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
     )
 
 
-def _int4_weights(float_model: onnx.ModelProto) -> dict[str, int]:
+def _matmul_weights(float_model: onnx.ModelProto) -> dict[str, int]:
     """{weight: its output-channel axis} of the MatMul (a [K, N] initializer as input 1: axis 1) and Gemm
-    (axis 0 with transB, else 1) weights: what ``qnn-w4a16`` writes in int4. get_qnn_qdq_config would give a
+    (axis 0 with transB, else 1) weights: what ``qnn-w4a16`` writes in int4, and the per-channel presets in int8
+    per channel. get_qnn_qdq_config would give a
     MatMul's weight a per-tensor override ("QNN does not support per-channel MatMul"); the HTP of
     onnxruntime-qnn 2.7.0 takes per-channel int4 and int8 MatMul weights whole at opset 21 (probed)."""
     inits = {i.name: len(i.dims) for i in float_model.graph.initializer}
