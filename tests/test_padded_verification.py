@@ -29,7 +29,7 @@ from opfuse.errors import VerificationError
 from opfuse.load import load_model
 from opfuse.verify import VARIATION_FACTOR, compare_tensor, verify_models
 from opfuse.verify.inputs import defined_positions, padded_feeds
-from opfuse.verify.reference import PADDED_LABEL
+from opfuse.verify.reference import GIVEN_PADDED_LABEL, PADDED_LABEL
 
 
 def _session_run(m, feeds):
@@ -152,6 +152,45 @@ def ir_to_proto(m):
     import onnx_ir as ir
 
     return ir.serde.serialize_model(m)
+
+
+def _left_padded(original, seq: int = 11, pad: int = 4) -> dict:
+    """One row of ``original``'s inputs at ``seq`` positions, its first ``pad`` masked, positions counted from the
+    mask: what a caller (or a calibration set for a fixed-size prefill) feeds."""
+    feeds, _ = padded_feeds(original, {"batch": 3, "seq": seq})
+    feeds = {k: v[1:2] for k, v in feeds.items()}
+    mask = np.ones((1, seq), np.int64)
+    mask[0, :pad] = 0
+    feeds["attention_mask"] = mask
+    feeds["position_ids"] = np.where(mask == 1, np.cumsum(mask, -1) - 1, 0)
+    return feeds
+
+
+def test_given_inputs_whose_mask_pads_are_compared_where_defined(llama):
+    """The user's own inputs (``--inputs``, or the calibration sample ``quantize`` verifies its folds on) with
+    a left-padded mask: Attention-23's other values at the padded queries are not compared, the record says
+    which mask and rows, and the real tokens are still compared."""
+    original, _ = load_model(str(llama))
+    feeds = _left_padded(original)
+    written, report = opfuse.optimize(str(llama), target="onnx", opset=23, tune=False, inputs=feeds)
+    v = report.verification
+    assert report.applied("attention->Attention") and v.ok
+    assert v.padded == "attention_mask [1, 11]: rows left-padded 4" and not v.padded_skipped
+    assert {c.inputs for c in v.outputs} == {GIVEN_PADDED_LABEL}
+    assert all("where 'attention_mask' is 1" in c.positions for c in v.outputs)
+    (ref,), (got,) = _session_run(llama, feeds), _session_run(ir_to_proto(written), feeds)
+    assert np.abs(ref - got)[0, :4].max() > 1e-2  # the padded queries differ: comparing them whole would fail
+
+
+def test_given_padded_inputs_still_catch_a_rewrite_wrong_at_real_tokens():
+    original, _ = load_model(_positions_model())
+    wrong, _ = load_model(_positions_model(wrong=True))
+    feeds = {**_left_padded(original, seq=6, pad=2), "x": rng(1).standard_normal((1, 6, 4)).astype(np.float32)}
+    result = verify_models(original, wrong, inputs=feeds)
+    assert not result.ok and "left-padded 2" in result.padded
+    unpadded = {**feeds, "attention_mask": np.ones((1, 6), np.int64), "position_ids": np.arange(6)[None]}
+    result = verify_models(original, wrong, inputs=unpadded)  # (the same positions: equal, compared whole)
+    assert result.ok and not result.padded and "unpadded" in result.padded_skipped
 
 
 class _Attention:
@@ -290,3 +329,21 @@ def test_compare_outputs_takes_the_variation_another_caller_measured():
     (check,) = compare_outputs(expected, {"y": reordered}, variation=d0)
     assert check.ok and check.variation == d0["y"]
     assert not compare_outputs(expected, {"y": wrong}, variation=d0)[0].ok
+
+
+# -- a padded calibration sample in the quantiser's SQNR -------------------------------------------
+
+def test_a_padded_samples_sqnr_counts_its_real_positions_only():
+    from opfuse.quantization.qdq.sqnr import defined_in, outputs_db, padding_of, sqnr_db
+
+    mask = np.array([[0, 0, 1, 1, 1]])
+    padded, unpadded = {"attention_mask": mask, "input_ids": np.ones((1, 5), np.int64)}, {"attention_mask": mask * 0 + 1}
+    assert padding_of(unpadded) is None and padding_of({"attention_mask": mask[None]}) is None  # (rank 3: no mask)
+    assert (padding_of(padded) == mask).all()
+    assert (defined_in(padded, (1, 5, 3)) == mask[:, :, None].astype(bool)).all() and defined_in(unpadded, (1, 5, 3)) is None
+    reference = rng(0).standard_normal((1, 5, 3)).astype(np.float32)
+    approx = reference + np.float32(0.01)
+    approx[0, :2] = 50.0  # the padded positions: another runtime's own values there
+    expected = sqnr_db(float(np.sum(reference[0, 2:].astype(np.float64) ** 2)), 9 * 0.01 ** 2)
+    assert abs(outputs_db(["logits"], [[reference]], [[approx]], [padded]) - expected) < 1e-3
+    assert outputs_db(["logits"], [[reference]], [[approx]], [unpadded]) < 0  # unpadded: every position counts

@@ -336,3 +336,17 @@ def test_the_runtime_s_own_rounding_is_measured_only_when_the_modelled_floor_fai
     bad = _tamper(work, conv.inputs[2].name, lambda a: np.roll(a, 1))  # still caught
     original, _ = load_model(m)
     assert not verify_models(original, bad, records=report.records).ok
+
+
+def test_a_wrong_model_beside_a_weight_held_as_its_magnitude_is_blamed_not_called_nondeterministic():
+    """A tied head's Transpose of a weight is a floor source no input reaches: the reference keeps only its
+    magnitude (a 0-d array, ScaledOnce). When a check fails, the original's rerun is compared with the first
+    run; that tensor is compared between the reruns alone, so the failure stays the rewrite's."""
+    def tied(scale: float):
+        w = rng(2).standard_normal((50, 16)).astype(np.float32) * np.float32(scale)
+        nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Wt"], ["y"])]
+        return load_model(model(nodes, [vinfo("x", ["batch", 16])], [vinfo("y", ["batch", 50])], [tensor("W", w)]))[0]
+
+    result = verify_models(tied(1.0), tied(1.01))
+    assert not result.ok and not result.unverified, result.unverified
+    assert result.first_failure().name == "y"

@@ -86,7 +86,8 @@ from opfuse.quantization.options import QuantizeOptions
 from opfuse.quantization.presets import PRESETS, Equalize
 from opfuse.quantization.qdq.quantizer import prepare, weight_storage
 from opfuse.quantization.report import LayerRow, QuantReport, QuantVerification
-from opfuse.quantization.qdq.sqnr import INFINITE, below_output_step, layer_costs, layer_pairs, measure, output_sqnr
+from opfuse.quantization.qdq.sqnr import (INFINITE, below_output_step, layer_costs, layer_pairs, measure, output_sqnr,
+                                         padding_of)
 from opfuse.quantization.steps import QuantState, build_steps
 from opfuse.verify.random_ops import drop_given_seeds, seed_random_nodes
 from opfuse.report import FusionReport
@@ -266,6 +267,11 @@ def _tuning_split(calib: list, options: QuantizeOptions, report: QuantReport) ->
 def _verify(report, float_model, qdq, loaded: _Loaded, options: QuantizeOptions, device, device_options):
     """Step 8: the held-out SQNR, on ONNX Runtime's CPU or on the device (its compiled model returned)."""
     metric = options.metric
+    padded = sum(padding_of(s) is not None for s in [*loaded.calib, *loaded.held])
+    if padded:  # (every SQNR, the search's too, counts a padded sample where defined: qdq.sqnr)
+        report.notes.append(f"{padded} of {len(loaded.calib) + len(loaded.held)} calibration sample(s) pad their "
+                            "attention mask: every SQNR counts them at their real positions only (a padded "
+                            "position's value is undefined, and the runtimes give their own there)")
     if device is None:
         outputs, total = output_sqnr(float_model, qdq, loaded.held, qdq_level="all", first_index=len(loaded.calib))
         report.verification = QuantVerification(

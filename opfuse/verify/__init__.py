@@ -103,7 +103,7 @@ real token (its keys and values are masked out of every real query's attention).
 padding makes a causal model's padded queries fully masked rows; a fully masked row that is
 not a padded query (a mask that hides a real token from everything) is compared like any
 other, so a fusion that drops the guard's semantics there fails verification. The unpadded
-set is compared whole, as before.
+set is compared whole; given inputs whose mask holds zeros by this rule (:mod:`opfuse.verify.reference`).
 
 Integer and boolean tensors must match exactly; NaNs must sit in the same places.
 
@@ -167,7 +167,7 @@ from opfuse.errors import BadInputError
 from opfuse.core.dims import free_dims
 from opfuse.verify.inputs import branch_conditions, defined_positions, make_feeds
 from opfuse.verify.random_ops import describe_random, random_nodes, seed_random_nodes
-from opfuse.verify.reference import (PADDED_LABEL, CHUNK as COMPARE_CHUNK, NoReference, Runner as _Runner, ScaledOnce
+from opfuse.verify.reference import (GIVEN_PADDED_LABEL, PADDED_LABEL, CHUNK as COMPARE_CHUNK, NoReference, Runner as _Runner, ScaledOnce
                                      as _ScaledOnce, finite_max_abs as _finite_max_abs, input_free as _input_free,
                                      input_sets, permuted_scales, require_finite, rerun)
 from opfuse.verify.variation import VARIATION_LEVEL, runtime_rounding, runtime_variation
@@ -407,6 +407,7 @@ def verify_models(
     except NoReference as e:
         result.unverified = str(e)
         return result
+    proxied = set(run_original.proxies)  # (their magnitude stands in the sets' outputs, not their values)
     run_original = run_reference = None  # (its outputs are in ``sets``: one model's session at a time)
     drop_resident_pages(original)  # (and the pages of its weights that it read go with it)
     try:
@@ -475,7 +476,7 @@ def verify_models(
         result.notes.append("the original was fed " + ", ".join(f"{n}={show_value(v)}" for n, v in bound.items())
                             + " (--constant-input); the rewritten model has no such input")
     if not result.ok:
-        result.unverified = _unstable_original(original_x, sets, result)
+        result.unverified = _unstable_original(original_x, sets, result, proxied)
     _coverage(result, records, original, taken)
     if approximated is not None:
         _approximation(result, approximated, sets, graph_outputs)
@@ -503,13 +504,13 @@ def _approximation(result: Verification, approximated: ir.Model, sets, names: li
                         "(measured, not a pass/fail check)")
 
 
-def _unstable_original(original_x, sets, result: Verification) -> str:
+def _unstable_original(original_x, sets, result: Verification, proxied: set[str] = frozenset()) -> str:
     """Why no rewrite can be blamed, when the original run again on the same inputs differs
     from itself at a failing check's tensor ("" when it does not). It runs twice more, from
     a fresh session and then on that session again: an unseeded random kernel draws anew on
     each run of a session (and from a seed that follows its position in the graph, so a
     fresh session of the same graph repeats the first draw, while the rewritten graph draws
-    other numbers)."""
+    other numbers). ``proxied``: held as their magnitude in the first run (ScaledOnce): the reruns alone."""
     failing = {(c.inputs, c.name) for c in (*result.rewrites, *result.outputs) if not c.ok}
     try:
         runner = _Runner(original_x)
@@ -519,7 +520,7 @@ def _unstable_original(original_x, sets, result: Verification) -> str:
     for index, (label, _, first) in enumerate(sets):  # the failing tensors first, then any the reruns give
         runs = [first, again[0][index][1], again[1][index][1]]
         for name in [*sorted(n for lab, n in failing if lab == label), *sorted(set(runs[1]) & set(runs[2]))]:
-            held = [r[name] for r in runs if name in r]
+            held = [r[name] for r in runs[1 if name in proxied else 0:] if name in r]
             for a, b in zip(held, held[1:]):
                 check = compare_tensor(name, np.asarray(a), np.asarray(b), inputs=label)
                 if not check.ok:
@@ -534,7 +535,7 @@ def _padding_masks(sets, result: Verification) -> dict[str, np.ndarray]:
     if not result.padded_input:
         return {}
     return {label: np.asarray(feeds[result.padded_input]) for label, feeds, _ in sets
-            if label == PADDED_LABEL and result.padded_input in feeds}
+            if label in (PADDED_LABEL, GIVEN_PADDED_LABEL) and result.padded_input in feeds}
 
 
 def _fan_in(model: ir.Model) -> dict[str, int]:

@@ -22,6 +22,13 @@ its outputs can be a reference at all.
   compared only where defined (:func:`opfuse.verify.inputs.defined_positions`). When the model
   fixes the batch to 1, or ``--dim`` does, or the original does not run at that batch, the
   record says so (``padded_skipped``); never silently.
+- **The user's inputs, padded** (:func:`given_padding`): inputs given whose attention mask holds
+  zeros (a calibration sample left-padded into a fixed prefill, as ``opfuse quantize`` verifies its
+  folds on one) are such a batch already, the user's own: their set is labelled
+  :data:`GIVEN_PADDED_LABEL` and compared where defined by the same rule, and the record says
+  so (``padded``). Their mask length is the user's, so an axis that only shares its size (a head
+  size equal to the prefill's length) is compared where the mask is 1 as well: fewer elements
+  compared, none excused that the rule defines.
 - **Fresh runs** (:func:`rerun`): the sets run again in order from a new session, for
   models whose random ops keep a generator between runs (:mod:`opfuse.verify.random_ops`), and
   to tell a nondeterministic original from a wrong rewrite.
@@ -29,7 +36,7 @@ its outputs can be a reference at all.
 
 from __future__ import annotations
 
-__all__ = ["FINITE_RETRIES", "PADDED_LABEL", "PADDED_ROWS", "CHUNK", "NoReference", "Runner", "ScaledOnce", "load_inputs",
+__all__ = ["FINITE_RETRIES", "PADDED_LABEL", "GIVEN_PADDED_LABEL", "PADDED_ROWS", "given_padding", "CHUNK", "NoReference", "Runner", "ScaledOnce", "load_inputs",
            "input_sets", "padded_set", "rerun", "non_finite", "require_finite", "input_free", "permuted_scales",
            "finite_max_abs"]
 
@@ -63,6 +70,7 @@ from opfuse.core.ops import first_line, is_onnx
 
 FINITE_RETRIES = 3  # further seeds tried when the original's output is not finite
 PADDED_LABEL = "padded batch"  # the padded batch's input-set label
+GIVEN_PADDED_LABEL = "given, padded"  # the user's inputs when their attention mask holds zeros (given_padding)
 PADDED_ROWS = 3  # unpadded, left-padded, right-padded (a decode step: its past padded by k, by 1)
 CHUNK = 1 << 20  # elements read at a time where a large tensor is scanned or compared in float64
 
@@ -139,8 +147,8 @@ def non_finite(outputs: Mapping[str, np.ndarray], names: Iterable[str], mask: np
     return None
 
 
-def require_finite(outputs, names, where: str) -> None:
-    problem = non_finite(outputs, names)
+def require_finite(outputs, names, where: str, mask: np.ndarray | None = None) -> None:
+    problem = non_finite(outputs, names, mask)
     if problem:
         raise NoReference(f"{problem} {where}; pass --inputs FILE.npz with inputs on which its outputs "
                           "are finite (or --no-verify)")
@@ -162,9 +170,16 @@ def input_sets(original, run, inputs, dims, seed, result: Verification, graph_ou
                 "cannot verify: ONNX Runtime cannot run the input model on the given inputs "
                 f"({first_line(e)}); pass --no-verify to skip verification"
             ) from None
+        mask_input = attention_mask_input(original, integer_ranges(original))
+        padding = given_padding(mask_input, feeds)
+        if padding is not None:
+            require_finite(expected, graph_outputs, "on the given inputs", padding.value)
+            result.padded, result.padded_input = padding.describe(), padding.mask
+            return [(GIVEN_PADDED_LABEL, feeds, expected)]
         require_finite(expected, graph_outputs, "on the given inputs")
-        if attention_mask_input(original, integer_ranges(original)) is not None:
-            result.padded_skipped = "the inputs are the user's (a padded batch is verified on generated inputs only)"
+        if mask_input is not None:
+            result.padded_skipped = ("the inputs are the user's, unpadded (a padded batch is verified on generated "
+                                     "inputs only)")
         return [("", feeds, expected)]
     fixed = resolve_dims(original, dims)
     feeds, sizes, expected = find_sizes(original, run, fixed=fixed, seed=seed)
@@ -215,6 +230,28 @@ def input_sets(original, run, inputs, dims, seed, result: Verification, graph_ou
     if result.input_sets:
         result.inputs += "; again with " + ", ".join(result.input_sets)
     return sets
+
+
+def given_padding(mask_input: ir.Value | None, feeds: Mapping[str, np.ndarray]) -> Padding | None:
+    """The padding of the user's inputs (module docstring): their attention mask when it is [rows, T]
+    of 0 and 1 with at least one 0, each row described by where its zeros are; None otherwise."""
+    if mask_input is None or mask_input.name not in feeds:
+        return None
+    value = np.asarray(feeds[mask_input.name])
+    if value.ndim != 2 or value.size == 0 or value.all() or not np.isin(value, (0, 1)).all():
+        return None
+    rows = []
+    for row in value.astype(bool):
+        zeros = int((~row).sum())
+        if not zeros:
+            rows.append("unpadded")
+        elif not row[:zeros].any():
+            rows.append(f"left-padded {zeros}")
+        elif row[:row.size - zeros].all():
+            rows.append(f"right-padded {zeros}")
+        else:
+            rows.append(f"{zeros} masked")
+    return Padding(mask_input.name, value.astype(np.int64), tuple(rows))
 
 
 def padded_set(original, run, fixed: Mapping[str, int], sizes: Mapping[str, int], seed: int,

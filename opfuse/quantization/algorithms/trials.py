@@ -112,7 +112,8 @@ class TrialMaker:
         """The calibration method's first-trial decisions (AdaRound, bias correction, ranges) in
         ``report`` (a :class:`~.report.QuantReport`), with a note where a step was not kept."""
         facts = self.facts.get(self.quantizer.method)
-        for record in getattr(self.quantizer, "lstm_records", ()):  # LSTMs on an integer LSTM's grid, or why not
+        for record in [*getattr(self.quantizer, "lstm_records", ()),  # LSTMs on an integer LSTM's grid, or why not
+                       *getattr(self.quantizer, "device_notes", ())]:  # the device's own QDQ form
             if record not in report.notes:
                 report.notes.append(record)
         if self.quantizer.range_choices:

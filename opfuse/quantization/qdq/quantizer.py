@@ -12,7 +12,8 @@ as many QDQ models as the mixed-precision search asks for, each keeping a differ
 of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``, with 16-bit
 activations (tensor overrides). For a device whose LSTM is integer (``ROUNDS_LSTM_WEIGHTS``), each
 model's LSTM weights are put on that kernel's grid, rounded once from the calibration data
-(:mod:`..algorithms.lstm_rounding`).
+(:mod:`..algorithms.lstm_rounding`). A device with a ``FINISH_QDQ(model) -> notes`` puts each QDQ
+model in the form its compiler runs (qnn: :func:`opfuse.targets.qnn.conventions.float_attention_presents`).
 
 How ONNX Runtime's QDQ graph relates to the float one (read by :class:`.layers.QdqLayers`):
 
@@ -233,6 +234,7 @@ class Quantizer:
         self._calibrating = False  # the pass that writes the calibration cache for a device that reads it
         self._lstm_weights: dict | None = None  # a device with an integer LSTM: its W and R, rounded once
         self.lstm_records: list[str] = []
+        self.device_notes: list[str] = []  # what the device's own QDQ form changed (its FINISH_QDQ), once each
 
     @property
     def cache(self) -> pathlib.Path:
@@ -274,6 +276,9 @@ class Quantizer:
         out.unlink()
         _restore_removed_activations(model, self.float_model)
         self._round_lstm_weights(model)
+        finish = getattr(self.preset.device(), "FINISH_QDQ", None)
+        if finish is not None:  # the form of the QDQ graph the device's compiler runs (qnn: Attention's presents)
+            self.device_notes += [n for n in finish(model) if n not in self.device_notes]
         if keep and keep_as == "float":
             _read_float_inputs(model, set(keep), self.float_model)
         return model

@@ -27,12 +27,20 @@ outputs on the samples are smaller than one step (a text detector's probability 
 inputs: about 1e-6, nothing detected anywhere), what the SQNR measures is the error in the
 bounded op's saturated tail, far below what an int8 output resolves, whatever the quantiser
 did. :func:`below_output_step` says when that is so.
+
+**Padded samples.** A sample whose attention mask (a rank-2 input named ``*attention_mask*``, of 0 and 1)
+holds zeros is a padded batch: a decoder's prompt left-padded into a fixed-size prefill. Its values at
+padded positions are undefined (:mod:`opfuse.verify`, "Padded batches": the export's guard, Attention-23 on
+ONNX Runtime's CPU and on an NPU each give their own at a fully masked query) and reach no real token, so
+every SQNR here counts such a sample only where it is defined (:func:`defined_in`,
+:func:`opfuse.verify.inputs.defined_positions`: the elements at real positions); a sample without padding
+counts whole.
 """
 
 from __future__ import annotations
 
 __all__ = ["three_way", "sqnr_db", "Accumulator", "measure", "output_sqnr", "Runner", "OutputReference",
-           "outputs_db",
+           "outputs_db", "padding_of", "defined_in",
            "layer_costs", "layer_pairs", "below_output_step", "output_steps"]
 
 import math
@@ -46,6 +54,7 @@ from opfuse.core.ops import OpInfo, OpKind, op_info
 from opfuse.quantization.calibration import run_sample
 from opfuse.quantization.qdq.layers import QdqLayer, exposed
 from opfuse.runtime import create_session
+from opfuse.verify.inputs import defined_positions
 
 INFINITE = 200.0  # dB shown for an exact match
 
@@ -65,6 +74,22 @@ def sqnr_db(signal: float, noise: float) -> float:
     return min(INFINITE, 10.0 * math.log10(signal / noise))
 
 
+def padding_of(sample: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The sample's attention mask ([rows, T] of 0 and 1, a rank-2 input named ``*attention_mask*``; the
+    encoder's before a decoder's) when it holds a 0; None when the sample pads nothing."""
+    for name in sorted((n for n in sample if "attention_mask" in n.lower()), key=lambda n: "decoder" in n.lower()):
+        value = np.asarray(sample[name])
+        if value.ndim == 2 and value.size and not value.all() and np.isin(value, (0, 1)).all():
+            return value
+    return None
+
+
+def defined_in(sample: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray | None:
+    """Where a tensor of ``shape`` computed from ``sample`` is defined (module docstring); None: everywhere."""
+    mask = padding_of(sample)
+    return None if mask is None else defined_positions(tuple(shape), mask)
+
+
 class Accumulator:
     """Running sums of f^2 and (q - f)^2 per name, in total and per channel.
 
@@ -80,11 +105,15 @@ class Accumulator:
         self._channel_signal: dict[str, np.ndarray] = {}
         self._channel_noise: dict[str, np.ndarray] = {}
 
-    def add(self, name: str, reference: np.ndarray, approx: np.ndarray, axis: int | None = None) -> None:
+    def add(self, name: str, reference: np.ndarray, approx: np.ndarray, axis: int | None = None,
+            where: np.ndarray | None = None) -> None:
+        """``where``: the elements that count (a padded sample's defined ones), the rest as 0 in both."""
         f = np.asarray(reference, dtype=np.float64)
         q = np.asarray(approx, dtype=np.float64)
         if f.shape != q.shape:
             raise ValueError(f"{name}: shapes {f.shape} and {q.shape} differ")
+        if where is not None:
+            f, q = np.where(where, f, 0.0), np.where(where, q, 0.0)
         f2, e2 = f * f, (q - f) ** 2
         self.signal[name] = self.signal.get(name, 0.0) + float(np.sum(f2))
         self.noise[name] = self.noise.get(name, 0.0) + float(np.sum(e2))
@@ -139,7 +168,7 @@ def measure(
         f = dict(zip(float_names, run_sample(ref, float_names, dict(sample), index)))
         q = dict(zip(qdq_names, got.run(qdq_names, dict(sample))))
         for label, (fn, qn, *axis) in pairs.items():
-            acc.add(label, f[fn], q[qn], axis[0] if axis else None)
+            acc.add(label, f[fn], q[qn], axis[0] if axis else None, where=defined_in(sample, np.shape(f[fn])))
     return acc
 
 
@@ -152,13 +181,15 @@ def output_sqnr(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, sample
     return {n: acc.db(n) for n in names}, acc.total_db(names)
 
 
-def outputs_db(names: Sequence[str], references, outputs) -> float:
+def outputs_db(names: Sequence[str], references, outputs, samples: Sequence[Mapping] | None = None) -> float:
     """SQNR in dB over every graph output ``names`` of every sample: ``references`` and
-    ``outputs`` hold one list of arrays per sample, in the order of ``names``."""
+    ``outputs`` hold one list of arrays per sample, in the order of ``names``; ``samples`` (the
+    inputs, in the same order): a padded one counts where defined."""
     acc = Accumulator()
-    for ref, got in zip(references, outputs):
+    for index, (ref, got) in enumerate(zip(references, outputs)):
+        sample = samples[index] if samples is not None else {}
         for name, f, q in zip(names, ref, got):
-            acc.add(name, f, q)
+            acc.add(name, f, q, where=defined_in(sample, np.shape(f)))
     return acc.total_db(names)
 
 
@@ -203,7 +234,7 @@ class OutputReference:
         else:
             session = create_session(qdq_model, level)
             outputs = [run_sample(session, self.names, s, i) for i, s in enumerate(self.samples)]
-        return outputs_db(self.names, self.values, outputs)
+        return outputs_db(self.names, self.values, outputs, self.samples)
 
 
 def output_steps(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto) -> dict[str, float]:
@@ -302,8 +333,9 @@ def three_way(float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, samples:
         f = reference.run(list(names), dict(sample))
         q = cpu.run(list(names), dict(sample))
         for name, fv, qv, dv in zip(names, f, q, device):
-            device_float.add(name, fv, dv)
-            cpu_float.add(name, fv, qv)
-            device_cpu.add(name, qv, dv)
+            where = defined_in(sample, np.shape(fv))
+            device_float.add(name, fv, dv, where=where)
+            cpu_float.add(name, fv, qv, where=where)
+            device_cpu.add(name, qv, dv, where=where)
     return (device_float.total_db(names), cpu_float.total_db(names), device_cpu.total_db(names),
             {n: device_float.db(n) for n in names})

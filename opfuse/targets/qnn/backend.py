@@ -39,6 +39,7 @@ __all__ = [
     "HtpOptions",
     "HtpSession",
     "HtpCompileError",
+    "HtpRunError",
     "available",
     "require_backend",
     "qnn_devices",
@@ -68,6 +69,12 @@ INSTALL_COMMAND = EXTRAS["qnn"].command
 
 class HtpCompileError(OpfuseError):
     """QNN could not compile or open the model (exit 1); carries the log's error lines."""
+
+    exit_code = 1
+
+
+class HtpRunError(OpfuseError):
+    """QNN compiled the model, and running it on the HTP failed (exit 1): QNN's status in one line."""
 
     exit_code = 1
 
@@ -168,7 +175,10 @@ class HtpSession:
 
     def run(self, feeds: Mapping, names=None) -> list:
         with _native_stderr_silenced():  # (the session logs verbosely: its compile log needed it)
-            return self.session.run(names, dict(feeds))
+            try:
+                return self.session.run(names, dict(feeds))
+            except ort.capi.onnxruntime_pybind11_state.EPFail as e:  # (the QNN provider's own failure)
+                raise HtpRunError(_run_failure(e)) from e
 
     @property
     def quiet(self) -> "QuietSession":
@@ -245,6 +255,14 @@ def _model_nodes(model) -> list[tuple[str, str]]:
         model = (onnx.load_model_from_string(model) if isinstance(model, bytes)
                  else onnx.load(os.fspath(model), load_external_data=False))
     return [(n.name, n.op_type) for n in model.graph.node]
+
+
+def _run_failure(error: Exception) -> str:
+    """One line for a compiled model whose run fails on the HTP: QNN's own status, from ONNX Runtime's
+    message (``... Status Message: QNN graph execute error. Error: QNN_GRAPH_ERROR_...``)."""
+    text = " ".join(str(error).split())
+    status = text.split("Status Message: ", 1)[-1] if "Status Message: " in text else text.split(" : ", 2)[-1]
+    return f"QNN compiled the model but its HTP could not run it: {status[:300]}"
 
 
 def _compile_failure(error: Exception, placement: Placement, strict: bool) -> str:

@@ -5,7 +5,10 @@ arguments of ``quantize_static`` (:func:`quantizer_config`): ONNX Runtime's
 ``get_qnn_qdq_config`` with the preset's activation and weight types (:func:`qnn_types`), the
 layers the mixed-precision search keeps with 16-bit activations as tensor overrides, and, with
 per-channel weights, LayerNormalization's scale and bias kept per tensor (the HTP refuses a
-per-channel DequantizeLinear there). The portable configuration is in
+per-channel DequantizeLinear there), and MatMul's and Gemm's weights per channel, as the preset
+says: ``get_qnn_qdq_config`` gives them one scale per tensor ("QNN does not support per-channel
+MatMul"), and a decoder's int8 weights at one scale per tensor lose most of its accuracy while the
+HTP of onnxruntime-qnn 2.7.0 takes per-channel int8 MatMul weights whole. The portable configuration is in
 :class:`opfuse.quantization.qdq.quantizer.Quantizer`.
 
 A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
@@ -17,17 +20,30 @@ reaches the fill) the Where's output gets the range of its scores, widened below
 its calibrated range, as before): the fill saturates at that minimum, whose ``exp(min - max) <= exp(-20)`` (2e-9) is
 below the Softmax's 16-bit output step (1.5e-5), so a masked position still weighs nothing, and a fully
 masked row is still constant (uniform).
+
+Attention-23's KV cache outputs (``present_key``, ``present_value``): onnxruntime-qnn builds the op's
+presents as tensors the application reads (``QNN_TENSOR_TYPE_APP_READ``, a graph output of the QNN
+graph) whatever reads them in the ONNX graph. In a QDQ model they are read by a QuantizeLinear (then a
+DequantizeLinear, then the graph output), so QNN's graph holds an output tensor ONNX Runtime never binds:
+the model compiles, and its first run fails with ``QNN_GRAPH_ERROR_INVALID_TENSOR: Invalid or NULL QNN
+tensor`` (a decode step with a cache; a prefill without one runs). The provider computes the op in float
+inside (its Q, K, V and presents are float32 tensors of the QNN graph, dequantised at its inputs), so
+:func:`float_attention_presents` lets the Attention write such a graph output itself, float, as the
+float model does; the Q/DQ pair in between goes. A present that something else reads as well keeps its
+pair (and the run's error says what failed).
 """
 
 from __future__ import annotations
 
-__all__ = ["quantizer_config", "qnn_types", "wants_ranges", "MASKED_MARGIN"]
+__all__ = ["quantizer_config", "qnn_types", "wants_ranges", "float_attention_presents", "MASKED_MARGIN"]
 
 import pathlib
 
 import numpy as np
 import onnx
 from onnxruntime import quantization as ortq
+
+from opfuse.core.ops import ONNX_DOMAINS
 
 ACTIVATION_TYPES = {"uint8": ortq.QuantType.QUInt8, "uint16": ortq.QuantType.QUInt16}  # Preset.activation
 WEIGHT_TYPES = {"int8": ortq.QuantType.QInt8, "uint8": ortq.QuantType.QUInt8,  # Preset.weight
@@ -85,7 +101,10 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
             entry.update(rmin=np.float32(min(low, 0.0) - MASKED_MARGIN), rmax=np.float32(max(high, 0.0)))
     if preset.weight == "int4":  # w4a16: each MatMul/Gemm weight int4, one scale per output channel
         overrides.update({name: [{"quant_type": ortq.QuantType.QInt4, "symmetric": True, "axis": axis}]
-                          for name, axis in _int4_weights(float_model).items() if name not in overrides})
+                          for name, axis in _matmul_weights(float_model).items() if name not in overrides})
+    elif preset.per_channel:  # per-channel presets: the MatMul/Gemm weights too (get_qnn_qdq_config: per tensor)
+        overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True, "axis": axis}]
+                          for name, axis in _matmul_weights(float_model).items() if name not in overrides})
     config = get_qnn_qdq_config(str(float_path), reader or sample_reader, calibrate_method=method,
                                 init_overrides=overrides or None, **qnn_types(preset))
     return dict(
@@ -98,9 +117,10 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
     )
 
 
-def _int4_weights(float_model: onnx.ModelProto) -> dict[str, int]:
+def _matmul_weights(float_model: onnx.ModelProto) -> dict[str, int]:
     """{weight: its output-channel axis} of the MatMul (a [K, N] initializer as input 1: axis 1) and Gemm
-    (axis 0 with transB, else 1) weights: what ``qnn-w4a16`` writes in int4. get_qnn_qdq_config would give a
+    (axis 0 with transB, else 1) weights: what ``qnn-w4a16`` writes in int4, and the per-channel presets in int8
+    per channel. get_qnn_qdq_config would give a
     MatMul's weight a per-tensor override ("QNN does not support per-channel MatMul"); the HTP of
     onnxruntime-qnn 2.7.0 takes per-channel int4 and int8 MatMul weights whole at opset 21 (probed)."""
     inits = {i.name: len(i.dims) for i in float_model.graph.initializer}
@@ -122,3 +142,55 @@ def _layernorm_constants(float_model: onnx.ModelProto) -> list[str]:
     inits = {i.name for i in float_model.graph.initializer}
     return sorted({name for n in float_model.graph.node if n.op_type == "LayerNormalization"
                    for name in n.input[1:3] if name in inits})
+
+
+def float_attention_presents(qdq: onnx.ModelProto) -> list[str]:
+    """Each Attention's present output that reaches a graph output through a QuantizeLinear and a
+    DequantizeLinear alone becomes that graph output, written in float by the Attention (module
+    docstring); the pair goes (in place). A note when any did."""
+    graph = qdq.graph
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    moved, constants = [], set()
+    for node in list(graph.node):
+        if node.op_type != "Attention" or node.domain not in ONNX_DOMAINS:
+            continue
+        for index in (1, 2):  # present_key, present_value
+            if index >= len(node.output) or not node.output[index] or node.output[index] in outputs:
+                continue
+            (q, *others) = readers.get(node.output[index], [None])
+            if others or q is None or q.op_type != "QuantizeLinear":
+                continue
+            (dq, *others) = readers.get(q.output[0], [None])
+            if others or dq is None or dq.op_type != "DequantizeLinear" or dq.output[0] not in outputs \
+                    or readers.get(dq.output[0]):
+                continue
+            node.output[index] = dq.output[0]
+            graph.node.remove(q)
+            graph.node.remove(dq)
+            moved.append(dq.output[0])
+            constants.update(q.input[1:], dq.input[1:])
+    if not moved:
+        return []
+    read = _read_anywhere(graph) | outputs
+    kept = [i for i in graph.initializer if i.name not in constants or i.name in read]  # (the pairs' scales)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return [f"Attention's KV cache outputs ({', '.join(moved[:4])}{', ...' if len(moved) > 4 else ''}; "
+            f"{len(moved)} in all) are written in float, without QuantizeLinear/DequantizeLinear: QNN's HTP "
+            "builds an Attention's presents as graph outputs, and a quantised pair after them leaves an output "
+            "it never binds (QNN_GRAPH_ERROR_INVALID_TENSOR at the first run); it computes the op in float inside"]
+
+
+def _read_anywhere(graph: onnx.GraphProto) -> set[str]:
+    """The names the nodes of ``graph`` and of every graph nested in them read."""
+    read = set()
+    for node in graph.node:
+        read.update(node.input)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                read |= _read_anywhere(sub)
+    return read

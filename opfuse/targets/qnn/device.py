@@ -18,6 +18,8 @@ this one, with every name below:
 - ``quantizer_config(float_path, float_model, preset, reader=, sample_reader=, method=,
   extra=, sixteen=, excluded=)`` - the keyword arguments of ONNX Runtime's
   ``quantize_static`` by the device's quantisation conventions (:mod:`opfuse.targets.qnn.conventions`);
+- ``FINISH_QDQ(model) -> notes`` (optional) - each QDQ model the quantiser writes, put in the form the
+  device's compiler runs, in place (qnn: :func:`opfuse.targets.qnn.conventions.float_attention_presents`);
 - ``Runner(options)`` - runs models on the device: ``outputs(model, samples, names)``, the
   guards of AdaRound and bias correction (:mod:`opfuse.targets.qnn.runner`);
 - ``accuracy(float_model, qdq_model, samples, session=)`` - the held-out SQNRs against the
@@ -27,6 +29,7 @@ this one, with every name below:
 from opfuse.targets.qnn.backend import HtpOptions as Options
 from opfuse.targets.qnn.backend import require_backend
 from opfuse.targets.qnn.compile import compile_on_htp as compile  # noqa: A001 - the interface's name
+from opfuse.targets.qnn.conventions import float_attention_presents as FINISH_QDQ  # noqa: N812 (the interface's name)
 from opfuse.targets.qnn.conventions import quantizer_config
 from opfuse.targets.qnn.conventions import wants_ranges as WANTS_RANGES  # noqa: N812 (a model's question)
 from opfuse.targets.qnn.runner import HtpRunner as Runner
@@ -35,4 +38,5 @@ from opfuse.targets.qnn.runner import htp_accuracy as accuracy
 TITLE = "QNN HTP backend"
 NAME = "HTP"
 
-__all__ = ["TITLE", "NAME", "Options", "require_backend", "compile", "quantizer_config", "WANTS_RANGES", "Runner", "accuracy"]
+__all__ = ["TITLE", "NAME", "Options", "require_backend", "compile", "quantizer_config", "WANTS_RANGES", "FINISH_QDQ",
+           "Runner", "accuracy"]
