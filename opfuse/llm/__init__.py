@@ -236,9 +236,8 @@ def _int4_step(source: str, optimised: pathlib.Path, stage: pathlib.Path, info: 
     ``stage``; (what was left in float, op counts, the graph's inputs). ``info``: the export step's."""
     import onnx  # (onnx: only when a model is converted)
 
-    from opfuse.llm import (
-        calibration as calibration_text,  # (its heavy imports (torch, the pipeline): only when used)
-    )
+    # (calibration's heavy imports (torch, the pipeline): only when used)
+    from opfuse.llm import calibration as calibration_text
     from opfuse.llm.gguf_blocks import GgufRows  # (gguf (the llm extra): imported when a GGUF is read)
     from opfuse.llm.quantize_int4 import counts, hessians, quantize_int4  # (as above)
 
