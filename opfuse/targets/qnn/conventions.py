@@ -99,11 +99,10 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
             low, high = (float(np.asarray(v).reshape(-1)[0]) for v in ranges.data[scores].range_value)
             entry = overrides.setdefault(out, [{}])[0]
             entry.update(rmin=np.float32(min(low, 0.0) - MASKED_MARGIN), rmax=np.float32(max(high, 0.0)))
-    if preset.weight == "int4":  # w4a16: each MatMul/Gemm weight int4, one scale per output channel
-        overrides.update({name: [{"quant_type": ortq.QuantType.QInt4, "symmetric": True, "axis": axis}]
-                          for name, axis in _matmul_weights(float_model).items() if name not in overrides})
-    elif preset.per_channel:  # per-channel presets: the MatMul/Gemm weights too (get_qnn_qdq_config: per tensor)
-        overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True, "axis": axis}]
+    if preset.per_channel:  # each MatMul/Gemm weight one scale per output channel (get_qnn_qdq_config: per tensor);
+        # w4a16 writes them in int4, the other per-channel presets in their weight type
+        kind = ortq.QuantType.QInt4 if preset.weight == "int4" else WEIGHT_TYPES[preset.weight]
+        overrides.update({name: [{"quant_type": kind, "symmetric": True, "axis": axis}]
                           for name, axis in _matmul_weights(float_model).items() if name not in overrides})
     config = get_qnn_qdq_config(str(float_path), reader or sample_reader, calibrate_method=method,
                                 init_overrides=overrides or None, **qnn_types(preset))
