@@ -157,3 +157,44 @@ def test_gptq_without_calibration_when_the_gguf_covers_every_weight(tiny_gguf):
     path, dq = tiny_gguf
     model = quantize_int4(_graph(dq), gguf=path, algorithm="gptq", accuracy_level=None)
     assert [n.op_type for n in model.graph.node].count("MatMulNBits") == 3
+
+
+def test_q4_1_block_selector_is_one_initializer_per_k_across_writers():
+    """Every Q4_1 residual pair of the same K reads one 0/1 block-sum matrix (a decode step then reads it
+    from cache, not once per projection), also when two writers run on the same graph; still exact."""
+    from opfuse.llm.gguf_blocks import write_min_blocks
+
+    rng = np.random.default_rng(1)
+    k = n = 64  # (p2 reads p0's output: the same K)
+    ws = [(rng.standard_normal((k, n)) * 0.1 + 0.03).astype(np.float32) for _ in range(3)]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["a"], name="p0"),
+             helper.make_node("MatMul", ["x", "w1"], ["b"], name="p1"),  # the same x: one block sum
+             helper.make_node("Tanh", ["a"], ["t"], name="tanh"),
+             helper.make_node("MatMul", ["t", "w2"], ["c"], name="p2")]  # another x, the same K
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["s", k])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["s", n]) for o in "bc"],
+                              [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+    def q4_1(w):  # min-max blocks of 32 along K with a float minimum: w = d * code + m
+        b = w.T.reshape(n, k // 32, 32)
+        m = b.min(axis=2)
+        d = (b.max(axis=2) - m) / 15
+        codes = np.clip(np.rint((b - m[..., None]) / d[..., None]), 0, 15).astype(np.uint8)
+        return codes, d.astype(np.float32), m.astype(np.float32)
+
+    blocks = {f"p{i}": q4_1(w) for i, w in enumerate(ws)}
+    exact = [(b[1][..., None] * b[0] + b[2][..., None]).reshape(n, k).T for b in blocks.values()]
+    write_min_blocks(model, {"p0": blocks["p0"], "p1": blocks["p1"]}, 32, accuracy_level=None)
+    write_min_blocks(model, {"p2": blocks["p2"]}, 32, accuracy_level=None)
+    onnx.checker.check_model(model)
+    ops = [nd.op_type for nd in model.graph.node]
+    assert ops.count("MatMulNBits") == 3 and ops.count("Add") == 3
+    assert ops.count("MatMul") == 2 + 3  # a block sum per distinct input, a residual per weight
+    selectors = [t.name for t in model.graph.initializer if "block_selector" in t.name]
+    assert selectors == [f"gguf_block_selector_{k}_32"]
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["b", "c"], {"x": x})
+    np.testing.assert_allclose(got[0], x @ exact[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], np.tanh(x @ exact[0]) @ exact[2], rtol=1e-5, atol=1e-5)

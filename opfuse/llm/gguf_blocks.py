@@ -22,7 +22,8 @@ float bits, then an exact comparison), and its blocks are written as they are in
     MatMuls: ``y = MatMulNBits(x) + (x @ S) @ E`` where ``S`` [K, K/32] sums each block of ``x`` (0/1) and
     ``E`` [K/32, N] holds ``e``. Since ``sum_k x_k (d (q_k - z) + e) = sum_k x_k (d q_k + m)``, this is the
     GGUF's weight exactly (to float rounding), with the fast uint8-zero-point kernel; ``x @ S`` is shared
-    by every weight that reads the same ``x``. Cost: ``E`` is one float per block (1 bit per weight).
+    by every weight that reads the same ``x``, and ``S`` is one initializer per ``K`` for every layer.
+    Cost: ``E`` is one float per block (1 bit per weight).
     Where every ``e`` is 0 (``m`` a whole multiple of ``d``: blocks written with integer zero points,
     :func:`write_min_blocks`), the pair is not written.
 
@@ -180,9 +181,21 @@ class _Writer:
         self.accuracy_level = accuracy_level
         self.new_inits: list[onnx.TensorProto] = []
         self.block_sums: dict[tuple[str, int], str] = {}  # (x, K) -> the output of x @ S, once per x
+        self.selectors: dict[tuple[int, int], str] = {}  # (K, block) -> S, one initializer for every layer
 
     def init(self, array: np.ndarray, name: str) -> str:
         self.new_inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def selector(self, k: int, block: int) -> str:
+        """The 0/1 matrix S [K, K/block] that sums each block of an input, written once per shape: every
+        layer's block sums read the same initializer, so a decode step reads it from cache, not once per
+        projection from memory."""
+        name = self.selectors.get((k, block))
+        if name is None:
+            selector = np.zeros((k, k // block), np.float32)
+            selector[np.arange(k), np.arange(k) // block] = 1.0
+            name = self.selectors[(k, block)] = self.init(selector, f"gguf_block_selector_{k}_{block}")
         return name
 
     def matmul(self, node, kind, codes, d, m, form) -> list[onnx.NodeProto]:
@@ -208,10 +221,8 @@ class _Writer:
             sums = self.block_sums.get((x, k))
             if sums is None:
                 sums = self.block_sums[(x, k)] = f"{name}_gguf_block_sums"
-                selector = np.zeros((k, blocks), np.float32)
-                selector[np.arange(k), np.arange(k) // block] = 1.0
-                before.append(helper.make_node("MatMul", [x, self.init(selector, f"{name}_gguf_block_selector")],
-                                               [sums], name=f"{name}_gguf_block_sums"))
+                before.append(helper.make_node("MatMul", [x, self.selector(k, block)], [sums],
+                                               name=f"{name}_gguf_block_sums"))
             part = f"{name}_gguf_nbits"
             after = [helper.make_node("MatMul", [sums, self.init(residual, f"{name}_gguf_residual")],
                                       [f"{name}_gguf_residual_out"], name=f"{name}_gguf_residual"),
@@ -251,8 +262,9 @@ def _finish(model: onnx.ModelProto, graph, out_nodes, used_up, writer) -> None:
     graph.node.extend(out_nodes)
     still_read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     keep = [t for t in graph.initializer if t.name not in used_up or t.name in still_read]
-    graph.ClearField("initializer")
-    graph.initializer.extend(keep + writer.new_inits)
+    kept = {t.name for t in keep}
+    graph.ClearField("initializer")  # (a block selector an earlier writer left is the same matrix: kept once)
+    graph.initializer.extend(keep + [t for t in writer.new_inits if t.name not in kept])
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     for o in model.opset_import:
