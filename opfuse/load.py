@@ -10,7 +10,7 @@ shapes, and ONNX Runtime refuses such a model when it builds a session, deep ins
 pipeline; :func:`_inference_problem`), or an IR version / opset outside the supported range.
 External data is resolved relative to the model file and stays memory-mapped. A large file whose
 weights are inline (a TorchScript export) has them mapped where they are in it, not parsed
-(:mod:`opfuse.inline`): the run holds them as it holds an external-data model's, in the page cache,
+(:mod:`opfuse.core.inline`): the run holds them as it holds an external-data model's, in the page cache,
 and the model is still an inline one (written back inline). The checks are the same, run on the
 model without those weights' bytes (:func:`_without_mapped`).
 """
@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 
 from opfuse.errors import BadInputError
 from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS, first_line
-from opfuse.inline import MAPPED_LOCATION, map_weights, read_mapped
+from opfuse.core.inline import MAPPED_LOCATION, map_weights, read_mapped
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model]
 
@@ -58,7 +58,7 @@ def load_model(source: ModelSource, *, check: bool = True) -> tuple[ir.Model, st
         if mapped is None:
             proto = _parse(_read(path), str(path))
             notes = _check_proto(proto, str(path), check=check, path=path)
-        else:  # (its large inline weights mapped where they are: opfuse.inline)
+        else:  # (its large inline weights mapped where they are: opfuse.core.inline)
             proto = mapped[0]
             _check_parsed(proto, str(path))
             notes = _check_proto(proto, str(path), check=check, path=None, mapped=True)
@@ -76,7 +76,7 @@ def load_model(source: ModelSource, *, check: bool = True) -> tuple[ir.Model, st
 
 def read_model(path: str | os.PathLike) -> ir.Model:
     """The model in ``path`` as ``onnx_ir.load`` reads it (external data from beside it), unchecked;
-    a large file's inline weights mapped where they are (:mod:`opfuse.inline`), not parsed."""
+    a large file's inline weights mapped where they are (:mod:`opfuse.core.inline`), not parsed."""
     mapped = read_mapped(path)
     if mapped is None:
         return ir.load(path)
@@ -124,7 +124,7 @@ def _check_proto(
 ) -> list[str]:
     """The notes of what loading repaired (in place: missing graph-output types), after the checks;
     :class:`BadInputError` for what fails them. ``mapped``: ``proto`` is from
-    :func:`opfuse.inline.read_mapped`, checked as :func:`_without_mapped` has it."""
+    :func:`opfuse.core.inline.read_mapped`, checked as :func:`_without_mapped` has it."""
     checked = _without_mapped if mapped else (lambda p: p)
     if proto.ir_version > MAX_IR_VERSION:
         raise BadInputError(
@@ -288,13 +288,13 @@ LOAD_NOTES = "opfuse.load_notes"  # model.meta key: what loading repaired, one l
 
 
 def _is_mapped(tensor: onnx.TensorProto) -> bool:
-    """Whether ``tensor`` is one :func:`opfuse.inline.read_mapped` left as a reference to its bytes."""
+    """Whether ``tensor`` is one :func:`opfuse.core.inline.read_mapped` left as a reference to its bytes."""
     return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
         e.key == "location" and e.value == MAPPED_LOCATION for e in tensor.external_data)
 
 
 def _without_mapped(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """What the checker checks of a model from :func:`opfuse.inline.read_mapped`: ``proto`` with its
+    """What the checker checks of a model from :func:`opfuse.core.inline.read_mapped`: ``proto`` with its
     mapped initializers as typed graph inputs (the checker, checking in memory, would look for their
     reference's file in the working directory; their bytes were found the size their dtype and dims
     say when they were mapped), else as it is."""

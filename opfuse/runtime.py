@@ -37,7 +37,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from opfuse.core.analysis import tensor_nbytes
-from opfuse.inline import MappedTensor
+from opfuse.core.inline import MappedTensor
 from opfuse.save import needs_external_data
 from opfuse.targets import RUNTIME_LEVELS
 
@@ -244,8 +244,8 @@ def session_with_weights(proto: onnx.ModelProto, weights: dict[str, np.ndarray],
 
 def drop_resident_pages(model: ir.Model | None) -> None:
     """Give back the pages of ``model``'s external tensors (and of a large inline file's mapped ones,
-    :mod:`opfuse.inline`) that reading them made resident (their mapped files stay mapped: a later read faults them in again from the page cache). Between one
-    model's sessions and another's, so the process holds one model's weights, not two; and the C
+    :mod:`opfuse.core.inline`) that reading them made resident (their mapped files stay mapped: a
+    later read faults them in again from the page cache). Between one model's sessions and another's, so the process holds one model's weights, not two; and the C
     heap's free pages with them (:func:`give_back_memory`), after a full garbage collection when
     ``model``'s weights are large (:func:`weights_shared`): the pipeline runs with full collections
     off (:func:`opfuse.pipeline.young_collections_only`), and the graphs a step left behind (the

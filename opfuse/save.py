@@ -18,7 +18,7 @@ one verification runs. The files are renamed into place only if nothing changed 
 model that changed after it was staged (its :func:`fingerprint` differs) is staged and
 verified again, and staged bytes that changed on disk are never committed.
 
-A large model written inline is written a tensor at a time (:func:`opfuse.inline.write_inline`: the
+A large model written inline is written a tensor at a time (:func:`opfuse.core.inline.write_inline`: the
 bytes ``onnx_ir.save`` writes, without the whole model serialised in memory twice over), and read
 back for verification with its weights mapped where they are in the staged file
 (:func:`opfuse.load.read_model`): the same bytes verified, then renamed into place.
@@ -40,7 +40,7 @@ import onnx_ir as ir
 
 from opfuse.core.analysis import iter_scopes, tensor_nbytes
 from opfuse.errors import BadInputError, OpfuseError
-from opfuse.inline import streams, write_inline
+from opfuse.core.inline import streams, write_inline
 from opfuse.load import read_model
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # headroom below protobuf's 2 GiB for the graph itself

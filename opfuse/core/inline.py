@@ -241,12 +241,36 @@ def _strip_tensor(buf, start: int, end: int) -> bytes | None:
     return bytes(kept)
 
 
+def _external_elsewhere(proto: onnx.ModelProto) -> bool:
+    """Whether a tensor of ``proto`` other than a mapped one has external data (in a graph, a subgraph,
+    a function or an attribute)."""
+    def external(t: onnx.TensorProto) -> bool:
+        return t.data_location == onnx.TensorProto.EXTERNAL and not any(
+            e.key == "location" and e.value == MAPPED_LOCATION for e in t.external_data)
+
+    def nodes_external(nodes) -> bool:
+        for node in nodes:
+            for a in node.attribute:
+                if a.HasField("t") and external(a.t) or any(external(t) for t in a.tensors):
+                    return True
+                if a.HasField("g") and graph_external(a.g) or any(graph_external(g) for g in a.graphs):
+                    return True
+        return False
+
+    def graph_external(graph: onnx.GraphProto) -> bool:
+        return any(external(t) for t in graph.initializer) or any(
+            external(t.values) or external(t.indices) for t in graph.sparse_initializer) or nodes_external(graph.node)
+
+    return graph_external(proto.graph) or any(nodes_external(f.node) for f in proto.functions)
+
+
 def read_mapped(path: str | os.PathLike) -> tuple[onnx.ModelProto, _MappedFile] | None:
     """The model in ``path`` with its main graph's large inline initializers (:data:`MAPPED_MIN_TENSOR`
     and more) as references to where their bytes are in the file (external data at
     :data:`MAPPED_LOCATION`, offsets in the file), and the file mapped (for :func:`map_weights`).
     None where the file is small (below :data:`MAPPED_FILE_BYTES`), the host is big-endian, nothing
-    is mapped, or the file is laid out otherwise than this reads (it is then read as a whole)."""
+    is mapped, a tensor has external data (the checker reads its file beside the model's), or the
+    file is laid out otherwise than this reads (it is then read as a whole)."""
     if sys.byteorder != "little":
         return None
     try:
@@ -286,6 +310,9 @@ def read_mapped(path: str | os.PathLike) -> tuple[onnx.ModelProto, _MappedFile] 
         del graph
         proto = onnx.ModelProto()
         proto.ParseFromString(model)
+        if _external_elsewhere(proto):  # (checked with its files, by path: read as a whole)
+            source.close()
+            return None
     except (_Unusual, IndexError, ValueError, RuntimeError, DecodeError):  # (read as a whole, which says why)
         source.close()
         return None
