@@ -9,6 +9,7 @@ import os
 import sys
 import tracemalloc
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -158,6 +159,35 @@ def test_mapped_weights_are_the_files_bytes_and_write_back_the_same(tmp_path, ma
     assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "saved.onnx").read_bytes()
     assert read_model(tmp_path / "again.onnx").graph.initializers["W"].const_value.numpy().tobytes() == (
         proto.graph.initializer[0].raw_data)
+
+
+def test_mapped_dtypes(tmp_path, mapped_everywhere):
+    """Whole-byte dtypes in raw_data are mapped, bfloat16 and float8 among them (ml_dtypes' arrays);
+    4-bit ones and data in typed fields are parsed; each reads as onnx-ir reads the file."""
+    raw = {"bf16": (TensorProto.BFLOAT16, np.arange(32, dtype=np.float32).astype(ml_dtypes.bfloat16)),
+           "f8": (TensorProto.FLOAT8E4M3FN, (np.arange(32, dtype=np.float32) / 4).astype(ml_dtypes.float8_e4m3fn)),
+           "c64": (TensorProto.COMPLEX64, (np.arange(32) + 1j).astype(np.complex64)),
+           "flags": (TensorProto.BOOL, np.arange(64) % 3 == 0), "u16": (TensorProto.UINT16, np.arange(64, dtype=np.uint16))}
+    inits = [helper.make_tensor(name, dtype, array.shape, array.tobytes(), raw=True) for name, (dtype, array) in raw.items()]
+    inits += [helper.make_tensor("i4", TensorProto.INT4, [64], (np.arange(64) % 8 - 4).tolist()),
+              helper.make_tensor("bf16_typed", TensorProto.BFLOAT16, [32], np.arange(32, dtype=np.float32).tolist())]
+    graph = helper.make_graph([], "g", [], [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                            for t in inits], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    proto.ir_version = 10
+    onnx.save(proto, tmp_path / "m.onnx")
+    mapped, _ = load_model(tmp_path / "m.onnx", check=False)
+    parsed = ir.load(tmp_path / "m.onnx")
+    assert {n for n, v in mapped.graph.initializers.items() if isinstance(v.const_value, MappedTensor)} == set(raw)
+    for name, value in mapped.graph.initializers.items():
+        expected = parsed.graph.initializers[name].const_value
+        assert value.const_value.numpy().dtype == expected.numpy().dtype
+        assert value.const_value.tobytes() == expected.tobytes()
+    write_inline(mapped, tmp_path / "streamed.onnx")
+    ir.save(parsed, tmp_path / "saved.onnx")
+    assert (tmp_path / "streamed.onnx").read_bytes() == (tmp_path / "saved.onnx").read_bytes()
+    with pytest.raises(ValueError, match="the file the model's weights are read from"):
+        write_inline(mapped, tmp_path / "m.onnx")
 
 
 def test_the_weights_stay_when_the_file_is_replaced(tmp_path, mapped_everywhere):

@@ -411,6 +411,21 @@ class _Piece:
         f.write(self.high)
 
 
+def _refuse_own_source(tensors, path: str | os.PathLike) -> None:
+    """A :class:`MappedTensor`'s bytes are read from its file while the model is written: writing over
+    that file would truncate them first (:class:`opfuse.save.StagedModel` writes to a new file)."""
+    try:
+        written = os.stat(path)
+    except OSError:
+        return
+    for tensor in tensors:
+        if isinstance(tensor, MappedTensor):
+            source = os.fstat(tensor.source.fd)
+            if (source.st_dev, source.st_ino) == (written.st_dev, written.st_ino):
+                raise ValueError(f"{os.fspath(path)}: the file the model's weights are read from; write to another "
+                                 "path and rename it")
+
+
 def write_inline(model: ir.Model, path: str | os.PathLike) -> None:
     """Write ``model`` to ``path`` as one protobuf with its weights inline: the bytes ``onnx_ir.save(model,
     path)`` writes, with at most one tensor in memory at a time beyond the model (the module's
@@ -418,6 +433,7 @@ def write_inline(model: ir.Model, path: str | os.PathLike) -> None:
     serialiser names it."""
     values = [v for v in model.graph.initializers.values() if v.const_value is not None]
     tensors = [v.const_value for v in values]
+    _refuse_own_source(tensors, path)
     try:  # (the model serialised with a reference in place of each of these tensors: no bytes)
         for value, tensor in zip(values, tensors):
             value.const_value = ir.ExternalTensor(MAPPED_LOCATION, None, None, tensor.dtype, shape=tensor.shape,
