@@ -134,12 +134,19 @@ class _MappedFile:
     def copy_to(self, out, offset: int, length: int) -> None:
         """``length`` bytes from ``offset`` written to the file object ``out``, a chunk at a time."""
         while length > 0:
-            chunk = os.pread(self.fd, min(length, _COPY_CHUNK), offset)
+            chunk = self._read(min(length, _COPY_CHUNK), offset)
             if not chunk:
                 raise OSError(f"{self.path}: ended before its tensor's bytes")
             out.write(chunk)
             offset += len(chunk)
             length -= len(chunk)
+
+    def _read(self, size: int, offset: int) -> bytes:
+        if hasattr(os, "pread"):
+            return os.pread(self.fd, size, offset)
+        with open(self.path, "rb") as f:  # (no pread: Windows, where a mapped file cannot be replaced)
+            f.seek(offset)
+            return f.read(size)
 
     def drop_pages(self) -> None:
         """The map's resident pages given back (a later read faults them in again from the page cache)."""
