@@ -246,11 +246,12 @@ def drop_resident_pages(model: ir.Model | None) -> None:
     """Give back the pages of ``model``'s external tensors (and of a large inline file's mapped ones,
     :mod:`opfuse.core.inline`) that reading them made resident (their mapped files stay mapped: a
     later read faults them in again from the page cache). Between one model's sessions and another's,
-    so the process holds one model's weights, not two; and the C heap's free pages with them (:func:`give_back_memory`), after a full garbage collection when
-    ``model``'s weights are large (:func:`weights_shared`): the pipeline runs with full collections
-    off (:func:`opfuse.pipeline.young_collections_only`), and the graphs a step left behind (the
-    timing's variants, a fold's discarded copy) are cycles that hold their arrays and the mapped
-    pages of their own loads of the weights until one runs."""
+    so the process holds one model's weights, not two; and the C heap's free pages with them
+    (:func:`give_back_memory`), after a full garbage collection when ``model``'s weights are large
+    (:func:`weights_shared`): the pipeline runs with full collections off
+    (:func:`opfuse.pipeline.young_collections_only`), and the graphs a step left behind (the timing's
+    variants, a fold's discarded copy) are cycles that hold their arrays and the mapped pages of their
+    own loads of the weights until one runs."""
     give_back_memory(collect=model is not None and weights_shared(model))
     if model is None:
         return
