@@ -12,9 +12,10 @@ back builds the whole message, then its bytes (twice again). Both are avoidable,
   in the file; :func:`map_weights` then makes each a :class:`MappedTensor`, a read-only array over
   a memory map of the file, which the page cache holds, not the process (and whose resident pages
   :func:`opfuse.runtime.drop_resident_pages` gives back). The map holds the file's inode, so
-  replacing the file (``--overwrite``) does not change the weights under the run. A file with
-  anything unusual where the weights are (external data, a tensor stored otherwise than in
-  ``raw_data``, a repeated field) is not mapped (None): it is read as a whole, as before.
+  replacing the file (``--overwrite``) does not change the weights under the run. A tensor stored
+  otherwise than in ``raw_data`` (or with a field this does not read) is parsed, as before; a file
+  with external data anywhere, a repeated ``graph`` field or a layout this does not read is not
+  mapped at all (None): it is read as a whole, as before.
 * :func:`write_inline` writes a model as one protobuf, as ``onnx_ir.save`` without external data
   does and to the same bytes, but streamed: the model is serialised once without its main graph's
   initializers, then each initializer is written from its own bytes (a :class:`MappedTensor`'s
