@@ -8,12 +8,16 @@ a model that fails ``onnx.checker``, a node that onnx's own shape inference reje
 BatchNormalization with ``training_mode=1`` and one output: onnx.checker alone does not infer
 shapes, and ONNX Runtime refuses such a model when it builds a session, deep inside the
 pipeline; :func:`_inference_problem`), or an IR version / opset outside the supported range.
-External data is resolved relative to the model file and stays memory-mapped.
+External data is resolved relative to the model file and stays memory-mapped. A large file whose
+weights are inline (a TorchScript export) has them mapped where they are in it, not parsed
+(:mod:`opfuse.core.inline`): the run holds them as it holds an external-data model's, in the page cache,
+and the model is still an inline one (written back inline). The checks are the same, run on the
+model without those weights' bytes (:func:`_without_mapped`).
 """
 
 from __future__ import annotations
 
-__all__ = ["load_model", "SUPPORTED_OPSETS", "MAX_IR_VERSION", "LOAD_NOTES"]
+__all__ = ["load_model", "read_model", "SUPPORTED_OPSETS", "MAX_IR_VERSION", "LOAD_NOTES"]
 
 import os
 import pathlib
@@ -25,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from opfuse.errors import BadInputError
 from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS, first_line
+from opfuse.core.inline import MAPPED_LOCATION, map_weights, read_mapped
 
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model]
 
@@ -49,15 +54,36 @@ def load_model(source: ModelSource, *, check: bool = True) -> tuple[ir.Model, st
         return _with_notes(ir.serde.deserialize_model(proto), notes), proto.graph.name or "<bytes>"
     if isinstance(source, (str, os.PathLike)):
         path = pathlib.Path(source)
-        proto = _parse(_read(path), str(path))
-        notes = _check_proto(proto, str(path), check=check, path=path)
+        mapped = read_mapped(path) if path.is_file() else None
+        if mapped is None:
+            proto = _parse(_read(path), str(path))
+            notes = _check_proto(proto, str(path), check=check, path=path)
+        else:  # (its large inline weights mapped where they are: opfuse.core.inline)
+            proto = mapped[0]
+            _check_parsed(proto, str(path))
+            notes = _check_proto(proto, str(path), check=check, path=None, mapped=True)
         model = _with_notes(ir.serde.deserialize_model(proto), notes)
+        del proto
+        if mapped is not None:
+            map_weights(model, mapped[1])
         ir.external_data.set_base_dir(model.graph, str(path.resolve().parent))
         return model, str(path)
     raise BadInputError(
         f"cannot load a model from a {type(source).__name__}; "
         "give a path, bytes, an onnx.ModelProto or an onnx_ir.Model"
     )
+
+
+def read_model(path: str | os.PathLike) -> ir.Model:
+    """The model in ``path`` as ``onnx_ir.load`` reads it (external data from beside it), unchecked;
+    a large file's inline weights mapped where they are (:mod:`opfuse.core.inline`), not parsed."""
+    mapped = read_mapped(path)
+    if mapped is None:
+        return ir.load(path)
+    model = ir.serde.deserialize_model(mapped[0])
+    map_weights(model, mapped[1])
+    ir.external_data.set_base_dir(model.graph, os.path.dirname(os.fspath(path)))
+    return model
 
 
 def _read(path: pathlib.Path) -> bytes:
@@ -83,15 +109,23 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
             f"{where}: not an ONNX model (the protobuf does not parse: truncated or another "
             f"format; {first_line(e, limit=None)})"
         ) from None
-    # Random bytes sometimes parse as a protobuf full of unknown fields.
-    if not proto.HasField("graph") or proto.ir_version <= 0:
-        raise BadInputError(f"{where}: not an ONNX model (no graph or no IR version in the file)")
+    _check_parsed(proto, where)
     return proto
 
 
+def _check_parsed(proto: onnx.ModelProto, where: str) -> None:
+    # Random bytes sometimes parse as a protobuf full of unknown fields.
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        raise BadInputError(f"{where}: not an ONNX model (no graph or no IR version in the file)")
+
+
 def _check_proto(
-    proto: onnx.ModelProto, where: str, *, check: bool, path: pathlib.Path | None
+    proto: onnx.ModelProto, where: str, *, check: bool, path: pathlib.Path | None, mapped: bool = False
 ) -> list[str]:
+    """The notes of what loading repaired (in place: missing graph-output types), after the checks;
+    :class:`BadInputError` for what fails them. ``mapped``: ``proto`` is from
+    :func:`opfuse.core.inline.read_mapped`, checked as :func:`_without_mapped` has it."""
+    checked = _without_mapped if mapped else (lambda p: p)
     if proto.ir_version > MAX_IR_VERSION:
         raise BadInputError(
             f"{where}: IR version {proto.ir_version} is newer than the {MAX_IR_VERSION} "
@@ -107,7 +141,7 @@ def _check_proto(
         return []
     try:
         # Checking the file lets the checker resolve external data and >2 GB models.
-        onnx.checker.check_model(str(path) if path is not None else proto)
+        onnx.checker.check_model(str(path) if path is not None else checked(proto))
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as e:
         message = first_line(e, limit=None)
         if _runtime_op_unknown(message):  # ONNX Runtime's own op in the ONNX domain (opfuse writes them)
@@ -115,7 +149,7 @@ def _check_proto(
         if "is required but missing" not in message or not _fill_output_types(proto):
             raise BadInputError(f"{where}: invalid ONNX model: {message}") from None
         try:
-            onnx.checker.check_model(proto)
+            onnx.checker.check_model(checked(proto))
         except Exception:  # noqa: BLE001 - the repair did not satisfy the checker
             raise BadInputError(f"{where}: invalid ONNX model: {message}") from None
         return [f"{where}: {message} (onnx.checker); the missing graph-output types and shapes "
@@ -230,8 +264,8 @@ def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
     whose large initializers are typed graph inputs of their dtype and shape, without their bytes,
     and with no ``value_info`` (what :func:`_inference_problem` runs on)."""
     graph = proto.graph
-    large = [t for t in graph.initializer
-             if t.data_location != onnx.TensorProto.EXTERNAL and t.ByteSize() > INFERENCE_DATA_LIMIT]
+    large = [t for t in graph.initializer if _is_mapped(t)
+             or t.data_location != onnx.TensorProto.EXTERNAL and t.ByteSize() > INFERENCE_DATA_LIMIT]
     if not large:
         return proto
     light = onnx.ModelProto(ir_version=proto.ir_version, domain=proto.domain, model_version=proto.model_version)
@@ -251,6 +285,32 @@ def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 LOAD_NOTES = "opfuse.load_notes"  # model.meta key: what loading repaired, one line each
+
+
+def _is_mapped(tensor: onnx.TensorProto) -> bool:
+    """Whether ``tensor`` is one :func:`opfuse.core.inline.read_mapped` left as a reference to its bytes."""
+    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == MAPPED_LOCATION for e in tensor.external_data)
+
+
+def _without_mapped(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """What the checker checks of a model from :func:`opfuse.core.inline.read_mapped`: ``proto`` with its
+    mapped initializers as typed graph inputs (the checker, checking in memory, would look for their
+    reference's file in the working directory; their bytes were found the size their dtype and dims
+    say when they were mapped), else as it is."""
+    mapped = [t for t in proto.graph.initializer if _is_mapped(t)]
+    if not mapped:
+        return proto
+    stand_in = onnx.ModelProto()
+    stand_in.CopyFrom(proto)
+    names = {t.name for t in mapped}
+    kept = [t for t in stand_in.graph.initializer if t.name not in names]
+    del stand_in.graph.initializer[:]
+    stand_in.graph.initializer.extend(kept)
+    inputs = {v.name for v in stand_in.graph.input}
+    stand_in.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+                                for t in mapped if t.name not in inputs)
+    return stand_in
 
 
 def _with_notes(model: ir.Model, notes: list[str]) -> ir.Model:

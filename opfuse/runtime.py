@@ -37,6 +37,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from opfuse.core.analysis import tensor_nbytes
+from opfuse.core.inline import MappedTensor
 from opfuse.save import needs_external_data
 from opfuse.targets import RUNTIME_LEVELS
 
@@ -242,23 +243,29 @@ def session_with_weights(proto: onnx.ModelProto, weights: dict[str, np.ndarray],
 
 
 def drop_resident_pages(model: ir.Model | None) -> None:
-    """Give back the pages of ``model``'s external tensors that reading them made resident (their
-    mapped files stay mapped: a later read faults them in again from the page cache). Between one
-    model's sessions and another's, so the process holds one model's weights, not two; and the C
-    heap's free pages with them (:func:`give_back_memory`), after a full garbage collection when
-    ``model``'s weights are large (:func:`weights_shared`): the pipeline runs with full collections
-    off (:func:`opfuse.pipeline.young_collections_only`), and the graphs a step left behind (the
-    timing's variants, a fold's discarded copy) are cycles that hold their arrays and the mapped
-    pages of their own loads of the weights until one runs."""
+    """Give back the pages of ``model``'s external tensors (and of a large inline file's mapped ones,
+    :mod:`opfuse.core.inline`) that reading them made resident (their mapped files stay mapped: a
+    later read faults them in again from the page cache). Between one model's sessions and another's,
+    so the process holds one model's weights, not two; and the C heap's free pages with them
+    (:func:`give_back_memory`), after a full garbage collection when ``model``'s weights are large
+    (:func:`weights_shared`): the pipeline runs with full collections off
+    (:func:`opfuse.pipeline.young_collections_only`), and the graphs a step left behind (the timing's
+    variants, a fold's discarded copy) are cycles that hold their arrays and the mapped pages of their
+    own loads of the weights until one runs."""
     give_back_memory(collect=model is not None and weights_shared(model))
     if model is None:
         return
+    files = {}
     for graph in (model.graph, *(f.graph for f in model.functions.values())):
         for value in getattr(graph, "initializers", {}).values():
             raw = getattr(value.const_value, "raw", None)
             if isinstance(value.const_value, ir.ExternalTensor) and isinstance(raw, mmap.mmap):
                 with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)
                     raw.madvise(mmap.MADV_DONTNEED)
+            elif isinstance(value.const_value, MappedTensor):  # (an inline file's, mapped: once per file)
+                files[id(value.const_value.source)] = value.const_value.source
+    for file in files.values():
+        file.drop_pages()
 
 
 def _libc_trim():

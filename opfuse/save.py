@@ -17,6 +17,11 @@ declared types, shapes, opset, external data), loaded back from there, and that 
 one verification runs. The files are renamed into place only if nothing changed since: a
 model that changed after it was staged (its :func:`fingerprint` differs) is staged and
 verified again, and staged bytes that changed on disk are never committed.
+
+A large model written inline is written a tensor at a time (:func:`opfuse.core.inline.write_inline`: the
+bytes ``onnx_ir.save`` writes, without the whole model serialised in memory twice over), and read
+back for verification with its weights mapped where they are in the staged file
+(:func:`opfuse.load.read_model`): the same bytes verified, then renamed into place.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import onnx_ir as ir
 
 from opfuse.core.analysis import iter_scopes, tensor_nbytes
 from opfuse.errors import BadInputError, OpfuseError
+from opfuse.core.inline import streams, write_inline
+from opfuse.load import read_model
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # headroom below protobuf's 2 GiB for the graph itself
 
@@ -146,7 +153,10 @@ class StagedModel:
         try:
             self.directory = pathlib.Path(tempfile.mkdtemp(prefix=".opfuse-", dir=parent))
             self.path = self.directory / name
-            ir.save(model, self.path, external_data=self.data_name)
+            if self.data_name is None and streams(model):
+                write_inline(model, self.path)
+            else:
+                ir.save(model, self.path, external_data=self.data_name)
         except OSError as e:
             self.discard()
             raise BadInputError(f"{path or 'a temporary file'}: cannot write ({e.strerror or e})") from None
@@ -197,8 +207,9 @@ class StagedModel:
         return h.hexdigest()
 
     def load(self) -> ir.Model:
-        """The staged bytes, loaded back as a model (external data from the staged folder)."""
-        return ir.load(self.path)
+        """The staged bytes, loaded back as a model (external data from the staged folder; a large
+        inline model's weights mapped where they are in the staged file)."""
+        return read_model(self.path)
 
     def commit(self) -> list[pathlib.Path]:
         """Rename the staged files into place; returns the files written."""

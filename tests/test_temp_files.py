@@ -1,7 +1,8 @@
 """Temporary files are removed on every path, errors included: the Ethos-U path (lowering,
-Vela, LiteRT) and the QNN path, run with the temporary directory pointed at a fresh one, leave
+Vela, LiteRT), the QNN path and a large inline model's (its weights mapped, its output written a
+tensor at a time: opfuse.core.inline), run with the temporary directory pointed at a fresh one, leave
 it as it was, and leave nothing beside the outputs either (a context's staging directory sits
-beside it: ``.opfuse-vela-*``, ``.opfuse-ctx-*``)."""
+beside it: ``.opfuse-vela-*``, ``.opfuse-ctx-*``; the model's own: ``.opfuse-*``)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,31 @@ def test_the_qnn_path_leaves_no_temporary_file(context, tmp_path, fresh_tmp):
     assert _run(tmp_path, args) == 0
     assert not list(fresh_tmp.iterdir())
     assert not [name for name in _left(tmp_path) if name.startswith(".opfuse")]
+
+
+@pytest.mark.parametrize("case", ["written", "verification fails", "writing fails"])
+def test_a_large_inline_model_leaves_no_temporary_file(case, tmp_path, fresh_tmp, monkeypatch):
+    import opfuse.core.inline
+    import opfuse.pipeline
+    from opfuse import save
+    from opfuse.errors import VerificationError
+
+    monkeypatch.setattr(opfuse.core.inline, "MAPPED_FILE_BYTES", 0)  # (the small graph taken as a large one)
+    monkeypatch.setattr(opfuse.core.inline, "MAPPED_MIN_TENSOR", 16)
+    monkeypatch.setattr(opfuse.core.inline, "STREAMED_BYTES", 0)
+    if case == "verification fails":
+        def wrong(*args, **kw):
+            raise VerificationError("made to fail by the test")
+
+        monkeypatch.setattr(opfuse.pipeline, "verify_models", wrong)
+    elif case == "writing fails":
+        def refuse(model, path):
+            with open(path, "wb") as f:
+                f.write(b"half")
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(save, "write_inline", refuse)
+    assert _run(tmp_path, ["optimize", "-o", "o.onnx", "--no-tune"]) == {"written": 0, "verification fails": 1,
+                                                                          "writing fails": 2}[case]
+    assert not list(fresh_tmp.iterdir())
+    assert _left(tmp_path) == (["m.onnx", "o.onnx"] if case == "written" else ["m.onnx"])

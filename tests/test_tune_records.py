@@ -101,6 +101,22 @@ def test_a_large_lookup_table_is_fed_as_an_input():
     np.testing.assert_array_equal(lookups[0].feed({"ids": ids}), table[ids])
 
 
+def test_a_lookup_whose_output_declares_no_type_is_cut_too():
+    """TorchScript's exports declare no type for intermediate values: the input gets the table's dtype
+    and the shape the Gather gives (else every variant's session held a copy of the table)."""
+    table = rng(1).standard_normal((1000, 300)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
+             helper.make_node("Relu", ["emb"], ["y"], name="relu")]
+    m = ir.from_proto(model(nodes, [vinfo("ids", ["batch", 5], TensorProto.INT64)], [vinfo("y", ["batch", 5, 300])],
+                            [tensor("table", table)], fill_output_shapes=False))
+    assert m.graph.node(0).outputs[0].type is None
+    lookups = cut_lookups(m)
+    assert [n.op_type for n in m.graph] == ["Relu"] and not m.graph.initializers
+    fed = m.graph.inputs[-1]
+    assert fed.name == lookups[0].name and fed.dtype == ir.DataType.FLOAT
+    assert [str(d) for d in fed.shape] == ["batch", "5", "300"]
+
+
 def test_a_large_model_is_timed_on_its_first_block(monkeypatch):
     monkeypatch.setattr(block, "SMALL_BYTES", 0)
     clock = _clock()

@@ -149,10 +149,21 @@ class Lookup:
         return np.take(self.table, feeds[self.indices], axis=self.axis)
 
 
+def _looked_up_shape(table: ir.Shape, indices: ir.Shape | None, axis: int) -> ir.Shape | None:
+    """The shape of ``Gather(table, indices, axis)``'s output (None where the indices' is not known)."""
+    if indices is None:
+        return None
+    axis = axis % len(table) if len(table) else 0
+    dims = list(table)
+    return ir.Shape(dims[:axis] + list(indices) + dims[axis + 1:])
+
+
 def cut_lookups(model: ir.Model) -> list[Lookup]:
     """Every Gather of a constant table of at least :data:`LOOKUP_BYTES` by a graph input's indices
     becomes a graph input (``model`` is mutated); the indices input stays (other nodes may read it,
-    and the feeds are drawn for it)."""
+    and the feeds are drawn for it). The input has the type and shape the Gather's output declares,
+    else (an export that declares none for intermediate values: TorchScript's) the table's dtype and
+    the shape the Gather gives, where the indices' is known (:func:`_looked_up_shape`)."""
     graph = model.graph
     inputs = {v.name: v for v in graph.inputs}
     found = []
@@ -161,11 +172,13 @@ def cut_lookups(model: ir.Model) -> list[Lookup]:
             continue
         table, indices = node.inputs[0], node.inputs[1]
         if (table is None or indices is None or table.const_value is None or indices.name not in inputs
-                or table.const_value.nbytes < LOOKUP_BYTES or node.outputs[0].type is None):
+                or table.const_value.nbytes < LOOKUP_BYTES):
             continue
         axis = node.attributes.get_int("axis", 0)
         out = node.outputs[0]
-        fed = ir.Value(name=f"{out.name}__looked_up", type=out.type, shape=out.shape)
+        type_ = out.type or ir.TensorType(table.const_value.dtype)
+        shape = out.shape if out.type is not None else _looked_up_shape(table.const_value.shape, indices.shape, axis)
+        fed = ir.Value(name=f"{out.name}__looked_up", type=type_, shape=shape)
         out.replace_all_uses_with(fed, replace_graph_outputs=True)
         graph.inputs.append(fed)
         graph.remove(node, safe=True)
