@@ -87,3 +87,35 @@ def test_lazy_gguf_loading_gives_the_same_parameters(llama_gguf, monkeypatch):
         got = one_at_a_time[name]
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert got.numpy().tobytes() == want.numpy().tobytes(), name
+
+
+def test_weight_file_keeps_each_array_from_many_threads(tmp_path):
+    import concurrent.futures
+
+    arrays = [np.full((17 + i, 5), i, np.float32) for i in range(64)]
+    store = export.WeightFile(sum(export._float_bytes(a.shape) for a in arrays), tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # (transformers' loader reads from threads)
+        views = list(pool.map(store.put, arrays))
+    for a, v in zip(arrays, views):
+        assert v.shape == a.shape and v.dtype == a.dtype and np.array_equal(v, a)  # (read back after the drop)
+    assert list(tmp_path.iterdir()) == []  # (the file has no name)
+
+
+def test_export_from_the_weight_file_writes_the_same_bytes(llama_gguf, tmp_path):
+    import onnx
+    from transformers import AutoModelForCausalLM
+
+    written = {}
+    for lazy in (False, True):  # (as export.load loads the model: this GGUF has no tokenizer)
+        with export._one_tensor_at_a_time(tmp_path) if lazy else contextlib.nullcontext([]) as stores:
+            model = AutoModelForCausalLM.from_pretrained(str(llama_gguf.parent), gguf_file=llama_gguf.name,
+                                                         dtype=torch.float32).eval()
+        assert len(stores) == lazy
+        model._opfuse_weight_files = stores
+        path = tmp_path / ("lazy" if lazy else "whole") / "model.onnx"
+        export.export(model, path)
+        model = onnx.load(str(path), load_external_data=False)
+        for node in model.graph.node:  # (torch's stack traces name this file's lines)
+            del node.metadata_props[:]
+        written[lazy] = (model.SerializeToString(), (path.parent / "model.onnx.data").read_bytes())
+    assert written[True] == written[False]

@@ -10,7 +10,9 @@ What it does:
   own loader would dequantise the whole file into a dict of float32 tensors first, then load the
   model from it, the file's float32 copy and the transient copies of its largest tensor in memory at
   once; each tensor is now dequantised and processed by transformers' own functions when the loader
-  comes to it (the same values, tested).
+  comes to it (the same values, tested). Its float32 values go to a :class:`WeightFile` (``load``'s
+  ``weights_dir``): a temporary file mapped into the process, whose pages are given back as each
+  tensor is written into it, so the float model is in the page cache, not in the process's memory.
 - :class:`CausalLMStep` wraps the model's forward with a flat signature: ``(input_ids, attention_mask,
   position_ids, *past) -> (logits, *present)``, the cache being transformers' ``DynamicCache`` filled
   from / flattened to ``key 0, value 0, key 1, ...`` (:func:`filled_cache`, :func:`flat_cache`).
@@ -22,7 +24,10 @@ What it does:
   head_size]. Exported by the dynamo exporter (opset 18) with batch, seq and past dynamic, from
   example inputs of batch 2, 3 new tokens and a past of 5, one row's mask left-padded (so no branch of
   the model's mask code takes an all-ones shortcut). A past of 0 (genai's first step) runs on the same
-  graph: the example sizes are all >= 2 so torch specialises none of them.
+  graph: the example sizes are all >= 2 so torch specialises none of them. Torch's tracer reads no
+  weight's values; a model whose weights are in a :class:`WeightFile` is written as
+  ``ONNXProgram.save(path, external_data=True)`` writes it, the file's pages given back before each
+  tensor is written, so the process holds one tensor of the weights at a time.
 
 Legality: the export is transformers' own forward traced by torch; nothing is rewritten here. What the
 graph computes is checked by the caller (opfuse's verification, and the tests against transformers'
