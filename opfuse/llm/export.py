@@ -92,11 +92,11 @@ class _LazyGgufWeight:
     def __getitem__(self, _):
         # (torch, transformers, gguf: the llm extra, imported only when a model is loaded)
         import numpy as np
-        import torch
+        import torch  # (as above)
         from gguf import dequantize  # (as above)
 
         # dequantised a slice of rows at a time into one array (the values are per block: the same as
-        # the whole tensor's at once, without its float temporaries: 4x a 113 MB embedding)
+        # the whole tensor's at once, without the float temporaries of a whole large tensor)
         rows = self.tensor.data.reshape(-1, self.tensor.data.shape[-1])
         weights = np.empty((rows.shape[0], self.shape[-1]), np.float32)
         for i in range(0, rows.shape[0], _DEQUANTIZED_ROWS):
