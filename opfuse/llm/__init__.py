@@ -220,10 +220,10 @@ def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, w
     from opfuse.llm import calibration, genai  # (its heavy imports: only in the export's process)
     from opfuse.llm.export import _shape, export, load  # (its heavy imports (torch, the pipeline): only when used)
 
+    files_dir.mkdir(parents=True, exist_ok=True)
     loaded = load(source, weights_dir=files_dir.parent)  # (a GGUF's float weights: in a file there)
     config, tokenizer = loaded.model.config, loaded.tokenizer
     _check_decoder(config)
-    files_dir.mkdir(parents=True, exist_ok=True)
     genai.write_config(config, tokenizer, files_dir)
     genai.write_tokenizer(tokenizer, files_dir)
     export(loaded.model, exported)
