@@ -99,7 +99,7 @@ def _placement(report_path: pathlib.Path) -> dict:
     out = {"device": {k: v for k, v in device.items() if k in ("summary", "compile_seconds", "strict_open",
                                                                  "partitions", "on_cpu", "context")}}
     out["rotary_tables"] = text.count("rotary Cos/Sin->table")
-    out["mask_fills"] = text.count("mask fill->-65504")
+    out["mask_fills"] = text.count('"mask fill->-65504"') + text.count('"attention mask fill->-32768"')
     return out
 
 
