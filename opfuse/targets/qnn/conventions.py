@@ -81,18 +81,25 @@ def qnn_types(preset) -> dict:
 
 
 def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
-                     method, extra: dict, sixteen: list[str], excluded: list[str], ranges=None) -> dict:
+                     method, extra: dict, sixteen: list[str], excluded: list[str], ranges=None,
+                     sixteen_weights: dict[str, int] | None = None) -> dict:
     """``quantize_static``'s keyword arguments for the HTP: ``reader`` the calibration reader
     (None: the ranges are cached), ``sample_reader`` a fresh one for ``get_qnn_qdq_config``,
     ``method`` and ``extra`` the calibration method and its options, ``sixteen`` the tensors
     kept with 16-bit activations, ``excluded`` the nodes kept in float; ``ranges`` the calibrated ranges
-    (ONNX Runtime's ``TensorsData``), read for the masked scores (module docstring)."""
+    (ONNX Runtime's ``TensorsData``), read for the masked scores (module docstring); ``sixteen_weights``
+    {weight: its output-channel axis} the weights kept in int16 (symmetric, per channel with a per-channel
+    preset; the HTP of onnxruntime-qnn 2.7.0 takes int16 MatMul and Gemm weights whole, probed), whatever
+    the preset writes the others in."""
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (its QNN helpers: on use)
 
     overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in sixteen}
+    overrides.update({w: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True,
+                           **({"axis": axis} if preset.per_channel else {})}]
+                      for w, axis in (sixteen_weights or {}).items()})
     if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
         overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
-                          for name in _layernorm_constants(float_model)})
+                          for name in _layernorm_constants(float_model) if name not in overrides})
     for out, scores in _masked_wheres(float_model).items() if ranges is not None else ():
         masked = out in ranges.data and float(np.asarray(ranges.data[out].range_value[0]).reshape(-1)[0]) <= FILL / 2
         if masked and scores in ranges.data:  # (a mask never applied in calibration keeps its range)
