@@ -143,3 +143,28 @@ def test_without_the_float_presents_the_htp_fails_at_the_first_run_and_says_so_i
         _quantize(paths["decode"], samples["decode"], {"batch": 1, "past_seq": PAST}, tmp_path, "decode")
     assert isinstance(caught.value, OpfuseError) and caught.value.exit_code == 1
     assert "\n" not in str(caught.value) and str(caught.value).startswith("QNN compiled the model but its HTP")
+
+
+def test_the_search_keeps_the_costliest_layers_with_16_bit_weights_and_stays_whole_on_the_htp(exports, tmp_path):
+    """``--min-sqnr`` with ``qnn-a16-per-channel``: the search keeps layers with int16 weights (its activations
+    are 16-bit already; float would leave the HTP), its exact ranking bounded to the 3 costliest by the per-layer
+    table (``search_candidates``); the result compiles whole on the HTP. The target is out of reach on purpose
+    (the search walks until no candidate helps), so the command fails its verification, with the report."""
+    from opfuse.errors import VerificationError
+    from opfuse.quantization.pipeline import quantize
+
+    paths, samples, _ = exports
+    with pytest.raises(VerificationError) as caught:
+        quantize(str(paths["prefill"]), samples["prefill"], preset="qnn-a16-per-channel", holdout=2,
+                 require_npu=True, dims={"batch": 1, "seq": SEQ}, output=tmp_path / "o.onnx", reconstruct=False,
+                 bias_correction=False, min_sqnr=99.0, search_candidates=3, max_steps=4)
+    report = caught.value.report
+    assert report.device.placement.all_on_npu and report.device.strict
+    kept = [r for r in report.layers if r.precision != "int8"]
+    assert kept and {r.precision for r in kept} == {"int16 weights"} and {r.op_type for r in kept} == {"MatMul"}
+    assert all("kept with 16-bit weights" in r.reason for r in kept), kept
+    first_pass = [s for s in report.search if s.phase == "sensitivity" and s.kept == s.added]
+    assert 0 < len(first_pass) <= 3, [s.kept for s in report.search]
+    assert any("re-quantised the 3 costliest of" in n for n in report.notes), report.notes
+    accepted = [s.sqnr_db for s in report.search if s.accepted]
+    assert accepted == sorted(accepted) and accepted[-1] > accepted[0]  # never a step down

@@ -55,7 +55,8 @@ import onnx
 from opfuse.quantization.qdq.layers import qdq_layers
 from opfuse.quantization.qdq.quantizer import WEIGHTED_OPS
 from opfuse.quantization.report import QuantReport, RankedCandidate, SearchStep
-from opfuse.quantization.qdq.sqnr import OutputReference, layer_costs, layer_pairs, measure
+from opfuse.quantization.qdq.sqnr import OutputReference, layer_costs, layer_pairs
+from opfuse.quantization.qdq.sqnr import measure as measure_tensors
 
 @dataclasses.dataclass(frozen=True)
 class KeepAction:
@@ -72,6 +73,7 @@ KEEP_ACTIONS = {
     "int16": KeepAction("int16", "int16 activations", "kept with 16-bit activations"),
     "int16-weights": KeepAction("int16-weights", "int16 weights", "kept with 16-bit weights", weights_only=True),
 }
+_BOUNDED = "the exact sensitivity ranking re-quantised the"
 RANK_SAMPLES = 16  # samples of the per-layer cost that preselects the ranked candidates (pipeline.LAYER_SAMPLES)
 
 
@@ -192,10 +194,13 @@ def _rank(model, float_model, keep, tried, measure, base_score, report, *, keep_
     pending = [c for c in candidates(float_model, model, skip=keep, weights_only=keep_as.weights_only)
                if c.label not in tried]
     if ranked is not None and len(pending) > ranked:
+        total = len(pending)
         pending = costliest(float_model, model, pending, samples, ranked)
-        report.notes.append(f"the exact sensitivity ranking measured the {len(pending)} costliest of the candidates "
-                            f"by each layer's own noise ({', '.join(c.label for c in pending[:3])}, ...): "
-                            f"the search ranks at most {ranked} candidates at a time")
+        if not any(n.startswith(_BOUNDED) for n in report.notes):
+            report.notes.append(f"{_BOUNDED} {len(pending)} costliest of {total} candidates by each layer's own noise "
+                                f"(the layer table's; first {', '.join(c.label for c in pending[:3])}): "
+                                f"--search-candidates {ranked}; each later pass measures the costliest "
+                                f"{ranked} of those left")
     ranked_out = []
     for candidate in pending:
         _, tune_db, value = measure(keep + list(candidate.nodes), list(candidate.nodes), "sensitivity")
@@ -215,6 +220,6 @@ def costliest(float_model: onnx.ModelProto, qdq: onnx.ModelProto, pending: list[
     table's own-noise SQNR, :func:`~opfuse.quantization.qdq.sqnr.layer_costs`, lowest first; a
     candidate of several nodes by its costliest), measured once on the first :data:`RANK_SAMPLES`."""
     layers = qdq_layers(float_model, qdq)
-    costs = layer_costs(layers, measure(float_model, qdq, list(samples)[:RANK_SAMPLES], layer_pairs(layers)))
+    costs = layer_costs(layers, measure_tensors(float_model, qdq, list(samples)[:RANK_SAMPLES], layer_pairs(layers)))
     own = {name: cost for name, (_, cost) in costs.items()}
     return sorted(pending, key=lambda c: min((own.get(n, float("inf")) for n in c.nodes)))[:count]

@@ -8,8 +8,11 @@ per-channel weights, LayerNormalization's scale and bias kept per tensor (the HT
 per-channel DequantizeLinear there), and MatMul's and Gemm's weights per channel, as the preset
 says: ``get_qnn_qdq_config`` gives them one scale per tensor ("QNN does not support per-channel
 MatMul"), and a decoder's int8 weights at one scale per tensor lose most of its accuracy while the
-HTP of onnxruntime-qnn 2.7.0 takes per-channel int8 MatMul weights whole. The portable configuration is in
-:class:`opfuse.quantization.qdq.quantizer.Quantizer`.
+HTP of onnxruntime-qnn 2.7.0 takes per-channel int8 MatMul weights whole. The layers the search keeps with
+16-bit weights (the presets with 16-bit activations: keeping a layer's activations at 16 bits would keep
+nothing there) get int16 symmetric weights, per channel with a per-channel preset: the HTP of
+onnxruntime-qnn 2.7.0 takes them for MatMul and Gemm, whole (tests/test_qnn_int16_weights.py). The portable
+configuration is in :class:`opfuse.quantization.qdq.quantizer.Quantizer`.
 
 A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
 as they are, their range runs from -65504 to the scores' maximum, and a 16-bit step is then 1.0, a coarse
