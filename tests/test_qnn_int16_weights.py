@@ -2,7 +2,7 @@
 16-bit already (``qnn-a16``, ``qnn-a16-per-channel``, ``qnn-w4a16``), where keeping a layer "with 16-bit
 activations" would keep nothing and keeping it in float would leave the NPU.
 
-- what the HTP takes (onnxruntime-qnn 2.7.0): int16 symmetric MatMul and Gemm weights, per channel and
+- what the HTP takes (onnxruntime-qnn 2.7.0): int16 symmetric MatMul, Gemm and Conv weights, per channel and
   per tensor, beside uint16 activations: each compiled with no CPU fallback allowed and closer to float
   than the same layer with int8 weights;
 - the quantiser writes exactly the kept layers' weights in int16 (one scale per output channel with a
@@ -25,9 +25,17 @@ n = helper.make_node
 
 
 def _layers(op: str) -> onnx.ModelProto:
-    """x -> two layers of ``op`` (MatMul [K, N] weights, Gemm with transB) -> y, at opset 21."""
+    """x -> two layers of ``op`` (MatMul [K, N] weights, Gemm with transB, Conv 3x3) -> y, at opset 21."""
     r = rng(3)
-    if op == "MatMul":
+    if op == "Conv":
+        nodes = [n("Conv", ["x", "W1", "B1"], ["h"], name="first", pads=[1, 1, 1, 1]),
+                 n("Conv", ["h", "W2", "B2"], ["y"], name="second", pads=[1, 1, 1, 1])]
+        inits = [tensor("W1", r.normal(0, 0.3, (6, 3, 3, 3)).astype(np.float32)),
+                 tensor("B1", r.normal(0, 0.1, 6).astype(np.float32)),
+                 tensor("W2", r.normal(0, 0.3, (4, 6, 3, 3)).astype(np.float32)),
+                 tensor("B2", r.normal(0, 0.1, 4).astype(np.float32))]
+        x = vinfo("x", [1, 3, 6, 6])
+    elif op == "MatMul":
         nodes = [n("MatMul", ["x", "W1"], ["h"], name="first"), n("MatMul", ["h", "W2"], ["y"], name="second")]
         inits = [tensor("W1", r.normal(0, 0.3, (32, 24)).astype(np.float32)),
                  tensor("W2", r.normal(0, 0.3, (24, 16)).astype(np.float32))]
@@ -82,11 +90,11 @@ def test_the_kept_layers_weights_are_written_in_int16(preset, tmp_path):
 
 
 @needs_htp
-@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
+@pytest.mark.parametrize("op", ["MatMul", "Gemm", "Conv"])
 @pytest.mark.parametrize("preset", ["qnn-a16-per-channel", "qnn-a16"])
 def test_int16_weights_compile_whole_on_the_htp_and_come_closer_to_float(op, preset, tmp_path):
-    """What the HTP of onnxruntime-qnn 2.7.0 takes: int16 weights (per channel and per tensor) beside uint16
-    activations, every node on the HTP (a fallback fails the strict session)."""
+    """What the HTP of onnxruntime-qnn 2.7.0 takes: int16 MatMul, Gemm and Conv weights (per channel and per
+    tensor) beside uint16 activations, every node on the HTP (a fallback fails the strict session)."""
     import onnxruntime as ort
 
     from opfuse.targets.qnn.backend import open_session

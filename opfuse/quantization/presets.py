@@ -42,7 +42,7 @@ opset 11 or later (:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`
 layer in int8 weights with 16-bit activations instead of leaving it in float; the presets whose activations
 are 16-bit already (``qnn-a16``, ``qnn-a16-per-channel``, ``qnn-w4a16``) keep it with 16-bit weights
 (int16, symmetric, per channel where the preset's are), which the HTP of onnxruntime-qnn 2.7.0 takes for
-MatMul and Gemm (probed: whole on the HTP).
+MatMul, Gemm and Conv (probed: whole on the HTP).
 
 ``per-tensor`` also equalises the conv pairs first (:mod:`opfuse.passes.equalize`) and rounds
 each layer with AdaRound (:mod:`.adaround`, which chooses the layer's weight scale too) in place

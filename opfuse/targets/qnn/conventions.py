@@ -11,7 +11,7 @@ MatMul"), and a decoder's int8 weights at one scale per tensor lose most of its 
 HTP of onnxruntime-qnn 2.7.0 takes per-channel int8 MatMul weights whole. The layers the search keeps with
 16-bit weights (the presets with 16-bit activations: keeping a layer's activations at 16 bits would keep
 nothing there) get int16 symmetric weights, per channel with a per-channel preset: the HTP of
-onnxruntime-qnn 2.7.0 takes them for MatMul and Gemm, whole (tests/test_qnn_int16_weights.py). The portable
+onnxruntime-qnn 2.7.0 takes them for MatMul, Gemm and Conv, whole (tests/test_qnn_int16_weights.py). The portable
 configuration is in :class:`opfuse.quantization.qdq.quantizer.Quantizer`.
 
 A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
@@ -92,7 +92,7 @@ def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, pre
     kept with 16-bit activations, ``excluded`` the nodes kept in float; ``ranges`` the calibrated ranges
     (ONNX Runtime's ``TensorsData``), read for the masked scores (module docstring); ``sixteen_weights``
     {weight: its output-channel axis} the weights kept in int16 (symmetric, per channel with a per-channel
-    preset; the HTP of onnxruntime-qnn 2.7.0 takes int16 MatMul and Gemm weights whole, probed), whatever
+    preset; the HTP of onnxruntime-qnn 2.7.0 takes int16 MatMul, Gemm and Conv weights whole, probed), whatever
     the preset writes the others in."""
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (its QNN helpers: on use)
 
