@@ -86,11 +86,15 @@ class Candidate:
 def candidates(float_model: onnx.ModelProto, qdq: onnx.ModelProto, skip=(), weights_only: bool = False
                ) -> list[Candidate]:
     """Each quantised layer with weights alone; the other quantised nodes by op type (not with
-    ``weights_only``)."""
+    ``weights_only``, which takes the layers whose weight is a constant alone: a MatMul of two
+    activations has none to keep)."""
     skip = set(skip)
     units: dict[str, list[str]] = {}
+    inits = {i.name for i in float_model.graph.initializer}
+    weighted = {n.name for n in float_model.graph.node
+                if n.op_type in WEIGHTED_OPS and len(n.input) > 1 and n.input[1] in inits}
     for layer in qdq_layers(float_model, qdq):
-        if layer.name in skip or (weights_only and layer.op_type not in WEIGHTED_OPS):
+        if layer.name in skip or (weights_only and layer.name not in weighted):
             continue
         label = layer.name if layer.op_type in WEIGHTED_OPS else f"every {layer.op_type}"
         units.setdefault(label, []).append(layer.name)
