@@ -4,6 +4,8 @@ the corpus' dynamo export) raised to opset 23 (RMSNormalization, RotaryEmbedding
 static shapes (a prefill chunk of :data:`SEQ`, a past of :data:`PAST`), calibrated on prompts left-padded into
 the chunk and on the decode steps the float export takes after them.
 
+- the attention mask's fill: float32's minimum becomes -32768 once Attention-23 reads the mask
+  (:mod:`opfuse.passes.mask_fill`), in both graphs;
 - the prefill: the fold stage is verified on a left-padded calibration sample, where Attention-23 gives other
   values than the export at the padded queries (undefined there, :mod:`opfuse.verify`); it passes, compiles
   whole on the HTP, and the HTP's logits match the float export at the real tokens of padded and unpadded
@@ -89,6 +91,7 @@ def test_the_prefill_quantised_w8a16_with_padded_calibration_matches_float_on_th
     fold = report.fusion.verification
     assert fold.ok and "left-padded" in fold.padded, (fold.padded, fold.padded_skipped)
     assert report.fusion.applied("attention->Attention")
+    assert report.fusion.applied("attention mask fill->-32768")  # the mask's fill in the HTP's range (mask-fill)
     assert report.device.placement.all_on_npu and report.device.strict and (tmp_path / "prefill_ctx.onnx").exists()
     # the report's own figure counts the padded held-out samples at their real tokens (qdq.sqnr)
     assert report.verification.sqnr_db > MIN_DB and any("pad their attention mask" in n for n in report.notes)
@@ -114,6 +117,7 @@ def test_the_decode_step_quantised_w8a16_compiles_and_runs_whole_on_the_htp(expo
     paths, samples, _ = exports
     out, report = _quantize(paths["decode"], samples["decode"], {"batch": 1, "past_seq": PAST}, tmp_path, "decode")
     assert report.device.placement.all_on_npu and report.device.strict and report.verification.sqnr_db > MIN_DB
+    assert report.fusion.applied("attention mask fill->-32768")
     assert any("KV cache outputs (present.0.key, present.0.value; 2 in all) are written in float" in n
                for n in report.notes), report.notes
     written = onnx.load(str(out))
