@@ -146,3 +146,23 @@ def test_the_search_ranks_the_layers_with_weights_alone_and_at_most_the_costlies
     layers = qdq_layers(float_model, qdq)
     own = {k: v[1] for k, v in layer_costs(layers, measure(float_model, qdq, _samples(m), layer_pairs(layers))).items()}
     assert one.label == min(("first", "second"), key=own.get), own
+
+
+def test_search_candidates_is_a_count_and_the_command_line_passes_it(monkeypatch):
+    from opfuse import cli
+    from opfuse.errors import BadInputError
+    from opfuse.quantization import pipeline
+    from opfuse.quantization.options import QuantizeOptions
+
+    with pytest.raises(BadInputError, match="search_candidates is at least 1"):
+        QuantizeOptions(search_candidates=0).check("m.onnx")
+    seen = {}
+
+    def fake(model, calibration, options):
+        seen["options"] = options
+        raise BadInputError("stop here")
+
+    monkeypatch.setattr(pipeline, "quantize", fake)
+    code = cli.main(["quantize", "m.onnx", "-o", "o.onnx", "--calibration", "random:2", "--preset",
+                     "qnn-a16-per-channel", "--min-sqnr", "30", "--search-candidates", "5"])
+    assert code == 2 and seen["options"].search_candidates == 5 and seen["options"].min_sqnr == 30
