@@ -20,6 +20,10 @@ user runs, in a child process:
     w8a16   opfuse quantize G.onnx -o O.onnx --preset qnn-a16-per-channel --calibration C.npz --require-npu
             --dim ... --context O_ctx.onnx --reconstruct off --no-bias-correction
     w4a16   the same with --preset qnn-w4a16
+    w8a16-min28  w8a16 with --min-sqnr 28 (any DB; w4a16-minDB too): the layers that cost most kept with 16-bit
+            weights by the mixed-precision search until the output SQNR reaches DB; for a decoder's hundreds of
+            MatMuls the search measures the costliest --search-candidates (default 6) at a time, and walks
+            --max-steps (default 6) steps at most (each trial quantises the whole model)
     ort-w8a16  ONNX Runtime's documented flow on the same export and calibration: the shapes fixed,
             ``get_qnn_qdq_config`` (uint16 activations, int8 symmetric per-channel weights, as the
             w8a16 preset asks it) and ``quantize``; opened on the HTP as it is (fallbacks counted).
@@ -98,8 +102,13 @@ def _placement(report_path: pathlib.Path) -> dict:
     text = json.dumps(report)
     out = {"device": {k: v for k, v in device.items() if k in ("summary", "compile_seconds", "strict_open",
                                                                  "partitions", "on_cpu", "context")}}
+    verification = report.get("verification") or {}
+    out["sqnr_db"] = {k: verification.get(k) for k in ("sqnr_db", "cpu_qdq_sqnr_db", "min_sqnr_db")}
+    kept = [r["name"] for r in report.get("layers", []) if r.get("precision") == "int16 weights"]
+    if kept or report.get("search_stopped"):
+        out["kept_16bit_weights"], out["search_stopped"] = kept, report.get("search_stopped")
     out["rotary_tables"] = text.count("rotary Cos/Sin->table")
-    out["mask_fills"] = text.count("mask fill->-65504")
+    out["mask_fills"] = text.count('"mask fill->-65504"') + text.count('"attention mask fill->-32768"')
     return out
 
 
@@ -243,9 +252,12 @@ def calibration(paths: dict, shapes: Shapes, ids: list[list[int]], work: pathlib
     return out
 
 
-def build(variant: str, model: str, paths: dict, shapes: Shapes, work: pathlib.Path, npz: dict | None) -> dict:
-    """The two compiled graphs of ``variant`` (paths), and how the commands went."""
+def build(variant: str, model: str, paths: dict, shapes: Shapes, work: pathlib.Path, npz: dict | None,
+          search: tuple[int, int] = (6, 6)) -> dict:
+    """The two compiled graphs of ``variant`` (paths), and how the commands went; ``search``: the
+    mixed-precision search's (candidates per ranking, steps) of a ``-minDB`` variant."""
     row: dict = {"graphs": {}}
+    preset, _, target = variant.partition("-min")
     for graph in ("prefill", "decode"):
         out, ctx = work / f"{variant}-{graph}.onnx", work / f"{variant}-{graph}_ctx.onnx"
         report = work / f"{variant}-{graph}.report.json"
@@ -253,10 +265,12 @@ def build(variant: str, model: str, paths: dict, shapes: Shapes, work: pathlib.P
         if variant == "float":
             args = ["optimize", str(paths[graph]), "-o", str(out), "--target", "qnn", "--require-npu", *dims,
                     "--context", str(ctx), "--report", str(report), "--no-tune", "--overwrite", "-q"]
-        elif variant in PRESETS:
-            args = ["quantize", str(paths[graph]), "-o", str(out), "--preset", PRESETS[variant], "--calibration",
+        elif preset in PRESETS:
+            args = ["quantize", str(paths[graph]), "-o", str(out), "--preset", PRESETS[preset], "--calibration",
                     str(npz[graph]), "--require-npu", *dims, "--context", str(ctx), "--report", str(report),
                     "--reconstruct", "off", "--no-bias-correction", "--overwrite", "-q"]
+            if target:
+                args += ["--min-sqnr", target, "--search-candidates", str(search[0]), "--max-steps", str(search[1])]
         else:
             raise ValueError(variant)
         done = {"command": "opfuse " + " ".join(a if not a.startswith("/") else pathlib.Path(a).name for a in args)}
@@ -357,6 +371,10 @@ def main() -> None:
     parser.add_argument("--no-loop", action="store_true", help="compile only")
     parser.add_argument("--opset", type=int, help="upgrade each export to this opset first (23: RMSNormalization, "
                         "Attention and RotaryEmbedding are written as the standard ops QNN runs)")
+    parser.add_argument("--search-candidates", type=int, default=6,
+                        help="a -minDB variant's search: candidates measured per ranking (default: %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=6,
+                        help="a -minDB variant's search: walk steps at most (default: %(default)s)")
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     decoder = {**decoders.MODELS, **EXTRA}[args.model]
@@ -392,7 +410,7 @@ def main() -> None:
     for variant in variants:
         print(f"== {variant}", flush=True)
         row = ort_flow(paths, shapes, npz, work) if variant.startswith("ort-") else build(
-            variant, args.model, paths, shapes, work, npz)
+            variant, args.model, paths, shapes, work, npz, (args.search_candidates, args.max_steps))
         compiled = {g: work / f"{variant}-{g}.onnx" for g in ("prefill", "decode")}
         if not args.no_loop and all(p.exists() for p in compiled.values()):
             try:

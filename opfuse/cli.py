@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     qnt.add_argument("--max-steps", type=int, default=64,
                      help="mixed-precision walk steps at most, one candidate each (default: %(default)s)")
+    qnt.add_argument("--search-candidates", type=int, metavar="N",
+                     help="with --min-sqnr: the search re-quantises at most N candidates per ranking, the N whose "
+                          "layers add the most noise (the per-layer table); for a large model, where each trial "
+                          "quantises the whole model (default: every candidate)")
     qnt.add_argument("--dim", action="append", type=_dim, default=[], metavar="NAME=N",
                      help="with --preset qnn: bind a symbolic dimension (default: the calibration samples' size)")
     _add_constant_input(qnt)
@@ -432,7 +436,7 @@ def _quantize(args) -> int:
         preset=args.preset, equalize=args.equalize, min_sqnr=args.min_sqnr,
         bias_correction=not args.no_bias_correction, adaround=args.adaround,
         reconstruct={"on": True, "off": False}.get(args.reconstruct, "auto"), calibrate=args.calibrate,
-        holdout=args.holdout, max_steps=args.max_steps,
+        holdout=args.holdout, max_steps=args.max_steps, search_candidates=args.search_candidates,
         output=args.output, report_path=args.report, overwrite=args.overwrite, seed=args.seed,
         dims=dict(args.dim), constant_inputs=_constant_inputs(args.constant_input),
         require_npu=args.require_npu, htp_options=_device_options(args), context=args.context,

@@ -4,6 +4,8 @@ the corpus' dynamo export) raised to opset 23 (RMSNormalization, RotaryEmbedding
 static shapes (a prefill chunk of :data:`SEQ`, a past of :data:`PAST`), calibrated on prompts left-padded into
 the chunk and on the decode steps the float export takes after them.
 
+- the attention mask's fill: float32's minimum becomes -32768 once Attention-23 reads the mask
+  (:mod:`opfuse.passes.mask_fill`), in both graphs;
 - the prefill: the fold stage is verified on a left-padded calibration sample, where Attention-23 gives other
   values than the export at the padded queries (undefined there, :mod:`opfuse.verify`); it passes, compiles
   whole on the HTP, and the HTP's logits match the float export at the real tokens of padded and unpadded
@@ -89,6 +91,7 @@ def test_the_prefill_quantised_w8a16_with_padded_calibration_matches_float_on_th
     fold = report.fusion.verification
     assert fold.ok and "left-padded" in fold.padded, (fold.padded, fold.padded_skipped)
     assert report.fusion.applied("attention->Attention")
+    assert report.fusion.applied("attention mask fill->-32768")  # the mask's fill in the HTP's range (mask-fill)
     assert report.device.placement.all_on_npu and report.device.strict and (tmp_path / "prefill_ctx.onnx").exists()
     # the report's own figure counts the padded held-out samples at their real tokens (qdq.sqnr)
     assert report.verification.sqnr_db > MIN_DB and any("pad their attention mask" in n for n in report.notes)
@@ -114,6 +117,7 @@ def test_the_decode_step_quantised_w8a16_compiles_and_runs_whole_on_the_htp(expo
     paths, samples, _ = exports
     out, report = _quantize(paths["decode"], samples["decode"], {"batch": 1, "past_seq": PAST}, tmp_path, "decode")
     assert report.device.placement.all_on_npu and report.device.strict and report.verification.sqnr_db > MIN_DB
+    assert report.fusion.applied("attention mask fill->-32768")
     assert any("KV cache outputs (present.0.key, present.0.value; 2 in all) are written in float" in n
                for n in report.notes), report.notes
     written = onnx.load(str(out))
@@ -143,3 +147,28 @@ def test_without_the_float_presents_the_htp_fails_at_the_first_run_and_says_so_i
         _quantize(paths["decode"], samples["decode"], {"batch": 1, "past_seq": PAST}, tmp_path, "decode")
     assert isinstance(caught.value, OpfuseError) and caught.value.exit_code == 1
     assert "\n" not in str(caught.value) and str(caught.value).startswith("QNN compiled the model but its HTP")
+
+
+def test_the_search_keeps_the_costliest_layers_with_16_bit_weights_and_stays_whole_on_the_htp(exports, tmp_path):
+    """``--min-sqnr`` with ``qnn-a16-per-channel``: the search keeps layers with int16 weights (its activations
+    are 16-bit already; float would leave the HTP), its exact ranking bounded to the 3 costliest by the per-layer
+    table (``search_candidates``); the result compiles whole on the HTP. The target is out of reach on purpose
+    (the search walks until no candidate helps), so the command fails its verification, with the report."""
+    from opfuse.errors import VerificationError
+    from opfuse.quantization.pipeline import quantize
+
+    paths, samples, _ = exports
+    with pytest.raises(VerificationError) as caught:
+        quantize(str(paths["prefill"]), samples["prefill"], preset="qnn-a16-per-channel", holdout=2,
+                 require_npu=True, dims={"batch": 1, "seq": SEQ}, output=tmp_path / "o.onnx", reconstruct=False,
+                 bias_correction=False, min_sqnr=99.0, search_candidates=3, max_steps=4)
+    report = caught.value.report
+    assert report.device.placement.all_on_npu and report.device.strict
+    kept = [r for r in report.layers if r.precision != "int8"]
+    assert kept and {r.precision for r in kept} == {"int16 weights"} and {r.op_type for r in kept} == {"MatMul"}
+    assert all("kept with 16-bit weights" in r.reason for r in kept), kept
+    first_pass = [s for s in report.search if s.phase == "sensitivity" and s.kept == s.added]
+    assert 0 < len(first_pass) <= 3, [s.kept for s in report.search]
+    assert any("re-quantised the 3 costliest of" in n for n in report.notes), report.notes
+    accepted = [s.sqnr_db for s in report.search if s.accepted]
+    assert accepted == sorted(accepted) and accepted[-1] > accepted[0]  # never a step down

@@ -169,3 +169,26 @@ def test_a_llama_decode_step_compiles_whole_with_its_table_and_presents_agree(tm
     actual = dict(zip(names, session.run(feeds, names)))
     new = expected["present.0.key"][:, :, -1]
     assert np.abs(actual["present.0.key"][:, :, -1] - new).max() / np.abs(new).max() < 1e-2
+
+
+def test_a_llama_prefill_at_opset_23_takes_its_bound_from_the_attentions_keys(tmp_path):
+    """At opset 23 the prefill's attention is one Attention with no present output (no cache) and no Softmax
+    is left: the bound is its key input's length (8 keys); Cos and Sin go, the logits at real tokens stay."""
+    path = export_tiny_llama(tmp_path / "llama.onnx", mask="input", positions=True)
+    original = onnx.load(path)
+    out, report = opfuse.optimize(str(path), target="qnn", dims={"batch": 3, "seq": 8}, opset=23,
+                                  compile_for_device=False, tune=False)
+    assert report.verification.ok, report.verification
+    assert report.applied("attention->Attention") and report.applied("rotary Cos/Sin->table")
+    assert "Cos" not in ops(out) and "Sin" not in ops(out) and "Softmax" not in ops(out)
+    tables = {r.detail.split(" table")[0].split("-> a ")[1] for r in report.applied("rotary Cos/Sin->table")}
+    assert all(t.startswith("[8, ") for t in tables), tables  # (one per cache the rotary reads: 8 rows each)
+    ids = rng(1).integers(0, 100, (3, 8)).astype(np.int64)
+    mask = np.ones((3, 8), np.int64)
+    mask[1, :3] = 0
+    mask[2, :7] = 0
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int64)
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    (expected,), (actual,) = ort_run(original, feeds).values(), ort_run(out, feeds).values()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(actual[real], expected[real], rtol=1e-4, atol=1e-4)

@@ -6,8 +6,9 @@ Each step of :func:`opfuse.llm.convert` (each step run in a spawned process, nam
 and, when they run in this process, optimize, the calibration run and quantize_int4) is wrapped to
 mark where it starts; printed:
 the peak RSS of this process and its children (``/proc/PID/status`` VmRSS, summed) inside each phase,
-the largest single process's RSS in it, and the RSS when it ends, and this process's own VmHWM.
-Measurements only.
+the largest single process's RSS in it, and the RSS when it ends, and this process's own VmHWM; and
+each spawned step's own peak (its ``getrusage`` maximum resident set size, which a spike between
+two samples does not escape). Measurements only.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def hwm_mb() -> float:
     return 0.0
 
 
+def _measured(fn, *args):
+    """``fn(*args)`` and the peak resident set of the process it ran in (KB): run in each step's process."""
+    import resource
+
+    return fn(*args), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def main() -> int:
     phases: list[list] = [["start", *rss_mb(), 0.0]]  # name, peak, largest process's peak, rss at the end
     stop = False
@@ -90,10 +98,14 @@ def main() -> int:
     mark("imports done")
     original = llm._in_a_process
 
+    maxrss = {}  # step -> its process's own peak (MB)
+
     def in_a_process(fn, *a, **k):
         mark(f"{fn.__name__} (its process)")
         try:
-            return original(fn, *a, **k)
+            result, kb = original(_measured, fn, *a, **k)
+            maxrss[f"{fn.__name__} (its process)"] = kb / 1024
+            return result
         finally:
             mark(f"after {fn.__name__}")
 
@@ -108,10 +120,11 @@ def main() -> int:
     mark("end")
     stop = True
     print(f"exit {rc} in {time.perf_counter() - start:.0f} s; VmHWM {hwm_mb():.0f} MB")
-    print("| phase | peak RSS MB (all) | largest process MB | RSS at its end MB |")
-    print("|---|---|---|---|")
+    print("| phase | peak RSS MB (all) | largest process MB | its process's maxrss MB | RSS at its end MB |")
+    print("|---|---|---|---|---|")
     for name, peak, largest, end in phases[:-1]:
-        print(f"| {name} | {peak:.0f} | {largest:.0f} | {end:.0f} |")
+        own = f"{maxrss[name]:.0f}" if name in maxrss else ""
+        print(f"| {name} | {peak:.0f} | {largest:.0f} | {own} | {end:.0f} |")
     return rc
 
 

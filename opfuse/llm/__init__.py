@@ -51,6 +51,7 @@ import multiprocessing
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import types
 
@@ -117,19 +118,71 @@ def _attention_refused(config) -> str:
     return ""
 
 
+LOADED_BYTES = 1 << 20  # _without_large_weights: external tensors smaller than this are read in
+
+
+def _without_large_weights(path: pathlib.Path):
+    """The graph at ``path`` with its external tensors under :data:`LOADED_BYTES` read in (the rotary
+    tables' inputs, shapes, scalars: what the attention rewrite reads) and the larger ones (the weights)
+    left in their file, for :func:`_save_streamed`."""
+    import onnx  # (onnx: only when a model is converted)
+    from onnx import external_data_helper as ext  # (as above)
+
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in ext._get_all_tensors(model):
+        if ext.uses_external_data(tensor):
+            length = ext.ExternalDataInfo(tensor).length
+            if length is None or length < LOADED_BYTES:
+                ext.load_external_data_for_tensor(tensor, str(path.parent))
+    return model
+
+
+def _save_streamed(model, path: pathlib.Path, base_dir: pathlib.Path) -> None:
+    """``onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+    location="model.onnx.data", size_threshold=1024)`` of ``model`` as ``onnx.load`` would have read
+    it whole (the same bytes: the same tensors in the same order, the same threshold), for a model
+    whose large tensors are still in their file in ``base_dir`` (:func:`_without_large_weights`): their
+    bytes are copied from that file to the new one, one tensor at a time, never into the graph (whose
+    memory a cleared field does not give back), so the weights are not all in memory at once."""
+    import onnx  # (onnx: only when a model is converted)
+    from onnx import external_data_helper as ext  # (as above)
+
+    location, threshold = "model.onnx.data", 1024
+    data = path.parent / location
+    data.touch()
+    for tensor in ext._get_initializer_tensors(model):  # (the order onnx.save writes them in)
+        if ext.uses_external_data(tensor):  # (large: its bytes copied from file to file, never in the graph,
+            info = ext.ExternalDataInfo(tensor)  # whose memory a cleared field does not give back)
+            with open(base_dir / info.location, "rb") as f, open(data, "ab") as out:
+                f.seek(info.offset or 0)
+                offset = out.tell()
+                out.write(f.read(info.length))
+            del tensor.external_data[:]  # (what onnx's set_external_data writes, which asks for the bytes)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", location), ("offset", offset), ("length", info.length)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+        elif tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= threshold:
+            ext.set_external_data(tensor, location)
+            ext.save_external_data(tensor, str(path.parent))
+            tensor.ClearField("raw_data")
+    for tensor in ext._get_attribute_tensors(model):  # (the nodes' tensors: kept in the graph, as onnx.save does)
+        if ext.uses_external_data(tensor):
+            ext.load_external_data_for_tensor(tensor, str(base_dir))
+    onnx.save(model, str(path))
+
+
 def _group_query_attention(optimised: pathlib.Path, work: pathlib.Path, config) -> tuple[pathlib.Path, str, bool]:
     """(the graph to go on with, what was done, whether it has GroupQueryAttention): step 4."""
-    # (onnx, and torch through export's helpers: only when a model is converted)
-    import onnx
-
-    from opfuse.llm.export import _shape  # (as above)
+    # (torch through export's helpers: only when a model is converted)
+    from opfuse.llm.export import _shape
     from opfuse.llm.gqa import group_query_attention, verify  # (as above)
 
     why = _attention_refused(config)
     if why:
         return optimised, f"kept as exported: {why}", False
     layers, kv_heads, head_size = _shape(config)
-    model = onnx.load(str(optimised))
+    model = _without_large_weights(optimised)
     context = getattr(config, "max_position_embeddings", None) or 2048
     try:
         done = group_query_attention(model, layers=layers, heads=config.num_attention_heads, kv_heads=kv_heads,
@@ -140,8 +193,7 @@ def _group_query_attention(optimised: pathlib.Path, work: pathlib.Path, config) 
         return optimised, f"kept as exported: {(done.refused or ['?'])[0]}", False
     work.mkdir()
     path = work / "model.onnx"
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="model.onnx.data", size_threshold=1024)
+    _save_streamed(model, path, optimised.parent)
     del model
     try:
         why = verify(str(optimised), str(path), layers=layers, kv_heads=kv_heads, head_size=head_size,
@@ -168,10 +220,10 @@ def _export_step(source: str, exported: pathlib.Path, files_dir: pathlib.Path, w
     from opfuse.llm import calibration, genai  # (its heavy imports: only in the export's process)
     from opfuse.llm.export import _shape, export, load  # (its heavy imports (torch, the pipeline): only when used)
 
-    loaded = load(source)
+    files_dir.mkdir(parents=True, exist_ok=True)
+    loaded = load(source, weights_dir=files_dir.parent)  # (a GGUF's float weights: in a file there)
     config, tokenizer = loaded.model.config, loaded.tokenizer
     _check_decoder(config)
-    files_dir.mkdir(parents=True, exist_ok=True)
     genai.write_config(config, tokenizer, files_dir)
     genai.write_tokenizer(tokenizer, files_dir)
     export(loaded.model, exported)

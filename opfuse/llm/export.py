@@ -6,6 +6,13 @@ What it does:
   ``AutoModelForCausalLM.from_pretrained(its folder, gguf_file=its name)`` (transformers dequantises
   every GGUF tensor to float32; it needs the ``gguf`` package), a folder with ``config.json`` through
   ``from_pretrained(folder)``, and the tokenizer the same way. The model is float32 and in eval mode.
+  A GGUF's tensors reach the model one at a time (:func:`_one_tensor_at_a_time`): transformers'
+  own loader would dequantise the whole file into a dict of float32 tensors first, then load the
+  model from it, the file's float32 copy and the transient copies of its largest tensor in memory at
+  once; each tensor is now dequantised and processed by transformers' own functions when the loader
+  comes to it (the same values, tested). Its float32 values go to a :class:`WeightFile` (``load``'s
+  ``weights_dir``): a temporary file mapped into the process, whose pages are given back as each
+  tensor is written into it, so the float model is in the page cache, not in the process's memory.
 - :class:`CausalLMStep` wraps the model's forward with a flat signature: ``(input_ids, attention_mask,
   position_ids, *past) -> (logits, *present)``, the cache being transformers' ``DynamicCache`` filled
   from / flattened to ``key 0, value 0, key 1, ...`` (:func:`filled_cache`, :func:`flat_cache`).
@@ -17,7 +24,10 @@ What it does:
   head_size]. Exported by the dynamo exporter (opset 18) with batch, seq and past dynamic, from
   example inputs of batch 2, 3 new tokens and a past of 5, one row's mask left-padded (so no branch of
   the model's mask code takes an all-ones shortcut). A past of 0 (genai's first step) runs on the same
-  graph: the example sizes are all >= 2 so torch specialises none of them.
+  graph: the example sizes are all >= 2 so torch specialises none of them. Torch's tracer reads no
+  weight's values; a model whose weights are in a :class:`WeightFile` is written as
+  ``ONNXProgram.save(path, external_data=True)`` writes it, the file's pages given back before each
+  tensor is written, so the process holds one tensor of the weights at a time.
 
 Legality: the export is transformers' own forward traced by torch; nothing is rewritten here. What the
 graph computes is checked by the caller (opfuse's verification, and the tests against transformers'
@@ -63,8 +73,157 @@ def _from_pretrained(source: pathlib.Path) -> tuple[str, dict]:
     raise BadInputError(f"{source}: no such file or folder")
 
 
-def load(source: str | pathlib.Path) -> Loaded:
-    """The model (float32, eval) and the tokenizer of a GGUF file or a Hugging Face folder."""
+_DEQUANTIZED_ROWS = 4096
+
+
+class _LazyGgufWeight:
+    """One GGUF tensor as transformers' legacy GGUF loader makes it (``load_gguf_checkpoint``: the gguf
+    package's ``dequantize``, the architecture's ``TensorProcessor``, ``torch.from_numpy(np.copy(...))``,
+    the dtype), made when the model's loader reads it (``value[...]``, as it reads a safetensors slice)."""
+
+    def __init__(self, tensor, shape, processor, mapping, parsed, dtype, store=None):
+        self.tensor, self.shape = tensor, shape
+        self.processor, self.mapping, self.parsed, self.dtype = processor, mapping, parsed, dtype
+        self.store = store  # a WeightFile: the float32 values go there
+
+    def is_floating_point(self) -> bool:  # (what the loader asks of a tensor: dequantised, it is float)
+        return True
+
+    def __getitem__(self, _):
+        # (torch, transformers, gguf: the llm extra, imported only when a model is loaded)
+        import numpy as np
+        import torch  # (as above)
+        from gguf import dequantize  # (as above)
+
+        # dequantised a slice of rows at a time into one array (the values are per block: the same as
+        # the whole tensor's at once, without the float temporaries of a whole large tensor)
+        rows = self.tensor.data.reshape(-1, self.tensor.data.shape[-1])
+        weights = np.empty((rows.shape[0], self.shape[-1]), np.float32)
+        for i in range(0, rows.shape[0], _DEQUANTIZED_ROWS):
+            weights[i:i + _DEQUANTIZED_ROWS] = dequantize(rows[i:i + _DEQUANTIZED_ROWS], self.tensor.tensor_type)
+        weights = self.processor.process(weights=weights.reshape(self.shape), name=self.tensor.name,
+                                         tensor_key_mapping=self.mapping, parsed_parameters=self.parsed).weights
+        if self.store is not None and self.dtype in (None, torch.float32):
+            return torch.from_numpy(self.store.put(weights))  # (its pages in the file, not in this process)
+        tensor = torch.from_numpy(np.ascontiguousarray(weights))  # (a copy where the processor left a view)
+        return tensor.to(self.dtype) if self.dtype is not None else tensor
+
+
+class WeightFile:
+    """Float weights kept in a temporary file mapped into this process (shared, read and written
+    through the page cache), not in its own memory: each array :meth:`put` is copied into the
+    mapping and the mapping's resident pages are given back (``MADV_DONTNEED``: the values stay in the
+    file), so the process holds a page of the weights only while something reads it. The export's
+    process traces the model with its weights here (torch's tracer reads none of them) and writes
+    them out one tensor at a time (:func:`export`), so the float model is never in its memory whole.
+    The file has no name (deleted as it is made): it goes when the last array viewing it does."""
+
+    def __init__(self, nbytes: int, folder: str | pathlib.Path | None = None):
+        import mmap  # (only when a model is loaded)
+        import tempfile  # (as above)
+        import threading  # (as above)
+
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.truncate(max(nbytes, 1))
+            self.map = mmap.mmap(f.fileno(), max(nbytes, 1))  # (its own handle on the file: it outlives f)
+        self.offset = 0
+        self.lock = threading.Lock()  # (transformers' loader reads its tensors from several threads)
+
+    def put(self, array):
+        """A view of ``array``'s values copied into the file (a numpy array of its shape and dtype)."""
+        import numpy as np  # (as above)
+
+        array = np.asarray(array)
+        with self.lock:  # (each array its own place in the file)
+            offset = self.offset
+            self.offset += -(-array.nbytes // 64) * 64
+        view = np.frombuffer(self.map, dtype=array.dtype, count=array.size, offset=offset).reshape(array.shape)
+        view[...] = array
+        self.drop()
+        return view
+
+    def drop(self) -> None:
+        """Give back the mapping's resident pages (the file keeps the values)."""
+        import mmap  # (as above)
+
+        self.map.madvise(mmap.MADV_DONTNEED)
+
+
+def _float_bytes(shape) -> int:
+    n = 4
+    for d in shape:
+        n *= int(d)
+    return -(-n // 64) * 64
+
+
+def _lazy_gguf_state_dict(path: str, model, dtype, folder=None) -> tuple[dict, WeightFile | None] | None:
+    """({transformers name: :class:`_LazyGgufWeight`} of the GGUF at ``path`` for ``model``, the
+    :class:`WeightFile` in ``folder`` their float32 values go to); None where the architecture's tensor
+    processor may rename, merge or reshape tensors (MoE experts, fused QKV: only the pass-through
+    processor and Llama's q/k row permutation are taken)."""
+    # (torch, transformers, gguf: the llm extra, imported only when a model is loaded)
+    import torch
+    from gguf import GGUFReader  # (as above)
+    from gguf.quants import quant_shape_from_byte_shape  # (as above)
+    from transformers.modeling_gguf_pytorch_utils import (  # (as above)
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    config = load_gguf_checkpoint(path, return_tensors=False).get("config", {})  # (what the processor reads)
+    reader = GGUFReader(path)
+    kind = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)
+    if kind not in (TensorProcessor, LlamaTensorProcessor):
+        return None
+    processor = kind(config=config)
+    mapping = get_gguf_hf_weights_map(model, processor)
+    parsed = {"config": config, "tensors": {}}  # (not the vocabulary: the tokenizer has it)
+    shapes = {}
+    for t in reader.tensors:
+        if t.name in mapping:  # (what the legacy loader skips, skipped)
+            shape = quant_shape_from_byte_shape(t.data.shape, t.tensor_type) if t.data.dtype == "uint8" else t.data.shape
+            shapes[t.name] = (t, tuple(int(d) for d in shape))
+    store = WeightFile(sum(_float_bytes(s) for _, s in shapes.values()), folder) if dtype in (None, torch.float32) else None
+    weights = {mapping[name]: _LazyGgufWeight(t, shape, processor, mapping, parsed, dtype, store)
+               for name, (t, shape) in shapes.items()}
+    return weights, store
+
+
+@contextlib.contextmanager
+def _one_tensor_at_a_time(folder=None):
+    """transformers' GGUF quantizer, where it falls back to its legacy loader (an architecture its
+    packed kernels do not take, and the file dequantised), hands the model's loader lazy tensors
+    (:func:`_lazy_gguf_state_dict`) instead of the whole file dequantised; unchanged elsewhere. Yields
+    a list that receives the :class:`WeightFile` the float32 values went to (in ``folder``)."""
+    # (torch, transformers: the llm extra, imported only when a model is loaded)
+    from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+
+    legacy = GgufHfQuantizer.get_state_dict
+    stores = []
+
+    def get_state_dict(self, checkpoint_file, model):
+        lazy = (None if getattr(self, "supported", True)
+                else _lazy_gguf_state_dict(checkpoint_file, model, self.dtype, folder))
+        if lazy is None:
+            return legacy(self, checkpoint_file, model)
+        stores.append(lazy[1])
+        return lazy[0]
+
+    GgufHfQuantizer.get_state_dict = get_state_dict
+    try:
+        yield stores
+    finally:
+        GgufHfQuantizer.get_state_dict = legacy
+
+
+def load(source: str | pathlib.Path, *, lazy: bool = True, weights_dir: str | pathlib.Path | None = None) -> Loaded:
+    """The model (float32, eval) and the tokenizer of a GGUF file or a Hugging Face folder; ``lazy``:
+    a GGUF's tensors dequantised one at a time, their values in a :class:`WeightFile` in
+    ``weights_dir`` (module docstring)."""
     # (torch, transformers: the llm extra, imported only when a model is loaded or exported)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # (as above)
@@ -72,11 +231,16 @@ def load(source: str | pathlib.Path) -> Loaded:
     source = pathlib.Path(source)
     where, keywords = _from_pretrained(source)
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **keywords).eval()
+        # (the tokenizer first: what building it from a GGUF's vocabulary takes is given back before the
+        # model's weights are in memory)
         tokenizer = AutoTokenizer.from_pretrained(where, **keywords)
+        with _one_tensor_at_a_time(weights_dir) if keywords and lazy else contextlib.nullcontext([]) as stores:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **keywords).eval()
     except (OSError, ValueError, KeyError, ImportError) as e:
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise BadInputError(f"{source}: transformers cannot load it: {type(e).__name__}: {first}") from e
+    if any(stores):
+        model._opfuse_weight_files = [s for s in stores if s is not None]  # (export gives their pages back)
     return Loaded(model, tokenizer, source, bool(keywords))
 
 
@@ -175,7 +339,20 @@ def export(model, path: str | pathlib.Path) -> None:
                                     output_names=outputs, opset_version=OPSET, dynamo=True,
                                     dynamic_shapes=_dynamic_shapes(layers))
         _name_axes(program.model)
-        program.save(str(path), external_data=True)
+        files = getattr(model, "_opfuse_weight_files", [])
+        if not files:
+            program.save(str(path), external_data=True)
+            return
+        import onnx_ir as ir  # (torch's exporter's IR: as above)
+
+        def written(*_):  # (called before each tensor is written: the one before it read, its pages given back)
+            for f in files:
+                f.drop()
+
+        # (what program.save(path, external_data=True) does, ONNXProgram.save -> onnxscript's
+        # save_model_with_external_data, with the weights' pages given back as they are written)
+        ir.save(program.model, str(path), external_data=f"{path.name}.data", callback=written)
+        written()
 
 
 def _name_axes(model) -> None:

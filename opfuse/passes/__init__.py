@@ -30,7 +30,9 @@
                           stack's h0[l:l+1]; after the patterns: onnx, onnxruntime)
 ``mask-fill``             an additive mask filled with float32's minimum (or -inf) before
                           a Softmax -> Where(allowed, scores, -65504): a value float16 and
-                          a 16-bit range hold, the same Softmax (``--target qnn``)
+                          a 16-bit range hold, the same Softmax; Attention-23's attn_mask
+                          from Where(allowed, 0, float32's minimum) -> its fill -32768
+                          (``--target qnn``)
 ``rotary-table``          a rotary embedding's Cos/Sin of angles computed from integer
                           positions -> Gather(table, positions) from a table computed on
                           the CPU, bounded by the graph's attention context (``--target qnn``)

@@ -33,11 +33,34 @@ the Add's output (so the new Where broadcasts to the same shape), and the Add is
 graph and is no graph output. The mask's Where, left unread, goes. The Add's output name is
 kept; its values differ at masked positions (by design), so the record names no tensor for
 verification to compare there: the Softmax after it and the graph's outputs check it.
+
+**Attention-23's mask.** Once ``fuse-patterns`` has written the attention as one ``Attention`` (opset 23),
+the mask is its ``attn_mask`` input, added to the scores inside the op: ``Attention(Q, K, V,
+Expand(Where(allowed, 0, F), shape))``. There is no Add left to rewrite, so the fill itself changes:
+the Where's ``F`` becomes :data:`ATTENTION_FILL` (-32768) in place, read through value-preserving ops
+(Expand, Reshape, Unsqueeze, Squeeze, Identity). Not -65504: the mask is added, and on the HTP's
+float16 ``s - 65504`` is ``-inf`` for any score below -16 (65520 rounds to infinity), so a fully
+masked row would be ``-inf`` throughout and its Softmax NaN, which the next layer's real queries read
+through the padded keys; ``s - 32768`` stays finite for every score above -32736. Quantised, the mask's
+range [-32768, 0] puts 0 and -32768 on the 16-bit grid exactly (step 0.5, zero point 65535).
+
+- a row with an allowed position: as above, a masked score ``s - 32768`` has ``exp(s - 32768 - max)``
+  = 0 in float32 (and float16), as ``s + F`` had: the same Softmax, the same output;
+- a fully masked row (a left-padded query): the original's row is ``F`` throughout (uniform), the new
+  one ``s - 32768`` (the Softmax of the scores themselves): it differs, at padded queries only, whose
+  values are undefined (:mod:`opfuse.verify`, "Padded batches"; Attention-23 itself gives its own
+  there) and reach no real token (every real query masks the padded keys).
+
+Legality: every reader of the Where, through those ops, is the ``attn_mask`` of an ``Attention`` with
+no ``softcap`` (a softcap's tanh would saturate both fills to the same value, but the op then computes
+another function of the mask than an Add) whose ``qk_matmul_output`` nobody reads (it would expose the
+mask's values); none of them is a graph output; the fill is a one-element constant, replaced by one of
+the same shape.
 """
 
 from __future__ import annotations
 
-__all__ = ["MaskFillPass", "FILL"]
+__all__ = ["MaskFillPass", "FILL", "ATTENTION_FILL"]
 
 import numpy as np
 import onnx_ir as ir
@@ -49,6 +72,7 @@ from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
 
 FILL = float(np.finfo(np.float16).min)  # -65504: the most negative float16, finite on the HTP
+ATTENTION_FILL = -32768.0  # Attention-23's additive mask: s + fill stays finite in float16 (module docstring)
 _HUGE = -1e30  # a fill at or below this absorbs any score in float32 (s + F == F)
 
 
@@ -66,7 +90,48 @@ class MaskFillPass(OpfusePass):
         for node in list(graph):
             if node.graph is not None and is_op(node, "Add"):
                 modified |= self._rewrite(node)
+        done = set()
+        for node in list(graph):
+            if node.graph is not None and is_op(node, "Attention"):
+                modified |= self._rewrite_attention(node, done)
         return ir.passes.PassResult(model, modified=modified)
+
+    def _rewrite_attention(self, attention: ir.Node, done: set) -> bool:
+        """Attention-23's ``attn_mask`` from ``Where(allowed, 0, F)`` through value-preserving ops: the
+        Where's F becomes :data:`ATTENTION_FILL` (module docstring, "Attention-23's mask")."""
+        if len(attention.inputs) < 4 or attention.inputs[3] is None:
+            return False
+        mask = attention.inputs[3]
+        while is_op(mask.producer(), *_PASS_THROUGH) and mask.producer().inputs:
+            mask = mask.producer().inputs[0]
+        found = _fill_where(mask, mask) if mask is not None else None
+        if found is None or found[0] in done:
+            return False
+        where, condition, masked_when_true, fill = found
+        readers = _attention_readers(where.outputs[0])
+        if readers is None:
+            return False
+        done.add(where)
+        index = 1 if masked_when_true else 2
+        old = where.inputs[index]
+        shape = find_constant(old).array.shape
+        dtype = old.type.dtype if old.type is not None else ir.DataType.FLOAT
+        value = ir.Value(name=self._names.fresh(f"{where.name or 'mask'}_fill"), shape=ir.Shape(list(shape)),
+                         type=ir.TensorType(dtype),
+                         const_value=ir.tensor(np.full(shape, ATTENTION_FILL, dtype=dtype.numpy())))
+        where.graph.register_initializer(value)
+        where.replace_input_with(index, value)
+        names = sorted({node_label(a) for a in readers})
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+        self.report.records.append(FusionRecord(
+            pattern=f"attention mask fill->{ATTENTION_FILL:g}", node=node_label(where), removed=(),
+            produced=node_label(where), graph="main",
+            detail=(f"the attention mask '{where.outputs[0].name}' filled masked positions with {fill:g}, outside "
+                    f"float16 and a 16-bit range; filled with {ATTENTION_FILL:g}, the attn_mask of {shown} gives "
+                    "the same Softmax on every row with an allowed position (exp underflows to 0 either way), and "
+                    "the added scores stay finite in float16; a fully masked row (a padded query, undefined) "
+                    "differs")))
+        return True
 
     def _rewrite(self, add: ir.Node) -> bool:
         out = add.outputs[0]
@@ -104,6 +169,33 @@ class MaskFillPass(OpfusePass):
                         + (" (with -inf the original's fully masked row was NaN)" if np.isinf(fill) else ""))))
             return True
         return False
+
+
+_PASS_THROUGH = ("Expand", "Reshape", "Unsqueeze", "Squeeze", "Identity")  # what reaches the attn_mask unchanged
+
+
+def _attention_readers(value: ir.Value) -> list[ir.Node] | None:
+    """The Attention nodes reading ``value`` as ``attn_mask``, through :data:`_PASS_THROUGH` ops; None when
+    anything else reads it (or a graph output is on the way, or an Attention has a softcap or a read
+    ``qk_matmul_output``): module docstring, Legality."""
+    found, pending = [], [value]
+    while pending:
+        v = pending.pop()
+        if v.is_graph_output():
+            return None
+        for use in v.uses():
+            node, index = use.node, use.idx
+            if is_op(node, *_PASS_THROUGH) and index == 0:
+                pending.extend(node.outputs)
+            elif is_op(node, "Attention") and index == 3:
+                softcap = node.attributes.get("softcap")
+                qk = node.outputs[3] if len(node.outputs) > 3 else None
+                if (softcap is not None and softcap.as_float() != 0.0) or (qk is not None and (qk.uses() or qk.is_graph_output())):
+                    return None
+                found.append(node)
+            else:
+                return None
+    return found or None
 
 
 def _fill_where(mask: ir.Value, like: ir.Value):

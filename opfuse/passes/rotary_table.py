@@ -29,8 +29,9 @@ Legality, each checked:
   ``p``'s entries (two random draws), gives exactly the rows the table has for them (a path that
   moved or mixed positions would not);
 - the bound ``P``: the deployment's context, the number of keys a query attends to, read from the
-  graph once its dims are bound (the Softmax's last axis, or Attention-23's present key length;
-  ``--dim past_seq=255`` gives 256). A causal decoder's positions count the tokens before, so they
+  graph once its dims are bound (the Softmax's last axis, or Attention-23's present key length, or
+  without a present (a prefill with no cache) its key input's length; ``--dim past_seq=255`` gives 256,
+  a 64-token prefill 64). A causal decoder's positions count the tokens before, so they
   stay below the context it attends over; a position at or past ``P`` is out of the table (ONNX
   Runtime's CPU raises on it). With no bound in the graph (symbolic dims, no attention) the site is
   left, and the refusal says so.
@@ -69,11 +70,26 @@ def context_length(graph: ir.Graph) -> int | None:
             last = node.inputs[0].shape[-1] if len(node.inputs[0].shape) else None
             if isinstance(last, int):
                 found.append(last)
-        elif is_op(node, "Attention") and len(node.outputs) > 1 and node.outputs[1].shape is not None:
-            shape = node.outputs[1].shape
-            if len(shape) >= 2 and isinstance(shape[-2], int):
-                found.append(shape[-2])
-    return max(found, default=None)
+        elif is_op(node, "Attention"):
+            found.append(_attention_keys(node))
+    return max((f for f in found if f is not None), default=None)
+
+
+def _attention_keys(node: ir.Node) -> int | None:
+    """The keys an Attention-23 attends over: its present key's sequence length; without a present
+    output (a prefill with no cache), its key input's (3-D [B, S, H*D] or 4-D [B, H, S, D]: axis -2) plus
+    a past key's, when it reads one."""
+    def length(value):
+        shape = value.shape if value is not None else None
+        return shape[-2] if shape is not None and len(shape) >= 3 and isinstance(shape[-2], int) else None
+
+    if len(node.outputs) > 1 and length(node.outputs[1]) is not None:
+        return length(node.outputs[1])
+    keys = length(node.inputs[1]) if len(node.inputs) > 1 else None
+    past = node.inputs[4] if len(node.inputs) > 4 else None
+    if keys is None or (past is not None and length(past) is None):
+        return None
+    return keys + (length(past) if past is not None else 0)
 
 
 class RotaryTablePass(OpfusePass):

@@ -38,10 +38,10 @@ from opfuse.quantization.presets import (
 )
 
 Calibrate = Literal["auto", "minmax", "percentile", "entropy"]
-KeepAs = Literal["float", "int16"]
+KeepAs = Literal["float", "int16", "int16-weights"]
 Reconstruct = bool | Literal["auto"]
 CALIBRATIONS = ("auto", "minmax", "percentile", "entropy")  # .qdq.CALIBRATION_METHODS's keys
-KEEP_AS = ("float", "int16")  # .search.KEEP_ACTIONS's keys
+KEEP_AS = ("float", "int16", "int16-weights")  # .search.KEEP_ACTIONS's keys
 RECONSTRUCTION_BUDGET_S = 900.0  # reconstruct="auto" runs when estimated to take at most this
 RECONSTRUCTION_ITERATIONS = 300  # Adam steps per block
 
@@ -61,6 +61,7 @@ class QuantizeOptions:
     calibrate: Calibrate = "auto"
     holdout: int | None = None
     max_steps: int = 64
+    search_candidates: int | None = None  # the search measures at most this many candidates per ranking (None: all)
     runner: Callable | None = None  # runner(model, samples) -> outputs per sample (.qdq.sqnr.Runner)
     keep_as: KeepAs | None = None  # None: the preset's
     output: str | os.PathLike | None = None
@@ -105,6 +106,8 @@ class QuantizeOptions:
             raise BadInputError("metric and min_metric go together")
         if self.keep_as is not None and self.keep_as not in KEEP_AS:
             raise BadInputError(f"unknown keep action {self.keep_as!r}; choose from {', '.join(KEEP_AS)}")
+        if self.search_candidates is not None and self.search_candidates < 1:
+            raise BadInputError(f"search_candidates is at least 1, not {self.search_candidates}")
         if self.output is not None and isinstance(model, (str, os.PathLike)) and not self.overwrite:
             if pathlib.Path(self.output).resolve() == pathlib.Path(model).resolve():
                 raise BadInputError(f"{self.output}: refusing to overwrite the input model; choose another output")

@@ -109,7 +109,7 @@ def quantize(model: ModelSource, calibration: CalibrationSource, options: Quanti
     ``options`` (:class:`~.options.QuantizeOptions`) or its fields as keywords (a keyword
     replaces the field of ``options``): ``preset``, ``equalize``, ``min_sqnr``, ``metric``,
     ``min_metric``, ``bias_correction``, ``adaround``, ``reconstruct``, ``calibrate``,
-    ``holdout``, ``max_steps``, ``runner``, ``keep_as``, ``output``, ``report_path``,
+    ``holdout``, ``max_steps``, ``search_candidates``, ``runner``, ``keep_as``, ``output``, ``report_path``,
     ``overwrite``, ``seed``, ``dims``, ``constant_inputs``, ``require_npu``,
     ``htp_options``, ``context``, ``reconstruction_budget_s``, ``reconstruction_iterations``.
 
@@ -119,8 +119,9 @@ def quantize(model: ModelSource, calibration: CalibrationSource, options: Quanti
     caller's own accuracy measure on an ``InferenceSession`` of a candidate model; with
     ``min_metric`` the search continues until it is met too. ``runner(model, samples) ->
     outputs per sample`` evaluates the search's candidates (default: ONNX Runtime's CPU
-    provider); ``keep_as`` ("float" or "int16") is how the search keeps a layer out of
-    int8 (default: the preset's). Raises
+    provider); ``keep_as`` ("float", "int16": 16-bit activations, or "int16-weights") is how the search
+    keeps a layer out of int8 (default: the preset's); ``search_candidates`` (None: all) bounds the
+    candidates its exact ranking re-quantises at a time, the costliest by the per-layer table. Raises
     :class:`~opfuse.errors.VerificationError` (exit 1) when the held-out SQNR is below
     ``min_sqnr`` or the metric below ``min_metric``: nothing is written but the report.
 

@@ -39,7 +39,10 @@ judges a range by its 8-bit round trip (:mod:`.ranges`), which is not what a 16-
 loses. ``qnn`` quantises everything ONNX Runtime's QNN configuration does: an NPU runs no float.
 Per-channel weights need DequantizeLinear's ``axis`` (opset 13); ONNX Runtime's quantiser wants
 opset 11 or later (:attr:`Preset.min_opset`). An NPU cannot run float, so ``qnn`` keeps a costly
-layer in int8 weights with 16-bit activations instead of leaving it in float.
+layer in int8 weights with 16-bit activations instead of leaving it in float; the presets whose activations
+are 16-bit already (``qnn-a16``, ``qnn-a16-per-channel``, ``qnn-w4a16``) keep it with 16-bit weights
+(int16, symmetric, per channel where the preset's are), which the HTP of onnxruntime-qnn 2.7.0 takes for
+MatMul, Gemm and Conv (probed: whole on the HTP).
 
 ``per-tensor`` also equalises the conv pairs first (:mod:`opfuse.passes.equalize`) and rounds
 each layer with AdaRound (:mod:`.adaround`, which chooses the layer's weight scale too) in place
@@ -136,7 +139,7 @@ class Preset:
     per_channel: bool
     steps: tuple[StepSetting, ...]  # in order
     target: str = "onnx"  # whose passes fold the model and whose device (if any) compiles and verifies it
-    keep_as: Literal["float", "int16"] = "float"  # how the mixed-precision search keeps a layer
+    keep_as: Literal["float", "int16", "int16-weights"] = "float"  # how the mixed-precision search keeps a layer
     op_types: tuple[str, ...] | None = None  # what ONNX Runtime's quantiser may touch (None: its default)
 
     @property
@@ -190,13 +193,13 @@ PRESETS: dict[str, Preset] = {
     "qnn-per-channel": Preset("qnn-per-channel", "as qnn with int8 symmetric per-channel weights",
                               "uint8", "int8", per_channel=True, steps=_QNN_STEPS, target="qnn", keep_as="int16"),
     "qnn-a16": Preset("qnn-a16", "as qnn with uint16 activations (QNN's w8a16)",
-                      "uint16", "uint8", per_channel=False, steps=_QNN_STEPS, target="qnn", keep_as="int16"),
+                      "uint16", "uint8", per_channel=False, steps=_QNN_STEPS, target="qnn", keep_as="int16-weights"),
     "qnn-a16-per-channel": Preset("qnn-a16-per-channel", "as qnn-a16 with int8 symmetric per-channel weights",
                                   "uint16", "int8", per_channel=True, steps=_QNN_STEPS, target="qnn",
-                                  keep_as="int16"),
+                                  keep_as="int16-weights"),
     "qnn-w4a16": Preset("qnn-w4a16", "as qnn-a16-per-channel with int4 symmetric per-channel MatMul and Gemm "
                         "weights (QNN's w4a16; opset 21)", "uint16", "int4", per_channel=True, steps=_QNN_STEPS,
-                        target="qnn", keep_as="int16"),
+                        target="qnn", keep_as="int16-weights"),
     "ethos-u": Preset("ethos-u", "TFLite's int8 for Arm Ethos-U: int8 asymmetric activations, int8 symmetric "
                       "per-channel weights, lowered to TFLite and compiled by Vela", "int8", "int8", per_channel=True,
                       steps=_ETHOS_U_STEPS, target="ethos-u", keep_as="int16"),

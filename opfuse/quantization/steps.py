@@ -201,7 +201,7 @@ class MixedPrecisionStep:
             OutputReference(state.float_model, state.tune, runner=options.runner),
             OutputReference(state.float_model, state.check, runner=options.runner),
             report, keep_as=action, min_sqnr=options.min_sqnr, metric=measured if metric else None,
-            min_metric=options.min_metric, max_steps=options.max_steps)
+            min_metric=options.min_metric, max_steps=options.max_steps, ranked=options.search_candidates)
         state.qdq, state.keep, state.why, state.gain_of = outcome.model, outcome.kept, outcome.why, outcome.gain_of
         report.search_stopped = outcome.stopped
         report.tuning_samples, report.check_samples = len(state.tune), len(state.check)

@@ -8,8 +8,11 @@ The pieces, each replaceable:
   numerics differ, an NPU's, plugs its own in, and every measurement of the search, ranking,
   acceptance and stopping, goes through it);
 - a **keep action** (:class:`KeepAction`): what keeping a layer out of int8 means: in
-  float (``nodes_to_exclude``) or with 16-bit activations (tensor overrides), applied by
-  re-quantising: ``make(keep) -> model`` (:class:`~opfuse.quantization.algorithms.trials.TrialMaker`);
+  float (``nodes_to_exclude``), with 16-bit activations (tensor overrides), or with 16-bit
+  weights (weight overrides: the 16-bit-activation presets of an NPU, whose activations are 16-bit
+  already and which runs no float), applied by re-quantising: ``make(keep) -> model``
+  (:class:`~opfuse.quantization.algorithms.trials.TrialMaker`); with 16-bit weights, the candidates
+  are the layers with weights alone;
 - two sample sets: the **tuning** samples (calibration, AdaRound, bias correction, the
   ranking, the acceptance of each step) and the **check** samples, which nothing was
   tuned on, used only for the stopping test.
@@ -20,7 +23,11 @@ The search (:func:`monotone_search`):
 2. **sensitivity, exactly**: each candidate (each layer with weights; the other quantised
    nodes by op type, "every MaxPool") is kept alone, the model re-quantised with it
    excluded (``make([candidate])``), and its tuning SQNR measured; the gain over the base
-   ranks the candidates (those that gain nothing are not tried);
+   ranks the candidates (those that gain nothing are not tried). A large model has more candidates
+   than re-quantising each is worth (a decoder's hundreds of MatMuls, each trial a whole model):
+   with ``ranked=N`` only the N costliest by the per-layer table's measure (each layer's own noise,
+   :func:`~opfuse.quantization.qdq.sqnr.layer_costs`, one run of the current model with every layer's
+   tensors exposed) are measured exactly; a later pass takes the next N;
 3. **the walk**: down the ranking, one candidate a step: ``make(kept + [candidate])``; the
    step is accepted only if the tuning SQNR (the caller's metric first, when there is one)
    rises above the current one, so the accepted sequence rises strictly: the search never
@@ -48,21 +55,26 @@ import onnx
 from opfuse.quantization.qdq.layers import qdq_layers
 from opfuse.quantization.qdq.quantizer import WEIGHTED_OPS
 from opfuse.quantization.report import QuantReport, RankedCandidate, SearchStep
-from opfuse.quantization.qdq.sqnr import OutputReference
+from opfuse.quantization.qdq.sqnr import OutputReference, layer_costs, layer_pairs
+from opfuse.quantization.qdq.sqnr import measure as measure_tensors
 
 @dataclasses.dataclass(frozen=True)
 class KeepAction:
     """What keeping a layer out of int8 means (``Quantizer.quantize(keep, keep_as=name)``)."""
 
-    name: str  # "float" or "int16"
-    label: str  # as the report says it: "float", "int16 activations"
-    verb: str  # "kept in float", "kept with 16-bit activations"
+    name: str  # "float", "int16" or "int16-weights"
+    label: str  # as the report says it: "float", "int16 activations", "int16 weights"
+    verb: str  # "kept in float", "kept with 16-bit activations", "kept with 16-bit weights"
+    weights_only: bool = False  # its candidates are the layers with weights alone (nothing else has any)
 
 
 KEEP_ACTIONS = {
     "float": KeepAction("float", "float", "kept in float"),
     "int16": KeepAction("int16", "int16 activations", "kept with 16-bit activations"),
+    "int16-weights": KeepAction("int16-weights", "int16 weights", "kept with 16-bit weights", weights_only=True),
 }
+_BOUNDED = "the exact sensitivity ranking re-quantised the"
+RANK_SAMPLES = 16  # samples of the per-layer cost that preselects the ranked candidates (pipeline.LAYER_SAMPLES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +83,18 @@ class Candidate:
     nodes: tuple[str, ...]
 
 
-def candidates(float_model: onnx.ModelProto, qdq: onnx.ModelProto, skip=()) -> list[Candidate]:
-    """Each quantised layer with weights alone; the other quantised nodes by op type."""
+def candidates(float_model: onnx.ModelProto, qdq: onnx.ModelProto, skip=(), weights_only: bool = False
+               ) -> list[Candidate]:
+    """Each quantised layer with weights alone; the other quantised nodes by op type (not with
+    ``weights_only``, which takes the layers whose weight is a constant alone: a MatMul of two
+    activations has none to keep)."""
     skip = set(skip)
     units: dict[str, list[str]] = {}
+    inits = {i.name for i in float_model.graph.initializer}
+    weighted = {n.name for n in float_model.graph.node
+                if n.op_type in WEIGHTED_OPS and len(n.input) > 1 and n.input[1] in inits}
     for layer in qdq_layers(float_model, qdq):
-        if layer.name in skip:
+        if layer.name in skip or (weights_only and layer.name not in weighted):
             continue
         label = layer.name if layer.op_type in WEIGHTED_OPS else f"every {layer.op_type}"
         units.setdefault(label, []).append(layer.name)
@@ -99,9 +117,12 @@ class SearchOutcome:
 def monotone_search(make: Callable[[list[str]], onnx.ModelProto], float_model: onnx.ModelProto,
                     tune: OutputReference, check: OutputReference, report: QuantReport, *, keep_as: KeepAction,
                     min_sqnr: float | None, metric: Callable[[onnx.ModelProto], float] | None = None,
-                    min_metric: float | None = None, max_steps: int = 64) -> SearchOutcome:
+                    min_metric: float | None = None, max_steps: int = 64, ranked: int | None = None
+                    ) -> SearchOutcome:
     """The module docstring's search; ``make(keep)`` builds a candidate, ``metric(model)``
-    (higher is better) is the caller's measure. Fills ``report.ranking`` and ``report.search``."""
+    (higher is better) is the caller's measure; ``ranked``: at most that many candidates measured
+    exactly per ranking, the costliest by the per-layer table (None: all). Fills ``report.ranking``
+    and ``report.search``."""
 
     def measure(keep: list[str], added: list[str], phase: str):
         model = make(keep)
@@ -127,7 +148,8 @@ def monotone_search(make: Callable[[list[str]], onnx.ModelProto], float_model: o
     base_tune, base_check = tune_db, check_db
     stopped = ""
     while not met(check_db, value) and steps < max_steps:
-        ranking = _rank(model, float_model, keep, tried, measure, score(tune_db, value), report)
+        ranking = _rank(model, float_model, keep, tried, measure, score(tune_db, value), report,
+                        keep_as=keep_as, ranked=ranked, samples=tune.samples)
         if not ranking:
             stopped = "no candidate left raises the tuning SQNR"
             break
@@ -168,19 +190,40 @@ def monotone_search(make: Callable[[list[str]], onnx.ModelProto], float_model: o
     return SearchOutcome(model, keep, tune_db, check_db, value, met(check_db, value), why, gain_of, stopped)
 
 
-def _rank(model, float_model, keep, tried, measure, base_score, report) -> list[tuple[Candidate, float]]:
+def _rank(model, float_model, keep, tried, measure, base_score, report, *, keep_as: KeepAction,
+          ranked: int | None = None, samples=()) -> list[tuple[Candidate, float]]:
     """Candidates not kept or tried yet, each kept alone on top of ``keep`` and measured
-    (re-quantised), those that raise the tuning score first, largest gain first."""
-    ranked = []
-    for candidate in candidates(float_model, model, skip=keep):
-        if candidate.label in tried:
-            continue
+    (re-quantised), those that raise the tuning score first, largest gain first; with ``ranked``,
+    only that many of them, the costliest by :func:`costliest` on ``samples``."""
+    pending = [c for c in candidates(float_model, model, skip=keep, weights_only=keep_as.weights_only)
+               if c.label not in tried]
+    if ranked is not None and len(pending) > ranked:
+        total = len(pending)
+        pending = costliest(float_model, model, pending, samples, ranked)
+        if not any(n.startswith(_BOUNDED) for n in report.notes):
+            report.notes.append(f"{_BOUNDED} {len(pending)} costliest of {total} candidates by each layer's own noise "
+                                f"(the layer table's; first {', '.join(c.label for c in pending[:3])}): "
+                                f"--search-candidates {ranked}; each later pass measures the costliest "
+                                f"{ranked} of those left")
+    ranked_out = []
+    for candidate in pending:
         _, tune_db, value = measure(keep + list(candidate.nodes), list(candidate.nodes), "sensitivity")
         gain = tune_db - base_score[1]
         better = (value if value is not None else 0.0, tune_db) > base_score
         report.ranking.append(RankedCandidate(candidate.label, list(candidate.nodes), gain, len(keep),
                                               metric=value))
         if better:
-            ranked.append((candidate, gain))
-    ranked.sort(key=lambda item: -item[1])
-    return ranked
+            ranked_out.append((candidate, gain))
+    ranked_out.sort(key=lambda item: -item[1])
+    return ranked_out
+
+
+def costliest(float_model: onnx.ModelProto, qdq: onnx.ModelProto, pending: list[Candidate], samples,
+              count: int) -> list[Candidate]:
+    """The ``count`` candidates of ``pending`` whose layers add the most noise in ``qdq`` (the per-layer
+    table's own-noise SQNR, :func:`~opfuse.quantization.qdq.sqnr.layer_costs`, lowest first; a
+    candidate of several nodes by its costliest), measured once on the first :data:`RANK_SAMPLES`."""
+    layers = qdq_layers(float_model, qdq)
+    costs = layer_costs(layers, measure_tensors(float_model, qdq, list(samples)[:RANK_SAMPLES], layer_pairs(layers)))
+    own = {name: cost for name, (_, cost) in costs.items()}
+    return sorted(pending, key=lambda c: min((own.get(n, float("inf")) for n in c.nodes)))[:count]

@@ -10,7 +10,8 @@ ONNX Runtime's own pre-processing leaves an opset-12 model invalid there).
 :mod:`.ranges`; the ranges of every tensor cached in a file) and then writes
 as many QDQ models as the mixed-precision search asks for, each keeping a different set
 of layers out of int8: in float (``nodes_to_exclude``) or, for ``qnn``, with 16-bit
-activations (tensor overrides). For a device whose LSTM is integer (``ROUNDS_LSTM_WEIGHTS``), each
+activations (tensor overrides), or, for the presets whose activations are 16-bit already, with
+16-bit weights (int16 symmetric, per channel where the preset's are: weight overrides). For a device whose LSTM is integer (``ROUNDS_LSTM_WEIGHTS``), each
 model's LSTM weights are put on that kernel's grid, rounded once from the calibration data
 (:mod:`..algorithms.lstm_rounding`). A device with a ``FINISH_QDQ(model) -> notes`` puts each QDQ
 model in the form its compiler runs (qnn: :func:`opfuse.targets.qnn.conventions.float_attention_presents`).
@@ -242,7 +243,8 @@ class Quantizer:
 
     def quantize(self, keep: Iterable[str] = (), keep_as: str | None = None) -> onnx.ModelProto:
         """A QDQ model with the nodes named in ``keep`` out of int8 (see the module docstring):
-        ``keep_as`` "float" (excluded) or "int16" (16-bit activations); by default the preset's."""
+        ``keep_as`` "float" (excluded), "int16" (16-bit activations) or "int16-weights" (their weights
+        in int16); by default the preset's."""
         keep = sorted(set(keep))
         keep_as = keep_as or self.preset.keep_as
         if self.method in SEARCHED_METHODS and not self.cache.exists():
@@ -317,10 +319,13 @@ class Quantizer:
         reader = SampleReader(self.samples) if not self.cache.exists() else None
         sixteen = keep if keep_as == "int16" else []
         excluded = keep if keep_as == "float" else []
+        wide = self._weights_of(keep) if keep_as == "int16-weights" else {}
         method, extra = CALIBRATION_METHODS[self.method]
         device = preset.device()
         if device is not None:  # the device's own conventions (for qnn: get_qnn_qdq_config)
             more = {"ranges": self._cached_ranges()} if self._wants_ranges() else {}
+            if wide:
+                more["sixteen_weights"] = wide
             return device.quantizer_config(self.float_path, self.float_model, preset, reader=reader,
                                            sample_reader=SampleReader(self.samples), method=method, extra=extra,
                                            sixteen=self._outputs_of(sixteen), excluded=excluded, **more)
@@ -334,8 +339,11 @@ class Quantizer:
             op_types_to_quantize=list(preset.op_types) if preset.op_types else None,
             nodes_to_exclude=excluded,
             extra_options={"WeightSymmetric": True, "ActivationSymmetric": False, **CALIBRATION_METHODS[self.method][1],
-                           **({"TensorQuantOverrides": {t: [{"quant_type": ortq.QuantType.QUInt16}]
-                                                        for t in self._outputs_of(sixteen)}} if sixteen else {})},
+                           **({"TensorQuantOverrides": {
+                               **{t: [{"quant_type": ortq.QuantType.QUInt16}] for t in self._outputs_of(sixteen)},
+                               **{w: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True,
+                                       **({"axis": axis} if preset.per_channel else {})}]
+                                  for w, axis in wide.items()}}} if sixteen or wide else {})},
         )
 
     def _wants_ranges(self) -> bool:
@@ -353,6 +361,24 @@ class Quantizer:
         from onnxruntime.quantization.calibrate import load_tensors_data  # (only a device that reads ranges)
 
         return load_tensors_data(self.cache) if self.cache.exists() else None
+
+    def _weights_of(self, names: list[str]) -> dict[str, int]:
+        """{weight initializer: its output-channel axis} of the named layers (Conv, ConvTranspose, Gemm,
+        MatMul): what keeping them with 16-bit weights quantises in int16."""
+        wanted = set(names)
+        inits = {i.name: len(i.dims) for i in self.float_model.graph.initializer}
+        out = {}
+        for node in self.float_model.graph.node:
+            if node.name in wanted and node.op_type in WEIGHTED_OPS and len(node.input) > 1 \
+                    and node.input[1] in inits:
+                if node.op_type == "Conv":
+                    axis = 0
+                elif node.op_type == "Gemm":
+                    axis = 0 if proto_attr(node, "transB", 0) else 1
+                else:  # MatMul's [K, N] (its last axis), ConvTranspose's [C_in, C_out / group, ...]
+                    axis = 1 if node.op_type == "ConvTranspose" else inits[node.input[1]] - 1
+                out[node.input[1]] = axis
+        return out
 
     def _outputs_of(self, names: list[str]) -> list[str]:
         wanted = set(names)

@@ -78,7 +78,9 @@ grid folded into a constant once the dims are bound, too). Its fill value, float
 outside the HTP's float16 and any 16-bit range, so ``mask-fill`` (this target's pass list,
 :data:`opfuse.targets.TARGET_DEFAULT_PASSES`) writes ``Where(allowed, scores, -65504)`` before the
 Softmax, the same Softmax on every row (:mod:`opfuse.passes.mask_fill`); quantised, that Where's
-output takes the scores' range, widened below (:mod:`.conventions`). The rotary angles the HTP would
+output takes the scores' range, widened below (:mod:`.conventions`). At opset 23, where the attention is
+one ``Attention`` and the mask its ``attn_mask``, the mask's fill becomes -32768 (added to the scores,
+it stays finite in float16; a 16-bit range holds it exactly). The rotary angles the HTP would
 compute in float16 (``Cos``/``Sin`` of ``position * inv_freq``, off by 0.09 at position 127) become a
 table read by position, bounded by the attention context the bound dims give
 (:mod:`opfuse.passes.rotary_table`); ``Reciprocal``, which the HTP computes wrongly quantised on a

@@ -8,8 +8,11 @@ per-channel weights, LayerNormalization's scale and bias kept per tensor (the HT
 per-channel DequantizeLinear there), and MatMul's and Gemm's weights per channel, as the preset
 says: ``get_qnn_qdq_config`` gives them one scale per tensor ("QNN does not support per-channel
 MatMul"), and a decoder's int8 weights at one scale per tensor lose most of its accuracy while the
-HTP of onnxruntime-qnn 2.7.0 takes per-channel int8 MatMul weights whole. The portable configuration is in
-:class:`opfuse.quantization.qdq.quantizer.Quantizer`.
+HTP of onnxruntime-qnn 2.7.0 takes per-channel int8 MatMul weights whole. The layers the search keeps with
+16-bit weights (the presets with 16-bit activations: keeping a layer's activations at 16 bits would keep
+nothing there) get int16 symmetric weights, per channel with a per-channel preset: the HTP of
+onnxruntime-qnn 2.7.0 takes them for MatMul, Gemm and Conv, whole (tests/test_qnn_int16_weights.py). The portable
+configuration is in :class:`opfuse.quantization.qdq.quantizer.Quantizer`.
 
 A decoder's masked scores (``Where(allowed, scores, -65504)``, :mod:`opfuse.passes.mask_fill`): calibrated
 as they are, their range runs from -65504 to the scores' maximum, and a 16-bit step is then 1.0, a coarse
@@ -81,18 +84,25 @@ def qnn_types(preset) -> dict:
 
 
 def quantizer_config(float_path: pathlib.Path, float_model: onnx.ModelProto, preset, *, reader, sample_reader,
-                     method, extra: dict, sixteen: list[str], excluded: list[str], ranges=None) -> dict:
+                     method, extra: dict, sixteen: list[str], excluded: list[str], ranges=None,
+                     sixteen_weights: dict[str, int] | None = None) -> dict:
     """``quantize_static``'s keyword arguments for the HTP: ``reader`` the calibration reader
     (None: the ranges are cached), ``sample_reader`` a fresh one for ``get_qnn_qdq_config``,
     ``method`` and ``extra`` the calibration method and its options, ``sixteen`` the tensors
     kept with 16-bit activations, ``excluded`` the nodes kept in float; ``ranges`` the calibrated ranges
-    (ONNX Runtime's ``TensorsData``), read for the masked scores (module docstring)."""
+    (ONNX Runtime's ``TensorsData``), read for the masked scores (module docstring); ``sixteen_weights``
+    {weight: its output-channel axis} the weights kept in int16 (symmetric, per channel with a per-channel
+    preset; the HTP of onnxruntime-qnn 2.7.0 takes int16 MatMul, Gemm and Conv weights whole, probed), whatever
+    the preset writes the others in."""
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config  # (its QNN helpers: on use)
 
     overrides = {t: [{"quant_type": ortq.QuantType.QUInt16}] for t in sixteen}
+    overrides.update({w: [{"quant_type": ortq.QuantType.QInt16, "symmetric": True,
+                           **({"axis": axis} if preset.per_channel else {})}]
+                      for w, axis in (sixteen_weights or {}).items()})
     if preset.per_channel:  # QNN takes LayerNormalization's scale and bias per tensor only
         overrides.update({name: [{"quant_type": WEIGHT_TYPES[preset.weight], "symmetric": True}]
-                          for name in _layernorm_constants(float_model)})
+                          for name in _layernorm_constants(float_model) if name not in overrides})
     for out, scores in _masked_wheres(float_model).items() if ranges is not None else ():
         masked = out in ranges.data and float(np.asarray(ranges.data[out].range_value[0]).reshape(-1)[0]) <= FILL / 2
         if masked and scores in ranges.data:  # (a mask never applied in calibration keeps its range)
