@@ -105,6 +105,37 @@ LONGEST_FIRST = ("test_readme.py", "test_llm.py", "test_rotary.py", "test_mask_f
                  "test_torch_fuse.py", "test_qnn_target.py")
 
 
+def _one_runtime_thread() -> None:
+    """Where the run asks for one thread (:data:`WORKER_THREADS`), ONNX Runtime's sessions that do not
+    set their own thread count get one too: its thread pool is its own (not OpenMP's, so the variables
+    above do not reach it), a thread per core in each session, spinning while it waits for work.
+    The sessions ONNX Runtime's quantiser, the tests and the libraries make with the default options
+    would otherwise fight the other worker for the cores, as the numpy and torch pools did. A session
+    that sets a count (opfuse.runtime's, when asked) keeps it."""
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        return
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    init = ort.InferenceSession.__init__
+    if getattr(init, "one_thread", False):
+        return
+
+    def one_thread(self, path_or_bytes, sess_options=None, *args, **kwargs):
+        if sess_options is None:
+            sess_options = ort.SessionOptions()
+        if sess_options.intra_op_num_threads == 0:
+            sess_options.intra_op_num_threads = 1
+        init(self, path_or_bytes, sess_options, *args, **kwargs)
+
+    one_thread.one_thread = True
+    ort.InferenceSession.__init__ = one_thread
+
+
+_one_runtime_thread()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_extra(*modules): the test needs these modules of an extra (tests/extras.py)")
     if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
