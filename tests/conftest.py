@@ -98,11 +98,43 @@ WORKER_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # the collection; run first, the long files leave the short ones to fill in at the end and the two
 # workers finish together (longest first), where one long file collected last would run alone while
 # the other worker waits. The other files keep their order after these.
-LONGEST_FIRST = ("test_readme.py", "test_llm.py", "test_rotary.py", "test_mask_fill.py", "test_fold_properties.py",
-                 "test_reconstruction.py", "test_llm_int4.py", "test_rotary_table.py", "test_gqa.py",
-                 "test_rotary_interleaved.py", "test_padded_verification.py", "test_cli.py", "test_written.py",
-                 "test_present_window.py", "test_supervise.py", "test_bench.py", "test_quantize.py",
-                 "test_torch_fuse.py", "test_qnn_target.py")
+LONGEST_FIRST = ("test_llm.py", "test_rotary.py", "test_qnn_llm_quantize.py", "test_fold_properties.py",
+                 "test_mask_fill.py", "test_reconstruction.py", "test_gqa.py", "test_rotary_table.py",
+                 "test_llm_int4.py", "test_rotary_interleaved.py", "test_padded_verification.py", "test_readme.py",
+                 "test_index_arithmetic.py", "test_bench.py", "test_present_window.py", "test_supervise.py",
+                 "test_written.py", "test_quantize.py", "test_models.py", "test_layout.py", "test_torch_fuse.py",
+                 "test_cli.py", "test_qnn_target.py")
+
+
+def _one_runtime_thread() -> None:
+    """Where the run asks for one thread (:data:`WORKER_THREADS`), ONNX Runtime's sessions that do not
+    set their own thread count get one too: its thread pool is its own (not OpenMP's, so the variables
+    above do not reach it), a thread per core in each session, spinning while it waits for work.
+    The sessions ONNX Runtime's quantiser, the tests and the libraries make with the default options
+    would otherwise fight the other worker for the cores, as the numpy and torch pools did. A session
+    that sets a count (opfuse.runtime's, when asked) keeps it."""
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        return
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    init = ort.InferenceSession.__init__
+    if getattr(init, "one_thread", False):
+        return
+
+    def one_thread(self, path_or_bytes, sess_options=None, *args, **kwargs):
+        if sess_options is None:
+            sess_options = ort.SessionOptions()
+        if sess_options.intra_op_num_threads == 0:
+            sess_options.intra_op_num_threads = 1
+        init(self, path_or_bytes, sess_options, *args, **kwargs)
+
+    one_thread.one_thread = True
+    ort.InferenceSession.__init__ = one_thread
+
+
+_one_runtime_thread()
 
 
 def pytest_configure(config):

@@ -157,15 +157,15 @@ def ort_run(m: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> d
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
-    with tempfile.TemporaryDirectory(prefix="opfuse-test-") as tmp:
-        external = isinstance(m, ir.Model) and any(
-            isinstance(v.const_value, ir.ExternalTensor) for v in m.graph.initializers.values())
-        if external:  # the runtime reads external data from files next to a model file only
+    external = isinstance(m, ir.Model) and any(
+        isinstance(v.const_value, ir.ExternalTensor) for v in m.graph.initializers.values())
+    if external:  # the runtime reads external data from files next to a model file only
+        with tempfile.TemporaryDirectory(prefix="opfuse-test-") as tmp:
             source = os.path.join(tmp, "m.onnx")
             ir.save(m, source, external_data="m.onnx.data")
-        else:
-            source = to_proto(m).SerializeToString()
-        session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    else:  # (bytes: no folder made and removed for each of the property tests' thousands of runs)
+        session = ort.InferenceSession(to_proto(m).SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feeds))))
 

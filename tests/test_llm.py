@@ -11,11 +11,13 @@ genai's tokenizer does not load a WordLevel one).
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import onnx
 import pytest
 
+import decoder_nets
 import extras
 from onnx import TensorProto, helper, numpy_helper
 
@@ -61,6 +63,33 @@ def hf_folder(tmp_path_factory):
     transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_llm_export():
+    """The ``opfuse llm`` conversions of this file and test_llm_int4.py (fp32, int4, the int4 algorithms)
+    start from the same seeded tiny Llama: its export, a torch dynamo export that is most of a
+    conversion's time, is made once a session (decoder_nets.shared_export, keyed by the model's weights
+    and config) and copied to where each conversion asks; every step after it runs in each conversion.
+    The export made in a spawned process (``exported_folder``) is not patched: it runs as a large
+    model's does."""
+    import hashlib
+
+    import opfuse.llm.export
+
+    real = opfuse.llm.export.export
+
+    def export(model, path):
+        digest = hashlib.sha256(model.config.to_json_string().encode())
+        for name, value in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().numpy().tobytes())
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        decoder_nets.shared_export(pathlib.Path(path), f"opfuse_llm|{digest.hexdigest()}", lambda to: real(model, to))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(opfuse.llm.export, "export", export)
+        yield
 
 
 def _convert(hf_folder, precision, *flags):

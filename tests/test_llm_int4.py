@@ -17,7 +17,7 @@ extras.require("onnxruntime")
 import onnxruntime as ort
 
 from opfuse.llm import command
-from test_llm import hf_folder  # noqa: F401  (the fixture: a tiny random Llama folder)
+from test_llm import hf_folder, shared_llm_export  # noqa: F401  (fixtures: a tiny random Llama folder; its export once a session)
 from opfuse.llm.quantize_int4 import ALGORITHMS, DEFAULT_ALGORITHM, quantize_int4
 
 

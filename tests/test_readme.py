@@ -1,11 +1,15 @@
 """The README's command examples run: every line of a fenced ``sh`` block that starts with
 ``opfuse `` is run through the real command line, so the README cannot drift from the CLI.
 
-The files the examples name are substituted: ``model.onnx`` is the built-in ResNet-18 at 32x32
-with a symbolic batch (:func:`opfuse.models.build`), ``calib.npz`` 32 samples of its input in
+The files the examples name are substituted: ``model.onnx`` is ResNet-18 at 32x32 with a symbolic
+batch, built as the built-in one is (:mod:`opfuse.models.resnet`: its stem, BasicBlocks and head) at
+a quarter of its widths (:func:`quarter_resnet18`), ``calib.npz`` 32 samples of its input in
 the layout ``--calibration`` reads, and every other file a fresh path under ``tmp_path``. The
 examples in :data:`ON_A_SMALL_GRAPH` run on a two-conv graph instead (Conv+BN+Relu+Conv+BN,
-8 channels, 16x16), each with its reason: what they fit takes minutes on ResNet-18.
+8 channels, 16x16), each with its reason: what they fit takes minutes on ResNet-18. An example
+asserts that the command runs as written and writes a valid model, which does not depend on the
+widths; at full width (11 M weights) every serialisation, session and weight quantisation of the
+quantize examples cost about 16 times as much.
 The commands run in process (``opfuse.cli.main``); a quantize example that does not name
 ``--reconstruct`` runs with ``--reconstruct off`` appended, as every quantize test of another
 step asks (block reconstruction takes minutes on ResNet-18; ``tests/test_reconstruction.py``
@@ -29,7 +33,8 @@ from onnx import helper
 import extras
 from graphs import bn_node, bn_params, model, rng, tensor, vinfo
 from opfuse.cli import build_parser, main
-from opfuse.models import build
+from opfuse.models import resnet
+from opfuse.models._builder import GraphBuilder
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -74,6 +79,22 @@ def two_convs() -> onnx.ModelProto:
     return model(nodes, [vinfo("x", ["batch", 3, 16, 16])], [vinfo("out", ["batch", 8, 16, 16])], inits)
 
 
+def quarter_resnet18(widths: tuple[int, ...] = (16, 32, 64, 128)) -> onnx.ModelProto:
+    """ResNet-18 (:func:`opfuse.models.resnet.resnet18`: the 7x7 stem, BN, Relu, MaxPool, BasicBlocks
+    [2, 2, 2, 2], GlobalAveragePool, the Gemm head) with ``widths`` for its stages' (64, 128, 256, 512)
+    and the first for the stem's 64; 32x32, 10 classes, a symbolic batch."""
+    graph = GraphBuilder(seed=0, opset=17)
+    x = graph.conv(graph.input, "conv1", widths[0], 7, stride=2)
+    x = graph.maxpool(graph.relu(graph.batchnorm(x, "bn1", epsilon=resnet.WIDE_EPSILON), "relu"), "maxpool", 3,
+                      stride=2, pad=1)
+    for stage, width in enumerate(widths, start=1):
+        for index in range(2):
+            x = resnet._basic_block(graph, x, f"layer{stage}.{index}", width, 2 if stage > 1 and index == 0 else 1, 1)
+    logits = graph.gemm(graph.flatten(graph.global_average_pool(x, "avgpool"), "flatten"), "fc", 10, output="logits")
+    return graph.to_model(logits, graph_name="resnet18", doc_string="ResNet-18 at a quarter of its widths",
+                          batch="batch", image_size=32, dtype="float32")
+
+
 def _files(where: pathlib.Path, network: onnx.ModelProto, shape: tuple[int, ...]) -> dict:
     where.mkdir()
     path, calib = where / "model.onnx", where / "calib.npz"
@@ -86,7 +107,7 @@ def _files(where: pathlib.Path, network: onnx.ModelProto, shape: tuple[int, ...]
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     where = tmp_path_factory.mktemp("readme")
-    return {"resnet18": _files(where / "resnet18", build("resnet18", image_size=32, num_classes=10), (3, 32, 32)),
+    return {"resnet18": _files(where / "resnet18", quarter_resnet18(), (3, 32, 32)),
             "two-convs": _files(where / "two-convs", two_convs(), (3, 16, 16))}
 
 

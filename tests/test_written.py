@@ -158,8 +158,9 @@ def test_a_reused_name_cannot_reach_the_file(tmp_path):
     """The trait of a 32-layer Llama that once reached the file: the dynamo exporter's
     ``val_N`` names, declared types for every value, and a fusion whose new values onnx-ir
     names ``val_N`` by a counter that a clone restarts. Here the values the fusions remove
-    are numbered first, so the first names minted are theirs."""
-    exported = export_tiny_llama(tmp_path / "llama.onnx", mask="input")
+    are numbered first, so the first names minted are theirs. (The export with a mask and position_ids
+    inputs: test_mask_fill's, test_rotary_table's and test_padded_verification's, made once a session.)"""
+    exported = export_tiny_llama(tmp_path / "llama.onnx", mask="input", positions=True)
     model = ir.load(exported)
     kept = {v.name for n in opfuse.optimize(model, target="onnxruntime", verify=False)[0].graph for v in n.outputs}
     outputs = {v.name for v in model.graph.outputs}
@@ -186,7 +187,7 @@ def test_a_reused_name_cannot_reach_the_file(tmp_path):
             if v.name in declared and v.dtype is not None:
                 assert v.dtype == declared[v.name], f"{v.name} is {v.dtype}, was declared {declared[v.name]}"
     feeds = {"input_ids": np.arange(16, dtype=np.int64).reshape(2, 8) % 100,
-             "attention_mask": np.ones((2, 8), np.int64)}
+             "attention_mask": np.ones((2, 8), np.int64), "position_ids": np.tile(np.arange(8), (2, 1))}
     ort.InferenceSession(str(out))  # loads
     expected, got = ort_run(onnx.load(renamed), feeds), ort_run(onnx.load(out), feeds)
     for name, ref in expected.items():
