@@ -29,7 +29,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	OPFUSE_REQUIRE_EXTRAS=$(EXTRAS) $(PY) -m pytest -q -n 2 --dist loadfile
+	# (bytecode written: with PYTHONDONTWRITEBYTECODE set, every worker and child interpreter compiles
+	# the tests and rewrites their assertions again, 10-20 s of CPU a run)
+	env -u PYTHONDONTWRITEBYTECODE OPFUSE_REQUIRE_EXTRAS=$(EXTRAS) $(PY) -m pytest -q -n 2 --dist loadfile
 
 # Every script runs even when one fails; the target fails if any did. A wheel that cannot be
 # downloaded prints "not run: ..." and is skipped. Exports are cached in ~/.cache/opfuse-decoders.
