@@ -182,6 +182,7 @@ OWN_RULES = {
     ("llm/gqa.py", "_REPEAT"): "the ops between the cache and the attention's MatMuls it looks through (repeat_kv, scale)",
     ("passes/patterns/self_attention.py", "_SCALINGS"): "the two ways an export scales the scores (its rules)",
     ("passes/reshape_dims.py", "_SHAPE_ARITHMETIC"): "the shape arithmetic a constant target leaves dead",
+    ("passes/mask_fill.py", "_PASS_THROUGH"): "the ops through which a mask reaches attn_mask unchanged (its legality)",
     ("passes/rotary_table.py", "PATH_OPS"): "the ops a position-wise path of angles may hold (the pass's legality)",
     ("passes/index_arithmetic.py", "_BROADCASTS"): "the ops an export of broadcast_tensors writes (rule 1)",
     ("passes/index_arithmetic.py", "_IDENTITY_CONSTANT"): "the ops that return their input with a constant (rule 4)",
