@@ -186,3 +186,17 @@ def export_llama_step(path: pathlib.Path, graph: str = "decode") -> pathlib.Path
     decoders = importlib.import_module("decoders")
     decoder = decoders.Decoder("llama-step", "LlamaConfig", "LlamaForCausalLM", dict(decoders.SMALL, **STEP))
     return shared_export(path, f"llama_step|{graph}", lambda to: decoders.export(decoder, "dynamo", graph, to))
+
+
+def padded_prefill_feeds(seed: int = 1) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A batch of 3 x 8 token ids for :func:`export_tiny_llama` (``mask="input", positions=True``): row 0
+    unpadded, row 1 left-padded by 3, row 2 one real token; positions counted from each row's first real
+    token. Returns (feeds, real): ``real`` the mask as bools, where the logits must agree."""
+    from graphs import rng
+
+    ids = rng(seed).integers(0, 100, (3, 8)).astype(np.int64)
+    mask = np.ones((3, 8), np.int64)
+    mask[1, :3] = 0  # left padding
+    mask[2, :7] = 0  # one real token
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}, mask.astype(bool)

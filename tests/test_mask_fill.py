@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import opfuse
-from decoder_nets import export_llama_step, export_tiny_llama
+from decoder_nets import export_llama_step, export_tiny_llama, padded_prefill_feeds
 from graphs import model, ops, ort_run, rng, tensor, vinfo
 from opfuse.targets import TARGET_DEFAULT_PASSES
 from qnn_graphs import needs_htp
@@ -113,16 +113,12 @@ def test_a_llama_with_padded_batches_computes_the_same(tmp_path):
     assert sum(r.pattern == "mask fill->-65504" for r in report.records) == 2, [r.pattern for r in report.records]
     assert MIN not in {float(v) for i in out.graph.initializer if i.data_type == TensorProto.FLOAT
                        for v in onnx.numpy_helper.to_array(i).reshape(-1)[:1]}
-    ids = rng(1).integers(0, 100, (3, 8)).astype(np.int64)
-    mask = np.ones((3, 8), np.int64)
-    mask[1, :3] = 0  # left padding
-    mask[2, :7] = 0  # one real token
-    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int64)
-    for m in (mask, np.ones_like(mask)):
-        inputs = {"input_ids": ids, "attention_mask": m, "position_ids": positions if m is mask else
-                  np.tile(np.arange(8), (3, 1)).astype(np.int64)}
+    padded, _ = padded_prefill_feeds()
+    unpadded = dict(padded, attention_mask=np.ones((3, 8), np.int64),
+                    position_ids=np.tile(np.arange(8), (3, 1)).astype(np.int64))
+    for inputs in (padded, unpadded):
         (expected,), (actual,) = ort_run(original, inputs).values(), ort_run(out, inputs).values()
-        real = m.astype(bool)
+        real = inputs["attention_mask"].astype(bool)
         np.testing.assert_allclose(actual[real], expected[real], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)  # padded rows too (uniform both)
 

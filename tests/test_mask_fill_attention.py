@@ -110,7 +110,7 @@ def test_other_attention_masks_stay(case):
 def test_a_llama_at_opset_23_with_padded_batches_computes_the_same(tmp_path):
     """The tiny Llama's prefill raised to opset 23 through the qnn target's passes (Attention fused, then its
     mask's fill rewritten): the logits at real tokens are the float export's, left-padded and not."""
-    from decoder_nets import export_tiny_llama
+    from decoder_nets import export_tiny_llama, padded_prefill_feeds
     from opfuse.prepare.opset import upgrade_opset
     from opfuse.targets import TARGET_DEFAULT_PASSES
 
@@ -123,14 +123,10 @@ def test_a_llama_at_opset_23_with_padded_batches_computes_the_same(tmp_path):
     assert [r.pattern for r in report.records].count(PATTERN) == 1, sorted({r.pattern for r in report.records})
     out = ir.to_proto(out)
     assert MIN not in _fills(out)
-    ids = rng(1).integers(0, 100, (3, 8)).astype(np.int64)
-    mask = np.ones((3, 8), np.int64)
-    mask[1, :3] = 0  # left padding
-    mask[2, :7] = 0  # one real token
-    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int64)
-    for m in (mask, np.ones_like(mask)):
-        inputs = {"input_ids": ids, "attention_mask": m, "position_ids": positions if m is mask else
-                  np.tile(np.arange(8), (3, 1)).astype(np.int64)}
+    padded, _ = padded_prefill_feeds()
+    unpadded = dict(padded, attention_mask=np.ones((3, 8), np.int64),
+                    position_ids=np.tile(np.arange(8), (3, 1)).astype(np.int64))
+    for inputs in (padded, unpadded):
         (expected,), (actual,) = ort_run(original, inputs).values(), ort_run(out, inputs).values()
-        real = m.astype(bool)
+        real = inputs["attention_mask"].astype(bool)
         np.testing.assert_allclose(actual[real], expected[real], rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import opfuse
-from decoder_nets import export_llama_step, export_tiny_llama
+from decoder_nets import export_llama_step, export_tiny_llama, padded_prefill_feeds
 from graphs import model, ops, ort_run, rng, tensor, vinfo
 from qnn_graphs import needs_htp
 
@@ -98,14 +98,8 @@ def test_a_llama_prefill_on_padded_batches_computes_the_same(tmp_path):
     out, report = _qnn(path, {"batch": 3, "seq": 8})
     assert sum(r.pattern == "rotary Cos/Sin->table" for r in report.records) == 2
     assert "Cos" not in ops(out) and "Sin" not in ops(out)
-    ids = rng(1).integers(0, 100, (3, 8)).astype(np.int64)
-    mask = np.ones((3, 8), np.int64)
-    mask[1, :3] = 0
-    mask[2, :7] = 0
-    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int64)
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    feeds, real = padded_prefill_feeds()
     (expected,), (actual,) = ort_run(original, feeds).values(), ort_run(out, feeds).values()
-    real = mask.astype(bool)
     np.testing.assert_allclose(actual[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
@@ -183,12 +177,6 @@ def test_a_llama_prefill_at_opset_23_takes_its_bound_from_the_attentions_keys(tm
     assert "Cos" not in ops(out) and "Sin" not in ops(out) and "Softmax" not in ops(out)
     tables = {r.detail.split(" table")[0].split("-> a ")[1] for r in report.applied("rotary Cos/Sin->table")}
     assert all(t.startswith("[8, ") for t in tables), tables  # (one per cache the rotary reads: 8 rows each)
-    ids = rng(1).integers(0, 100, (3, 8)).astype(np.int64)
-    mask = np.ones((3, 8), np.int64)
-    mask[1, :3] = 0
-    mask[2, :7] = 0
-    positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int64)
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    feeds, real = padded_prefill_feeds()
     (expected,), (actual,) = ort_run(original, feeds).values(), ort_run(out, feeds).values()
-    real = mask.astype(bool)
     np.testing.assert_allclose(actual[real], expected[real], rtol=1e-4, atol=1e-4)
