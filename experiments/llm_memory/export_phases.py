@@ -16,20 +16,21 @@ import threading
 import time
 
 
-def _rss_mb() -> float:
+def _status_mb(key: str) -> float:
+    """A /proc/self/status line (VmRSS, VmHWM) in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _rss_mb() -> float:
+    return _status_mb("VmRSS")
 
 
 def _hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return _status_mb("VmHWM")
 
 
 phases: list[list] = []  # name, peak, rss at its end
