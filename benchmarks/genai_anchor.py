@@ -59,6 +59,14 @@ def _save_folder(decoder, folder: pathlib.Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     model = decoder.build()
+    if getattr(model.config, "quantization_config", None) is not None:
+        # a model loaded from a GGUF refuses save_pretrained: the same weights in a fresh model of its
+        # config without the quantisation entry (as benchmarks/llm_cpu.py writes its HF folder)
+        fields = model.config.to_dict()
+        fields.pop("quantization_config", None)
+        fresh = type(model)(type(model.config).from_dict(fields)).eval()
+        fresh.load_state_dict(model.state_dict())
+        model = fresh
     config = model.config
     if getattr(config, "max_position_embeddings", None) is not None:
         config.max_position_embeddings = max(CONTEXT, config.max_position_embeddings)
