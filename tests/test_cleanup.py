@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
@@ -263,3 +264,35 @@ def test_equal_integer_constants_become_one_and_so_do_the_nodes_reading_them():
     assert sorted(v.name for v in out.graph.initializers.values()) == ["s1", "w1", "w2"]
     assert not unused_initializers(out)
     assert_same(m, out)
+
+
+def _layer_norms(mean_is_output: bool):
+    """Two LayerNormalizations (opset 17) with all three outputs named; the second's Mean a graph output
+    when asked; an op of an unknown domain with an unread second output between them."""
+    r = rng(7)
+    d = 16
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "g", "b"], ["y0", "m0", "v0"], axis=-1, epsilon=1e-5),
+        helper.make_node("Custom", ["y0"], ["c0", "c1"], domain="example.custom"),
+        helper.make_node("LayerNormalization", ["y0", "g", "b"], ["y1", "m1", "v1"], axis=-1, epsilon=1e-5),
+    ]
+    outputs = [vinfo("y1", [2, 3, d]), vinfo("c0", [2, 3, d])] + ([vinfo("m1", [2, 3, 1])] if mean_is_output else [])
+    m = model(nodes, [vinfo("x", [2, 3, d])], outputs,
+              [tensor("g", r.normal(1, 0.1, d).astype(np.float32)), tensor("b", r.normal(0, 0.1, d).astype(np.float32))],
+              opset=17, extra_opsets=[helper.make_opsetid("example.custom", 1)], fill_output_shapes=False)
+    return m
+
+
+@pytest.mark.parametrize("mean_is_output", [False, True])
+def test_unread_optional_outputs_are_written_unnamed(mean_is_output):
+    """Step 6: LayerNormalization's Mean and InvStdDev, optional in its schema, read by nothing, are
+    written unnamed; a graph output keeps its name; an op of an unknown domain keeps every output."""
+    m = _layer_norms(mean_is_output)
+    out, _ = opfuse.optimize(m, verify=False)
+    out = ir.to_proto(out)  # (as written)
+    norms = [n for n in out.graph.node if n.op_type == "LayerNormalization"]
+    assert [list(n.output) for n in norms] == [["y0"], ["y1", "m1"] if mean_is_output else ["y1"]]  # (trailing unnamed outputs are left out)
+    custom = [n for n in out.graph.node if n.op_type == "Custom"]
+    assert [list(n.output) for n in custom] == [["c0", "c1"]]
+    onnx.checker.check_model(out)
+

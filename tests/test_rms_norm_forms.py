@@ -136,8 +136,9 @@ def test_a_residual_add_joins_the_rms_norm_on_onnxruntime(case, sum_used):
     assert written.count("Add") == int(sum_used)  # the next residual reads the fused op's sum
     (record,) = report.applied("Add+RMSNorm->SkipSimplifiedLayerNormalization")
     assert "took in RMSNorm->SimplifiedLayerNormalization" in record.detail
+    (skip,) = [n for n in out.graph if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert [v.name for v in skip.outputs[1:3]] == ["", ""]  # mean, inv_std_var: read by nothing, not computed
     if sum_used:
-        (skip,) = [n for n in out.graph if n.op_type == "SkipSimplifiedLayerNormalization"]
         assert skip.domain == "com.microsoft" and skip.outputs[3].uses()  # input_skip_bias_sum
     assert report.verification.ok
     assert_same(m, out, dims={"N": 3})

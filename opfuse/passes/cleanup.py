@@ -53,7 +53,14 @@ Steps, each a well-kept pass where one exists:
    weight, a bias or a scale, which a later step (quantisation, bias correction,
    equalisation) may change for one layer alone;
 5. dead-code removal - onnx-ir's ``RemoveUnusedNodesPass``: nodes and initializers no
-   output depends on.
+   output depends on;
+6. unread optional outputs - after the rewrites (with step 4), an output the op's schema marks
+   optional that no node reads and that is no graph output is written unnamed, the ONNX
+   spelling of "not asked for": a fused ``SkipSimplifiedLayerNormalization`` or
+   ``LayerNormalization`` otherwise computes and allocates its mean and inverse deviation on every
+   run (onnxscript's rules name all four outputs). The schemas are onnx's for the standard domains
+   and ONNX Runtime's registered ones for ``com.microsoft``; an op neither knows keeps its
+   outputs. Main graph only (a subgraph's values may be read from an outer scope's name).
 
 Legality: each step computes the same outputs from the same inputs; graph input and
 output names never change. Folded values are computed by onnxscript's reference
@@ -66,11 +73,13 @@ from __future__ import annotations
 __all__ = ["CleanupPass"]
 
 import contextlib
+import functools
 from collections import Counter
 import inspect
 import logging
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxscript.optimizer
@@ -81,7 +90,7 @@ from opfuse.passes.constant_branches import GUARD, RESOLVED, guard
 from opfuse.passes.shape_values import fold_shape_values, standing
 from opfuse.verify.random_ops import draws_random, random_nodes
 from opfuse.report import FusionRecord
-from opfuse.core.ops import ONNX_DOMAINS, count_ops, is_onnx, is_op
+from opfuse.core.ops import MS_DOMAIN, ONNX_DOMAINS, count_ops, is_onnx, is_op
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +134,8 @@ class CleanupPass(OpfusePass):
             _share_integer_constants(model)
             common.CommonSubexpressionEliminationPass()(model)
         common.RemoveUnusedNodesPass()(model)
+        if self.eliminate_common:
+            _unname_unread_optional_outputs(model)
         after, self._shapes_seen = _op_counts(model)
         self._report_refusals(standing(self._shape_refusals, model.graph))
         gone = before - after
@@ -414,3 +425,63 @@ def _eliminate_identities(model: ir.Model) -> int:
             outputs_anywhere.add(id(x))
             removed += 1
     return removed
+
+
+def _optional_outputs(domain: str, op_type: str, version: int) -> frozenset[int]:
+    """Positions of the op's outputs its schema marks optional (step 6); empty when no schema is known."""
+    key = (domain, op_type, version)
+    if key not in _OPTIONAL_OUTPUTS:
+        schema = None
+        if domain in ONNX_DOMAINS:
+            try:
+                schema = onnx.defs.get_schema(op_type, version, "")
+            except onnx.defs.SchemaError:
+                schema = None
+        elif domain == MS_DOMAIN:
+            schema = _ort_schemas().get((op_type, domain))
+        positions: frozenset[int] = frozenset()
+        if schema is not None:
+            params = schema.outputs
+            if not any(p.option.name == "Variadic" for p in params):
+                positions = frozenset(i for i, p in enumerate(params)
+                                      if p.option.name == "Optional")
+        _OPTIONAL_OUTPUTS[key] = positions
+    return _OPTIONAL_OUTPUTS[key]
+
+
+_OPTIONAL_OUTPUTS: dict[tuple[str, str, int], frozenset[int]] = {}
+
+
+@functools.cache
+def _ort_schemas() -> dict:
+    """ONNX Runtime's registered schemas of its own domain, the newest of each op."""
+    try:
+        # (lazy: only a model with an op of ONNX Runtime's domain reads its schemas)
+        from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+    except ImportError:
+        return {}
+    newest: dict = {}
+    for schema in get_all_operator_schema():
+        key = (schema.name, schema.domain)
+        if schema.domain == MS_DOMAIN and (key not in newest
+                                                 or schema.since_version > newest[key].since_version):
+            newest[key] = schema
+    return newest
+
+
+def _unname_unread_optional_outputs(model: ir.Model) -> int:
+    """Step 6: unread optional outputs of the main graph's nodes written unnamed; how many."""
+    graph_outputs = {id(v) for v in model.graph.outputs}
+    count = 0
+    for node in model.graph:
+        if len(node.outputs) < 2:
+            continue
+        version = model.opset_imports.get(node.domain if node.domain not in ONNX_DOMAINS else "", None)
+        if version is None:
+            continue
+        optional = _optional_outputs(node.domain, node.op_type, version)
+        for i, value in enumerate(node.outputs):
+            if i in optional and value.name and not value.uses() and id(value) not in graph_outputs:
+                value.name = ""
+                count += 1
+    return count
