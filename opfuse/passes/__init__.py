@@ -38,6 +38,9 @@
                           the CPU, bounded by the graph's attention context (``--target qnn``)
 ``reciprocal-div``        Reciprocal(x) -> Div(1, x), exact: QNN's HTP computes a quantised
                           Reciprocal of a small-scaled input wrongly (``--target qnn``)
+``gathernd-gather``       GatherND(x, indices[..., 1]) -> Gather(x, indices[..., 0], axis=0),
+                          exact: QNN's HTP compiler crashes on a GatherND of a constant
+                          (a mixture of experts' weights at its router's indices; ``--target qnn``)
 ========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -76,6 +79,7 @@ REGISTRY: dict[str, str] = {
     "mask-fill": "opfuse.passes.mask_fill:MaskFillPass",
     "rotary-table": "opfuse.passes.rotary_table:RotaryTablePass",
     "reciprocal-div": "opfuse.passes.reciprocal_div:ReciprocalDivPass",
+    "gathernd-gather": "opfuse.passes.gathernd_gather:GatherNdGatherPass",
     "fuse-dynamic-int8": "opfuse.passes.fuse_dynamic_int8:FuseDynamicInt8Pass",
     "slices-to-split": "opfuse.passes.slices_to_split:SlicesToSplitPass",
 }
