@@ -41,6 +41,9 @@
 ``gathernd-gather``       GatherND(x, indices[..., 1]) -> Gather(x, indices[..., 0], axis=0),
                           exact: QNN's HTP compiler crashes on a GatherND of a constant
                           (a mixture of experts' weights at its router's indices; ``--target qnn``)
+``attention-presents``    Attention-23's present -> Slice of the whole axis -> graph output: the
+                          Slice goes, exact; QNN's HTP binds a present only as a graph output
+                          (a sliding-window cache's Slice; ``--target qnn``)
 ========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -80,6 +83,7 @@ REGISTRY: dict[str, str] = {
     "rotary-table": "opfuse.passes.rotary_table:RotaryTablePass",
     "reciprocal-div": "opfuse.passes.reciprocal_div:ReciprocalDivPass",
     "gathernd-gather": "opfuse.passes.gathernd_gather:GatherNdGatherPass",
+    "attention-presents": "opfuse.passes.attention_presents:AttentionPresentsPass",
     "fuse-dynamic-int8": "opfuse.passes.fuse_dynamic_int8:FuseDynamicInt8Pass",
     "slices-to-split": "opfuse.passes.slices_to_split:SlicesToSplitPass",
 }

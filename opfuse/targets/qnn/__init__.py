@@ -87,7 +87,10 @@ table read by position, bounded by the attention context the bound dims give
 small-scaled input, becomes ``Div(1, x)`` (:mod:`opfuse.passes.reciprocal_div`). A mixture of experts'
 weights read at its router's indices, ``GatherND(w, Unsqueeze(idx, -1))`` on a constant ``w``, kill QNN's
 compiler while it finalises the graph; the same read as ``Gather(w, idx, axis=0)`` compiles
-(:mod:`opfuse.passes.gathernd_gather`). Weights: the HTP takes
+(:mod:`opfuse.passes.gathernd_gather`). An Attention's present outputs the HTP binds only as the graph's own
+outputs (QNN declares them graph outputs whatever reads them: through a sliding-window cache's Slice,
+every run fails with ``QNN_GRAPH_ERROR_INVALID_TENSOR``); a Slice of the whole axis there goes
+(:mod:`opfuse.passes.attention_presents`). Weights: the HTP takes
 int4 MatMul and Gemm weights, per channel and per tensor, at opset 21 (``--preset qnn-w4a16``).
 
 The device beside the target (the package ``opfuse.targets.qnn``, :attr:`Target.device` names
