@@ -44,6 +44,9 @@
 ``attention-presents``    Attention-23's present -> Slice of the whole axis -> graph output: the
                           Slice goes, exact; QNN's HTP binds a present only as a graph output
                           (a sliding-window cache's Slice; ``--target qnn``)
+``rms-norm-rows``         RMSNormalization over the last axis of [.., S, H, D] -> the same on
+                          [1, N, D] between two Reshapes, exact: QNN's HTP computes a per-head
+                          q/k norm's RmsNorm wrongly (Qwen3, Gemma3; ``--target qnn``)
 ========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -84,6 +87,7 @@ REGISTRY: dict[str, str] = {
     "reciprocal-div": "opfuse.passes.reciprocal_div:ReciprocalDivPass",
     "gathernd-gather": "opfuse.passes.gathernd_gather:GatherNdGatherPass",
     "attention-presents": "opfuse.passes.attention_presents:AttentionPresentsPass",
+    "rms-norm-rows": "opfuse.passes.rms_norm_rows:RmsNormRowsPass",
     "fuse-dynamic-int8": "opfuse.passes.fuse_dynamic_int8:FuseDynamicInt8Pass",
     "slices-to-split": "opfuse.passes.slices_to_split:SlicesToSplitPass",
 }

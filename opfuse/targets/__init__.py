@@ -45,9 +45,9 @@ TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
     # mask-fill after fuse-patterns: an Add(scores, mask) it rewrites is no longer attention's spelling;
     # rotary-table last: its bound is the attention context the bound dims give
     # gathernd-gather after index-arithmetic: a GatherND over an index grid becomes Gathers there first
-    # attention-presents after fuse-patterns: it reads the Attention that fuse-patterns writes
+    # attention-presents and rms-norm-rows after fuse-patterns: they read the Attention and RMSNormalization it writes
     "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "gathernd-gather", "fuse-patterns", "mask-fill",
-                   "attention-presents", "rotary-table", "reciprocal-div"),
+                   "attention-presents", "rms-norm-rows", "rotary-table", "reciprocal-div"),
     "ethos-u": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
 }
 TARGETS = tuple(TARGET_MODULES)
