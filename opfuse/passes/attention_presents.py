@@ -7,7 +7,8 @@ through another node is a QNN graph output with no buffer: the model compiles, a
 ``QNN_GRAPH_ERROR_INVALID_TENSOR`` ("Invalid or NULL QNN tensor"). Transformers' sliding-window cache
 (Mistral, Gemma3) writes exactly that: ``present = Slice(Concat(past, new), -window + 1, end, axis=2)``,
 the Concat now the Attention's present output; with the window longer than the bound context the Slice
-keeps the whole axis.
+keeps the whole axis. (The same binding, for a QDQ model's Q/DQ pair after a present, is what
+:func:`opfuse.targets.qnn.conventions.float_attention_presents` removes.)
 
 The rewrite: a ``Slice`` that returns its input whole, between a present and a graph output, goes, and the
 present takes the graph output's name. Why exact: on an axis of static size ``d`` with step 1, ``Slice``
