@@ -131,6 +131,6 @@ def test_the_htp_compiles_the_rewritten_experts_and_agrees(tmp_path):
     path = tmp_path / "experts.onnx"
     onnx.save(original, path)
     child = subprocess.run([sys.executable, "-c", _OPEN_IN_A_CHILD, str(path)], capture_output=True, timeout=300,
-                           env={**os.environ, "TMPDIR": str(tmp_path)})
+                           cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})  # (a core file, if any, there)
     # (the HTP's own crash this pass avoids; if a new onnxruntime-qnn compiles it, the pass can go)
     assert child.returncode < 0, (child.returncode, child.stderr[-500:])
