@@ -114,6 +114,7 @@ def test_the_htp_compiles_the_rewritten_experts_and_agrees(tmp_path):
     GatherND it replaces kills the compiler (in a child process here, as opfuse's command line contains it)."""
     pytest.importorskip("onnxruntime_qnn", reason="the qnn extra (onnxruntime-qnn) is not installed")
     import os
+    import pathlib
     import subprocess
     import sys
 
@@ -129,8 +130,10 @@ def test_the_htp_compiles_the_rewritten_experts_and_agrees(tmp_path):
         (actual,) = session.run(feeds, ["y"])
         assert np.abs(actual - expected).max() / np.abs(expected).max() < 1e-2
     path = tmp_path / "experts.onnx"
+    # (run in the temporary folder, where a core file would go; opfuse imported from where this one was)
+    root = os.pathsep.join([str(pathlib.Path(opfuse.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
     onnx.save(original, path)
     child = subprocess.run([sys.executable, "-c", _OPEN_IN_A_CHILD, str(path)], capture_output=True, timeout=300,
-                           cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})  # (a core file, if any, there)
+                           cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": root})
     # (the HTP's own crash this pass avoids; if a new onnxruntime-qnn compiles it, the pass can go)
     assert child.returncode < 0, (child.returncode, child.stderr[-500:])
