@@ -38,6 +38,15 @@
                           the CPU, bounded by the graph's attention context (``--target qnn``)
 ``reciprocal-div``        Reciprocal(x) -> Div(1, x), exact: QNN's HTP computes a quantised
                           Reciprocal of a small-scaled input wrongly (``--target qnn``)
+``gathernd-gather``       GatherND(x, indices[..., 1]) -> Gather(x, indices[..., 0], axis=0),
+                          exact: QNN's HTP compiler crashes on a GatherND of a constant
+                          (a mixture of experts' weights at its router's indices; ``--target qnn``)
+``attention-presents``    Attention-23's present -> Slice of the whole axis -> graph output: the
+                          Slice goes, exact; QNN's HTP binds a present only as a graph output
+                          (a sliding-window cache's Slice; ``--target qnn``)
+``rms-norm-rows``         RMSNormalization over the last axis of [.., S, H, D] -> the same on
+                          [1, N, D] between two Reshapes, exact: QNN's HTP computes a per-head
+                          q/k norm's RmsNorm wrongly (Qwen3, Gemma3; ``--target qnn``)
 ========================  ==========================================================
 
 Every pass stands on :class:`opfuse.passes.base.OpfusePass`: it declares its name,
@@ -76,6 +85,9 @@ REGISTRY: dict[str, str] = {
     "mask-fill": "opfuse.passes.mask_fill:MaskFillPass",
     "rotary-table": "opfuse.passes.rotary_table:RotaryTablePass",
     "reciprocal-div": "opfuse.passes.reciprocal_div:ReciprocalDivPass",
+    "gathernd-gather": "opfuse.passes.gathernd_gather:GatherNdGatherPass",
+    "attention-presents": "opfuse.passes.attention_presents:AttentionPresentsPass",
+    "rms-norm-rows": "opfuse.passes.rms_norm_rows:RmsNormRowsPass",
     "fuse-dynamic-int8": "opfuse.passes.fuse_dynamic_int8:FuseDynamicInt8Pass",
     "slices-to-split": "opfuse.passes.slices_to_split:SlicesToSplitPass",
 }

@@ -44,8 +44,10 @@ TARGET_DEFAULT_PASSES: dict[str, tuple[str, ...]] = {
                              "fuse-dynamic-int8", "slices-to-split"),
     # mask-fill after fuse-patterns: an Add(scores, mask) it rewrites is no longer attention's spelling;
     # rotary-table last: its bound is the attention context the bound dims give
-    "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns", "mask-fill", "rotary-table",
-                   "reciprocal-div"),
+    # gathernd-gather after index-arithmetic: a GatherND over an index grid becomes Gathers there first
+    # attention-presents and rms-norm-rows after fuse-patterns: they read the Attention and RMSNormalization it writes
+    "qnn": _FOLDS + ("reshape-dims", "index-arithmetic", "gathernd-gather", "fuse-patterns", "mask-fill",
+                   "attention-presents", "rms-norm-rows", "rotary-table", "reciprocal-div"),
     "ethos-u": _FOLDS + ("reshape-dims", "index-arithmetic", "fuse-patterns"),
 }
 TARGETS = tuple(TARGET_MODULES)

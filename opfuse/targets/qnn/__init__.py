@@ -84,7 +84,15 @@ it stays finite in float16; a 16-bit range holds it exactly). The rotary angles 
 compute in float16 (``Cos``/``Sin`` of ``position * inv_freq``, off by 0.09 at position 127) become a
 table read by position, bounded by the attention context the bound dims give
 (:mod:`opfuse.passes.rotary_table`); ``Reciprocal``, which the HTP computes wrongly quantised on a
-small-scaled input, becomes ``Div(1, x)`` (:mod:`opfuse.passes.reciprocal_div`). Weights: the HTP takes
+small-scaled input, becomes ``Div(1, x)`` (:mod:`opfuse.passes.reciprocal_div`). A mixture of experts'
+weights read at its router's indices, ``GatherND(w, Unsqueeze(idx, -1))`` on a constant ``w``, kill QNN's
+compiler while it finalises the graph; the same read as ``Gather(w, idx, axis=0)`` compiles
+(:mod:`opfuse.passes.gathernd_gather`). An Attention's present outputs the HTP binds only as the graph's own
+outputs (QNN declares them graph outputs whatever reads them: through a sliding-window cache's Slice,
+every run fails with ``QNN_GRAPH_ERROR_INVALID_TENSOR``); a Slice of the whole axis there goes
+(:mod:`opfuse.passes.attention_presents`). A per-head q/k norm (``RMSNormalization`` over the head dim of a
+[B, S, H, D] tensor: Qwen3, Gemma3) the HTP computes wrongly as QNN's rank-4 ``RmsNorm``, and right on
+the same rows as [1, N, D]: :mod:`opfuse.passes.rms_norm_rows` writes that. Weights: the HTP takes
 int4 MatMul and Gemm weights, per channel and per tensor, at opset 21 (``--preset qnn-w4a16``).
 
 The device beside the target (the package ``opfuse.targets.qnn``, :attr:`Target.device` names
