@@ -751,8 +751,16 @@ def time_graph(decoder: Decoder, path: pathlib.Path, graph: str, rounds: int, wo
     shape = f"batch 1, seq {TIME_SEQ}" if graph == "prefill" else f"batch 1, past {TIME_PAST}"
     if positions is not None and graph == "decode" and TIME_PAST >= positions:
         shape += f", position {positions - 1} (the table's last)"
+    d0 = {"export_d0": reference["variation"]} if "variation" in reference else {}
     return [{"target": label, "shape": shape, "rounds": rounds, "repeat": repeat, "copies": copies,
-             **row} for label, row in rows.items()]
+             **d0, **row} for label, row in rows.items()]
+
+
+def variation_line(d0: dict[str, float]) -> str:
+    """The export's own variation as the runs print it, where it was measured (the largest outputs' first)."""
+    top = sorted(d0.items(), key=lambda kv: -kv[1])[:3]
+    return (f"{'':<30} the export's own float32 variation d0 (measured: a model failed the float32 tolerance "
+            f"alone): {', '.join(f'{name} {value:.3g}' for name, value in top) or 'not measurable'}")
 
 
 BUILDER_AA = f"{genai_anchor.ROW} (A/A)"
@@ -844,6 +852,8 @@ def run_timed(models: list[str], exporters: list[str], graphs: list[str], cache:
             print(f"{'':<30} noise floor: the A/A control's ratio {control['ratio']:.3f} "
                   f"(IQR {control['ratio_iqr'][0]:.3f}-{control['ratio_iqr'][1]:.3f}); shape "
                   f"{control['shape']}", flush=True)
+        if found and "export_d0" in found[0]:
+            print(variation_line(found[0]["export_d0"]), flush=True)
         for r in found:
             if "check" in r:
                 print(f"{'':<30} {r['target']}: {r['check']} on the timing inputs", flush=True)
@@ -891,6 +901,10 @@ def run(models: list[str], exporters: list[str], graphs: list[str], targets: lis
             rows.append(row)
             show(row)
             base["export_s"] = 0.0  # counted once
+        if "variation" in reference:
+            print(variation_line(reference["variation"]), flush=True)
+            for row in rows[-len(targets):]:
+                row["export_d0"] = reference["variation"]
     return rows
 
 
