@@ -49,6 +49,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import _ir_utils, pattern
 from onnxscript.rewriter.ort_fusions import attention, mha, mha_bias, mha_scale, sdpa, sdpa_via_mha, shape_optimization
 
+from opfuse.core.ops import MS_DOMAIN, is_op
 from opfuse.passes.patterns import heads_3d, kv_cache, opset_problem, present_window
 
 TITLE = "attention->Attention"
@@ -97,7 +98,7 @@ def _minus_inf_fill(mask: ir.Value | None):
     """(condition, the zero, the index of the -inf operand, its array) where ``mask`` is ``Where(c, 0, -inf)``
     or ``Where(c, -inf, 0)`` of one-element float constants; else None."""
     node = mask.producer() if mask is not None else None
-    if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+    if node is None or not is_op(node, "Where") or len(node.inputs) != 3:
         return None
     arrays = [_ir_utils.get_numpy_value(v) for v in node.inputs[1:]]
     if any(a is None or a.size != 1 or a.dtype.kind != "f" for a in arrays):
@@ -220,7 +221,7 @@ def _mha(op, query, key, value, key_format, sdpa_node, num_heads: int):
             mask = op.Expand(mask, op.Concat(one, one, op.Shape(query, start=2, end=3), one, axis=0))
         inputs.extend([None, None, mask])
     scale = sdpa_node.attributes.get("scale", None)
-    return op.MultiHeadAttention(*inputs, num_heads=num_heads, scale=scale, _domain="com.microsoft")
+    return op.MultiHeadAttention(*inputs, num_heads=num_heads, scale=scale, _domain=MS_DOMAIN)
 
 
 def _mha_rules(has_past_present: bool) -> list:
