@@ -165,11 +165,11 @@ def test_a_broadcast_skip_is_refused_with_a_reason():
 
 @pytest.fixture(scope="module")
 def torchscript_llama(tmp_path_factory):
-    """A tiny random Llama exported by TorchScript (dynamo=False) at opset 17, prefill; position_ids an
-    input, as test_rotary's TorchScript case has it (one export a session for both: the norms do not
-    read the positions)."""
+    """A tiny random Llama exported by TorchScript (dynamo=False) at opset 17, prefill; attention_mask and
+    position_ids inputs, as test_rotary's TorchScript case and test_attention_torchscript have it (one export
+    a session for all three: the norms read neither)."""
     return export_tiny_llama(tmp_path_factory.mktemp("llama") / "llama.onnx", exporter="torchscript", opset=17,
-                             mask="ones", positions=True)
+                             mask="input", positions=True)
 
 
 def test_torchscript_llama_norms_become_skip_simplified_layer_normalization(torchscript_llama):

@@ -278,7 +278,7 @@ def test_tiny_llama_rotaries_are_fused(tmp_path, exporter, opset, target, target
     """Two layers, a query and a key rotation each: four RotaryEmbedding, where position_ids [batch, seq]
     are an input (as ``benchmarks/decoders.py`` exports them)."""
     path = export_tiny_llama(tmp_path / "llama.onnx", exporter=exporter, opset=opset,
-                             mask="ones" if exporter == "torchscript" else "none", positions=True)
+                             mask="input" if exporter == "torchscript" else "none", positions=True)
     out, report = opfuse.optimize(str(path), target=target, opset=target_opset)
     assert report.verification.ok
     written = Counter((n.domain, n.op_type) for n in out.graph)

@@ -19,9 +19,10 @@ benchmarks (:mod:`opfuse.bench.measure`, which re-exports it) run:
 - Statistics per variant: median, min and max in ms, and the **paired ratio**: the median
   over rounds of (this variant / the baseline in the same round), which cancels what the
   machine was doing during that round (:meth:`Measurement.paired` pairs any two).
-- The warm-up outputs are compared with the baseline's (``opfuse.verify`` tolerances), so a
-  row that computes something else is flagged rather than celebrated; an int8 variant
-  (``exact=False``) computes something else by design.
+- The warm-up outputs are compared with the baseline's (``opfuse.verify`` tolerances, and the
+  baseline's own float32 variation where the caller measured it), so a row that computes something
+  else is flagged rather than celebrated; an int8 variant (``exact=False``) computes something else
+  by design.
 - A variant may bring its own inputs (``Variant.feeds``: a graph with other input names, such as a
   model builder's); the others run on the shared ``feeds``.
 - Each session is fed the feeds its model takes (a model whose inputs were bound to
@@ -188,6 +189,7 @@ def measure(
     repeat: int = 1,
     copies: int = 1,
     same_as: str | None = None,
+    variation: Mapping[str, float] | None = None,
 ) -> Measurement:
     """Interleaved latency measurement of ``variants`` on the same ``feeds``.
 
@@ -200,6 +202,9 @@ def measure(
     a variant is the mean of its copies' (two sessions of one model can differ by several percent
     for as long as they live: where each got its memory, not what it computes). ``same_as``: a variant
     of kind "config" whose runtime graph is that variant's is not timed (module docstring).
+    ``variation``: the baseline's own float32 variation d0 per output on ``feeds``
+    (:func:`opfuse.verify.runtime_variation`), which the output check admits
+    :data:`opfuse.verify.VARIATION_FACTOR` times (``compare_outputs(..., variation=)``).
     """
     baseline = baseline or variants[0].name
     op_counts: dict[str, Counter] = {}
@@ -287,7 +292,7 @@ def measure(
         for name in names:
             if name == baseline or name not in outputs or name in inexact:
                 continue
-            bad = [c for c in compare_outputs(outputs[baseline], outputs[name]) if not c.ok]
+            bad = [c for c in compare_outputs(outputs[baseline], outputs[name], variation=variation) if not c.ok]
             if bad:
                 mismatches[name] = f"output '{bad[0].name}': {bad[0].problem}"
 
