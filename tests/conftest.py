@@ -17,13 +17,9 @@ too) is a fresh one per session: what opfuse leaves in it is found at the end, a
 session (:func:`pytest_sessionfinish`); the directory, pytest's own ``tmp_path`` folders inside
 it included, is then removed (``--basetemp DIR`` keeps those elsewhere).
 
-Hypothesis runs under a profile (:func:`_hypothesis_profiles`): ``fast`` by default (no
-shrinking: a failing example is printed as found, with the blob that replays it, in seconds
-rather than the minutes shrinking takes), ``shrink`` with ``HYPOTHESIS_PROFILE=shrink`` to
-shrink a failure found, and ``ci`` where ``CI`` is set (``fast`` with no example database: a CI run
-neither replays nor writes one, so each run does the same work). None has a
-deadline: a timed assertion on a shared machine fails at random; the time is bounded by each
-test's ``max_examples`` (50 where a test sets none).
+Hypothesis runs under a profile (:mod:`profiles`): ``fast`` by default (no shrinking),
+``shrink`` with ``HYPOTHESIS_PROFILE=shrink``, ``ci`` where ``CI`` is set, and ``thorough``
+(``--hypothesis-profile thorough``: the full count of the tests that draw hundreds of examples).
 
 A test that needs an extra's package carries ``extras.needs(module)`` (the ``needs_extra`` mark,
 checked here) or calls ``extras.require(module)``: a skip, or a failure when the run declares
@@ -39,10 +35,10 @@ import tempfile
 
 import onnx
 import pytest
-from hypothesis import Phase, settings
 
 import decoder_nets
 import extras
+import profiles
 
 os.environ["OPFUSE_TUNE"] = "off"
 
@@ -63,15 +59,7 @@ if SESSION_TMP is not None:
     tempfile.tempdir = None  # (tempfile caches its choice: chosen again from TMPDIR)
 
 
-def _hypothesis_profiles() -> None:
-    settings.register_profile("shrink", deadline=None, max_examples=50, print_blob=True)
-    settings.register_profile("fast", settings.get_profile("shrink"),
-                              phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
-    settings.register_profile("ci", settings.get_profile("fast"), database=None)
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "fast"))
-
-
-_hypothesis_profiles()
+profiles.register()
 
 
 @pytest.fixture
@@ -98,12 +86,12 @@ WORKER_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # the collection; run first, the long files leave the short ones to fill in at the end and the two
 # workers finish together (longest first), where one long file collected last would run alone while
 # the other worker waits. The other files keep their order after these.
-LONGEST_FIRST = ("test_llm.py", "test_rotary.py", "test_qnn_llm_quantize.py", "test_fold_properties.py",
-                 "test_mask_fill.py", "test_reconstruction.py", "test_gqa.py", "test_rotary_table.py",
-                 "test_llm_int4.py", "test_rotary_interleaved.py", "test_padded_verification.py", "test_readme.py",
+LONGEST_FIRST = ("test_llm.py", "test_rotary.py", "test_qnn_llm_quantize.py", "test_mask_fill.py",
+                 "test_reconstruction.py", "test_gqa.py", "test_rotary_table.py", "test_llm_int4.py",
+                 "test_rotary_interleaved.py", "test_padded_verification.py", "test_readme.py",
                  "test_index_arithmetic.py", "test_bench.py", "test_present_window.py", "test_supervise.py",
-                 "test_written.py", "test_quantize.py", "test_models.py", "test_layout.py", "test_torch_fuse.py",
-                 "test_cli.py", "test_qnn_target.py")
+                 "test_written.py", "test_quantize.py", "test_models.py", "test_torch_fuse.py", "test_cli.py",
+                 "test_fold_properties.py", "test_qnn_target.py", "test_layout.py")
 
 
 def _one_runtime_thread() -> None:

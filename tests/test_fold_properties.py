@@ -41,6 +41,7 @@ from graphs import (  # tests/ is on sys.path under pytest's default import mode
     unused_initializers,
     vinfo,
 )
+from profiles import examples
 
 TOLERANCE = {np.float32: (1e-4, 1e-5), np.float16: (1e-2, 2e-3)}  # rtol, atol x scale
 FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -49,9 +50,10 @@ SETTINGS = dict(
     deadline=None,
     derandomize=True,  # deterministic in CI
     print_blob=True,  # a failure prints @reproduce_failure(...) to replay it alone
-    # no "explain" phase: on a failure it re-runs hundreds of variants, and the minimal
-    # example plus the notes (graph, expectations, report) already say what went wrong
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    # the profile's phases (tests/profiles.py: shrinking only where asked), never the "explain"
+    # phase: on a failure it re-runs hundreds of variants, and the minimal example plus the
+    # notes (graph, expectations, report) already say what went wrong
+    phases=[phase for phase in settings.default.phases if phase is not Phase.explain],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
@@ -665,19 +667,19 @@ def check_case(case: Case) -> None:
 # -- the properties ----------------------------------------------------------------------
 
 
-@settings(max_examples=600, **SETTINGS)
+@settings(max_examples=examples(600), **SETTINGS)
 @given(data=st.data())
 def test_conv_chains_fold_exactly_the_legal_consumers(data):
     check_case(draw_case(data, np.float32, "conv"))
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=examples(300), **SETTINGS)
 @given(data=st.data())
 def test_gemm_chains_fold_exactly_the_legal_consumers(data):
     check_case(draw_case(data, np.float32, "gemm"))
 
 
-@settings(max_examples=400, **SETTINGS)
+@settings(max_examples=examples(400), **SETTINGS)
 @given(data=st.data())
 def test_float16_chains_refuse_folds_that_overflow(data):
     kind = data.draw(st.sampled_from(["conv", "conv", "gemm"]))

@@ -7,6 +7,7 @@ rule broken anywhere in ``opfuse/`` fails here with the file and line.
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import tokenize
 import pathlib
@@ -28,6 +29,31 @@ OPTIMISER = ("pipeline", "core", "prepare", "passes", "verify", "targets", "cost
              "quantization", "tune")
 
 
+@functools.cache
+def _source(path: pathlib.Path) -> str:
+    return path.read_text()
+
+
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the tests here that read it (none changes it)."""
+    return ast.parse(_source(path))
+
+
+@functools.cache
+def _nodes(path: pathlib.Path) -> tuple[ast.AST, ...]:
+    """Every node of :func:`_tree`, in ``ast.walk``'s order."""
+    return tuple(ast.walk(_tree(path)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parsed_once():
+    """The trees are kept while this file's tests run, not for the rest of the session."""
+    yield
+    for cached in (_source, _tree, _nodes):
+        cached.cache_clear()
+
+
 def _module_name(path: pathlib.Path) -> str:
     rel = path.relative_to(PACKAGE.parent).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
@@ -35,9 +61,8 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text())
     found = []
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -64,19 +89,18 @@ def test_the_optimiser_never_imports_the_benchmarks_the_torch_wing_or_the_cli():
 
 
 def test_no_module_is_over_600_lines():
-    long = {str(p.relative_to(PACKAGE)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 600}
+    long = {str(p.relative_to(PACKAGE)): n for p in MODULES if (n := len(_source(p).splitlines())) > 600}
     assert not long
 
 
 def _string_constants(path: pathlib.Path, text: str) -> list[int]:
-    tree = ast.parse(path.read_text())
     docstrings = {
         id(n.body[0].value)
-        for n in ast.walk(tree)
+        for n in _nodes(path)
         if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
         and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
     }
-    return [n.lineno for n in ast.walk(tree)
+    return [n.lineno for n in _nodes(path)
             if isinstance(n, ast.Constant) and n.value == text and id(n) not in docstrings]
 
 
@@ -121,8 +145,8 @@ def test_every_function_local_import_says_why():
     carries a comment on its line (or the line before) saying why it is there."""
     silent = []
     for path in MODULES:
-        lines = path.read_text().splitlines()
-        for fn in ast.walk(ast.parse("\n".join(lines))):
+        lines = _source(path).splitlines()
+        for fn in _nodes(path):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):
@@ -138,7 +162,7 @@ def test_the_accelerator_model_reads_fused_kernels_through_their_target():
     for path in MODULES:
         if path.name == "onnxruntime.py":
             continue
-        text = path.read_text()
+        text = _source(path)
         assert '"activation_params"' not in text and "'activation_params'" not in text, path
 
 
@@ -218,16 +242,15 @@ def _op_name_collections(path: pathlib.Path):
     """(line, assigned name or None, op names) of every literal collection of >= 2 op names."""
     from opfuse.core.ops import OPS
 
-    tree = ast.parse(path.read_text())
     names_of = {}
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for sub in ast.walk(node.value) if node.value is not None else ():
                 for t in targets:
                     if isinstance(t, ast.Name):
                         names_of.setdefault(id(sub), t.id)
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
             elts = node.elts
         elif isinstance(node, ast.Dict):
@@ -262,7 +285,7 @@ def test_the_float_dtypes_are_spelled_once():
         rel = str(path.relative_to(PACKAGE))
         if rel == "core/ops.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 found = {e.value for e in node.elts if isinstance(e, ast.Constant)} & {"float16", "bfloat16",
                                                                                          "float32", "float64"}
@@ -284,14 +307,14 @@ LAB_NOTES = {
 def test_no_experiment_switch_is_left_in_the_package():
     found = []
     for path in MODULES:
-        for node in ast.parse(path.read_text()).body:
+        for node in _tree(path).body:
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, ast.AnnAssign) else []
             found += [f"{path.relative_to(PACKAGE)}:{node.lineno} {t.id}" for t in targets
                       if isinstance(t, ast.Name) and t.id in LEFT_SWITCHES]
     assert not found, "\n".join(found)
     # the activation scales' fit: learned or searched; "fixed" (the rounding alone) was left
-    tree = ast.parse((PACKAGE / "quantization" / "algorithms" / "reconstruction.py").read_text())
+    tree = _tree(PACKAGE / "quantization" / "algorithms" / "reconstruction.py")
     fits = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id == "SCALE_FITS" for t in n.targets)]
     assert fits == [("learned", "search")]
@@ -316,8 +339,8 @@ MEASUREMENTS = {
 
 def _docstrings_and_comments(path: pathlib.Path):
     """(line number, text) of every docstring line and comment of a module."""
-    source = path.read_text()
-    for node in ast.walk(ast.parse(source)):
+    source = _source(path)
+    for node in _nodes(path):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
                 and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
                 and isinstance(node.body[0].value.value, str):
@@ -366,9 +389,8 @@ MAY_IMPORT = {
 def _opfuse_imports(path: pathlib.Path) -> set[str]:
     """The opfuse modules ``path`` imports (a name imported from a package counts as its module
     when there is one)."""
-    tree = ast.parse(path.read_text())
     found = set()
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if _in(a.name, "opfuse")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _in(node.module, "opfuse"):
