@@ -58,6 +58,36 @@ def shared_export(path: pathlib.Path, key: str, write: Callable[[pathlib.Path], 
     return path
 
 
+def llm_export(model, path: pathlib.Path, export: Callable) -> None:
+    """``export(model, path)`` (opfuse.llm.export.export) through :func:`shared_export`, keyed by the
+    model's config and weights (a digest): the ``opfuse llm`` conversions of one seeded model, in the
+    tests' process or in a process the command spawned, share one export a session."""
+    digest = hashlib.sha256(model.config.to_json_string().encode())
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(value.detach().cpu().numpy().tobytes())
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    shared_export(pathlib.Path(path), f"opfuse_llm|{digest.hexdigest()}", lambda to: export(model, to))
+
+
+def llm_export_step(*args):
+    """opfuse.llm's export step (load, refuse, the genai files, export) with its export through
+    :func:`llm_export`: what a conversion's spawned process runs when a test puts it in place of
+    ``opfuse.llm._export_step`` (a function of this module, so that process unpickles it by name and
+    imports this module, from the tests' folder on the path the spawned process is given)."""
+    import opfuse.llm
+    import opfuse.llm.export
+
+    step, real = opfuse.llm._export_step, opfuse.llm.export.export
+    if step is llm_export_step:
+        raise RuntimeError("llm_export_step runs in the process the conversion spawned, not in the tests'")
+    opfuse.llm.export.export = lambda model, path: llm_export(model, path, real)
+    try:
+        return step(*args)
+    finally:
+        opfuse.llm.export.export = real
+
+
 def export_tiny_llama(path: pathlib.Path, *, exporter: str = "dynamo", opset: int = 18,
                       mask: str = "none", positions: bool = False) -> pathlib.Path:
     return shared_export(path, f"tiny_llama|{exporter}|{opset}|{mask}|{positions}",

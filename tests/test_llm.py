@@ -11,7 +11,6 @@ genai's tokenizer does not load a WordLevel one).
 from __future__ import annotations
 
 import json
-import pathlib
 
 import numpy as np
 import onnx
@@ -67,28 +66,18 @@ def hf_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def shared_llm_export():
-    """The ``opfuse llm`` conversions of this file and test_llm_int4.py (fp32, int4, the int4 algorithms)
-    start from the same seeded tiny Llama: its export, a torch dynamo export that is most of a
-    conversion's time, is made once a session (decoder_nets.shared_export, keyed by the model's weights
-    and config) and copied to where each conversion asks; every step after it runs in each conversion.
-    The export made in a spawned process (``exported_folder``) is not patched: it runs as a large
-    model's does."""
-    import hashlib
-
+    """The ``opfuse llm`` conversions of this file and test_llm_int4.py (fp32, int4, the int4 algorithms,
+    the spawned one) start from the same seeded tiny Llama: its export, a torch dynamo export that is
+    most of a conversion's time, is made once a session (decoder_nets.llm_export, keyed by the model's
+    weights and config) and copied to where each conversion asks; every step after it runs in each
+    conversion. A conversion that spawns its export step (``exported_folder``) runs
+    decoder_nets.llm_export_step there: the step's loading, checks and genai files in the spawned
+    process, its export the session's."""
     import opfuse.llm.export
 
     real = opfuse.llm.export.export
-
-    def export(model, path):
-        digest = hashlib.sha256(model.config.to_json_string().encode())
-        for name, value in sorted(model.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(value.detach().cpu().numpy().tobytes())
-        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-        decoder_nets.shared_export(pathlib.Path(path), f"opfuse_llm|{digest.hexdigest()}", lambda to: real(model, to))
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(opfuse.llm.export, "export", export)
+        patch.setattr(opfuse.llm.export, "export", lambda model, path: decoder_nets.llm_export(model, path, real))
         yield
 
 
@@ -111,12 +100,14 @@ def int4_folder(hf_folder):
 
 @pytest.fixture(scope="module")
 def exported_folder(hf_folder):
-    """Converted as a large model is: the export and the optimisation each in a spawned process (a source
-    this small is converted in this process, as the other folders here are)."""
+    """Converted as a large model is: the export step and the optimisation each in a spawned process (a
+    source this small is converted in this process, as the other folders here are); the spawned export
+    step's export is the session's (decoder_nets.llm_export_step)."""
     import opfuse.llm
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(opfuse.llm, "IN_PROCESS_BYTES", 0)
+        patch.setattr(opfuse.llm, "_export_step", decoder_nets.llm_export_step)
         return _convert(hf_folder, "fp32", "--attention", "exported")
 
 
