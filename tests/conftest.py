@@ -86,12 +86,14 @@ WORKER_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # the collection; run first, the long files leave the short ones to fill in at the end and the two
 # workers finish together (longest first), where one long file collected last would run alone while
 # the other worker waits. The other files keep their order after these.
-LONGEST_FIRST = ("test_llm.py", "test_rotary.py", "test_qnn_llm_quantize.py", "test_mask_fill.py",
-                 "test_reconstruction.py", "test_gqa.py", "test_rotary_table.py", "test_llm_int4.py",
-                 "test_rotary_interleaved.py", "test_padded_verification.py", "test_readme.py",
-                 "test_index_arithmetic.py", "test_bench.py", "test_present_window.py", "test_supervise.py",
-                 "test_written.py", "test_quantize.py", "test_models.py", "test_torch_fuse.py", "test_cli.py",
-                 "test_fold_properties.py", "test_qnn_target.py", "test_layout.py")
+LONGEST_FIRST = ("test_rotary.py", "test_llm.py", "test_transformers.py", "test_mask_fill.py", "test_bench.py",
+                 "test_reconstruction.py", "test_present_window.py", "test_supervise.py", "test_qnn_llm_quantize.py",
+                 "test_rotary_interleaved.py", "test_gqa.py", "test_ethos_u_lower.py", "test_rotary_table.py",
+                 "test_written.py", "test_readme.py", "test_quantize.py", "test_llm_int4.py",
+                 "test_padded_verification.py", "test_pattern_adapter.py", "test_llm_gguf_load.py",
+                 "test_fold_properties.py", "test_computed_args.py", "test_decoders_tolerance.py", "test_cli.py",
+                 "test_torch_fuse.py", "test_qnn_target.py", "test_models.py", "test_tune.py",
+                 "test_index_arithmetic.py", "test_layout.py")
 
 
 def _one_runtime_thread() -> None:
