@@ -56,9 +56,9 @@ Steps, each a well-kept pass where one exists:
    output depends on;
 6. unread optional outputs - after the rewrites (with step 4), an output the op's schema marks
    optional that no node reads and that is no graph output is written unnamed, the ONNX
-   spelling of "not asked for": a fused ``SkipSimplifiedLayerNormalization`` or
-   ``LayerNormalization`` otherwise computes and allocates its mean and inverse deviation on every
-   run (onnxscript's rules name all four outputs). The schemas are onnx's for the standard domains
+   spelling of "not asked for" (onnxscript's rules name all four outputs of a fused
+   ``SkipSimplifiedLayerNormalization``; the file then asks the runtime for a mean and an inverse
+   deviation nothing reads). The schemas are onnx's for the standard domains
    and ONNX Runtime's registered ones for ``com.microsoft``; an op neither knows keeps its
    outputs. Main graph only (a subgraph's values may be read from an outer scope's name).
 
