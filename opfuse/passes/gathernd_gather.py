@@ -32,8 +32,8 @@ __all__ = ["GatherNdGatherPass"]
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.core.analysis import NameTable, infer_shapes, node_label, opset_of
-from opfuse.core.edit import drop_unread_nodes
+from opfuse.core.analysis import NameTable, Scope, infer_shapes, node_label, opset_of
+from opfuse.core.edit import add_constant, drop_unread_nodes
 from opfuse.core.ops import int_attr, is_op
 from opfuse.passes.base import OpfusePass
 from opfuse.passes.patterns import reduce_axes
@@ -100,9 +100,7 @@ class GatherNdGatherPass(OpfusePass):
         output = ir.Value(name=self._names.fresh(f"{x.name or 'indices'}_squeezed"), type=x.type,
                           shape=ir.Shape(list(x.shape)[:-1]) if x.shape is not None else None)
         if self._opset >= 13:
-            axes = ir.Value(name=self._names.fresh(f"{name}.axes"), shape=ir.Shape([1]),
-                            type=ir.TensorType(ir.DataType.INT64), const_value=ir.tensor(np.array([-1], np.int64)))
-            graph.register_initializer(axes)
+            axes = add_constant(Scope(graph, "main"), self._names, None, np.array([-1], np.int64), f"{name}.axes")
             return ir.Node("", "Squeeze", [x, axes], name=name, outputs=[output])
         return ir.Node("", "Squeeze", [x], attributes=[ir.AttrInt64s("axes", [-1])], name=name, outputs=[output])
 

@@ -31,7 +31,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from opfuse.core.analysis import NameTable, infer_shapes, node_label
+from opfuse.core.analysis import NameTable, Scope, infer_shapes, node_label
+from opfuse.core.edit import add_constant
 from opfuse.core.ops import int_attr, is_op
 from opfuse.passes.base import OpfusePass
 from opfuse.report import FusionRecord
@@ -77,8 +78,8 @@ class RmsNormRowsPass(OpfusePass):
         rows = [1, math.prod(shape[:-1]), shape[-1]]
         base = node.name or "RMSNormalization"
         flat = self._reshape(graph, x, rows, f"{base}_rows", x.type)
-        norm = ir.Node("", "RMSNormalization", [flat.outputs[0], scale], attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
-                      
+        norm = ir.Node("", "RMSNormalization", [flat.outputs[0], scale],
+                       attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
                        name=self._names.fresh(f"{base}_on_rows"),
                        outputs=[ir.Value(name=self._names.fresh(f"{out.name or 'normed'}_rows"), type=out.type,
                                          shape=ir.Shape(rows))])
@@ -97,9 +98,7 @@ class RmsNormRowsPass(OpfusePass):
 
     def _reshape(self, graph: ir.Graph, x: ir.Value, shape: list[int], base: str, type_) -> ir.Node:
         name = self._names.fresh(base)
-        target = ir.Value(name=self._names.fresh(f"{name}.shape"), shape=ir.Shape([len(shape)]),
-                          type=ir.TensorType(ir.DataType.INT64), const_value=ir.tensor(np.array(shape, np.int64)))
-        graph.register_initializer(target)
+        target = add_constant(Scope(graph, "main"), self._names, None, np.array(shape, np.int64), f"{name}.shape")
         return ir.Node("", "Reshape", [x, target], name=name,
                        outputs=[ir.Value(name=self._names.fresh(f"{x.name or 'x'}_{'x'.join(map(str, shape))}"),
                                          type=type_, shape=ir.Shape(shape))])
