@@ -427,29 +427,20 @@ def _eliminate_identities(model: ir.Model) -> int:
     return removed
 
 
+@functools.cache
 def _optional_outputs(domain: str, op_type: str, version: int) -> frozenset[int]:
     """Positions of the op's outputs its schema marks optional (step 6); empty when no schema is known."""
-    key = (domain, op_type, version)
-    if key not in _OPTIONAL_OUTPUTS:
-        schema = None
-        if domain in ONNX_DOMAINS:
-            try:
-                schema = onnx.defs.get_schema(op_type, version, "")
-            except onnx.defs.SchemaError:
-                schema = None
-        elif domain == MS_DOMAIN:
-            schema = _ort_schemas().get((op_type, domain))
-        positions: frozenset[int] = frozenset()
-        if schema is not None:
-            params = schema.outputs
-            if not any(p.option.name == "Variadic" for p in params):
-                positions = frozenset(i for i, p in enumerate(params)
-                                      if p.option.name == "Optional")
-        _OPTIONAL_OUTPUTS[key] = positions
-    return _OPTIONAL_OUTPUTS[key]
-
-
-_OPTIONAL_OUTPUTS: dict[tuple[str, str, int], frozenset[int]] = {}
+    schema = None
+    if domain in ONNX_DOMAINS:
+        try:
+            schema = onnx.defs.get_schema(op_type, version, "")
+        except onnx.defs.SchemaError:
+            schema = None
+    elif domain == MS_DOMAIN:
+        schema = _ort_schemas().get((op_type, domain))
+    if schema is None or any(p.option.name == "Variadic" for p in schema.outputs):
+        return frozenset()
+    return frozenset(i for i, p in enumerate(schema.outputs) if p.option.name == "Optional")
 
 
 @functools.cache
